@@ -1,0 +1,2 @@
+//! Placement planner: a pure function from GGUF headers, rules and budgets to a Placement.
+//! Filled in by the placement-planner issue.

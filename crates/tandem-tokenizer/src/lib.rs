@@ -1,0 +1,1 @@
+//! GGUF tokenizers and chat templates. Filled in by the text issue.
