@@ -1,0 +1,184 @@
+//! One GGUF file: its validated header and its bytes, memory-mapped read-only (the default) or
+//! read into owned memory (`--no-mmap`), optionally locked in RAM (`--mlock`).
+
+use crate::metadata::Metadata;
+use crate::parse::{parse_header, Header, ParseError, TensorInfo};
+use crate::{Error, Result};
+use memmap2::Mmap;
+use std::collections::HashMap;
+use std::fs::File;
+use std::ops::Deref;
+use std::path::Path;
+
+/// How a file's bytes are brought into memory.
+#[derive(Clone, Copy, Debug)]
+pub struct LoadOptions {
+    /// Map the file read-only (zero-copy tensor views). `false` reads it into owned memory.
+    pub mmap: bool,
+    /// Lock the bytes in RAM so they are never paged out.
+    pub mlock: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { mmap: true, mlock: false }
+    }
+}
+
+enum Storage {
+    Mmap(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Deref for Storage {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Storage::Mmap(m) => m,
+            Storage::Owned(v) => v,
+        }
+    }
+}
+
+/// A validated GGUF file.
+pub struct GgufFile {
+    path: String,
+    bytes: Storage,
+    version: u32,
+    alignment: u64,
+    data_offset: u64,
+    metadata: Metadata,
+    tensors: Vec<TensorInfo>,
+    tensor_index: HashMap<String, usize>,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .field("n_kv", &self.metadata.len())
+            .field("n_tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+impl GgufFile {
+    /// Opens and validates `path`, memory-mapped.
+    pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
+        Self::open_with(path, LoadOptions::default())
+    }
+
+    pub fn open_with(path: impl AsRef<Path>, opts: LoadOptions) -> Result<GgufFile> {
+        let path = path.as_ref();
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let meta = file.metadata().map_err(|e| Error::io(path, e))?;
+        if meta.is_dir() {
+            return Err(Error::io(path, std::io::Error::other("is a directory, not a GGUF file")));
+        }
+        let name = path.display().to_string();
+        let bytes = if opts.mmap {
+            // SAFETY: the mapping is read-only and private to this process; as with every mmap
+            // loader, the file must not be truncated while mapped (documented for users).
+            let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+            Storage::Mmap(map)
+        } else {
+            Storage::Owned(std::fs::read(path).map_err(|e| Error::io(path, e))?)
+        };
+        let f = Self::from_storage(bytes, name)?;
+        if opts.mlock {
+            f.lock()?;
+        }
+        Ok(f)
+    }
+
+    /// Validates a GGUF file held in memory; `name` is used in messages.
+    pub fn from_bytes(bytes: Vec<u8>, name: &str) -> Result<GgufFile> {
+        Self::from_storage(Storage::Owned(bytes), name.to_string())
+    }
+
+    fn from_storage(bytes: Storage, path: String) -> Result<GgufFile> {
+        let Header { version, metadata, tensors, alignment, data_offset } =
+            parse_header(&bytes).map_err(|ParseError { offset, msg }| Error::Malformed {
+                path: path.clone(),
+                offset,
+                msg,
+            })?;
+        let tensor_index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        Ok(GgufFile {
+            metadata: Metadata::new(path.clone(), metadata),
+            path,
+            bytes,
+            version,
+            alignment,
+            data_offset,
+            tensors,
+            tensor_index,
+        })
+    }
+
+    fn lock(&self) -> Result<()> {
+        let r = match &self.bytes {
+            Storage::Mmap(m) => m.lock(),
+            Storage::Owned(v) if v.is_empty() => Ok(()),
+            // SAFETY: the range is a live allocation owned by `self`; mlock only pins its pages.
+            Storage::Owned(v) => match unsafe { libc::mlock(v.as_ptr().cast(), v.len()) } {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            },
+        };
+        r.map_err(|source| Error::Mlock { path: self.path.clone(), source })
+    }
+
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    pub fn alignment(&self) -> u64 {
+        self.alignment
+    }
+
+    /// Absolute offset of the data section.
+    pub fn data_offset(&self) -> u64 {
+        self.data_offset
+    }
+
+    pub fn file_size(&self) -> u64 {
+        self.bytes.len() as u64
+    }
+
+    pub fn is_mmapped(&self) -> bool {
+        matches!(self.bytes, Storage::Mmap(_))
+    }
+
+    pub fn metadata(&self) -> &Metadata {
+        &self.metadata
+    }
+
+    /// Tensor infos in file order.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensor_index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// The bytes of tensor `name`: a view into the mapping (or the owned buffer), no copy.
+    pub fn tensor_data(&self, name: &str) -> Result<&[u8]> {
+        let t = self
+            .tensor(name)
+            .ok_or_else(|| Error::MissingTensor { path: self.path.clone(), name: name.to_string() })?;
+        Ok(self.data_of(t))
+    }
+
+    /// The bytes of a tensor of this file (bounds were checked when the header was parsed).
+    pub(crate) fn data_of(&self, t: &TensorInfo) -> &[u8] {
+        let start = (self.data_offset + t.offset) as usize;
+        &self.bytes[start..start + t.size as usize]
+    }
+}

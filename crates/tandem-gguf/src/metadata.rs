@@ -1,0 +1,160 @@
+//! Metadata key/value store with typed getters whose errors name the key, the expected type and
+//! the file.
+
+use crate::value::{Array, Value};
+use crate::{Error, Result};
+use std::collections::HashMap;
+
+/// The metadata of a GGUF file, in file order, with lookup by key.
+#[derive(Debug, Clone)]
+pub struct Metadata {
+    path: String,
+    entries: Vec<(String, Value)>,
+    index: HashMap<String, usize>,
+}
+
+macro_rules! int_getters {
+    ($get:ident, $opt:ident, $t:ty, $name:literal) => {
+        #[doc = concat!("The value of `key` as ", $name, "; any integer type that holds it losslessly is accepted.")]
+        pub fn $get(&self, key: &str) -> Result<$t> {
+            self.$opt(key)?.ok_or_else(|| self.missing(key))
+        }
+
+        #[doc = concat!("Like the getter for ", $name, ", but `Ok(None)` when the key is absent.")]
+        pub fn $opt(&self, key: &str) -> Result<Option<$t>> {
+            let Some(v) = self.get(key) else { return Ok(None) };
+            v.as_i128()
+                .and_then(|i| <$t>::try_from(i).ok())
+                .map(Some)
+                .ok_or_else(|| self.wrong_type(key, $name, v))
+        }
+    };
+}
+
+macro_rules! array_getter {
+    ($get:ident, $variant:ident, $t:ty, $name:literal) => {
+        #[doc = concat!("The value of `key`, which must be an ", $name, ".")]
+        pub fn $get(&self, key: &str) -> Result<&[$t]> {
+            match self.get(key) {
+                None => Err(self.missing(key)),
+                Some(Value::Array(Array::$variant(v))) => Ok(v),
+                Some(v) => Err(self.wrong_type(key, $name, v)),
+            }
+        }
+    };
+}
+
+impl Metadata {
+    pub(crate) fn new(path: String, entries: Vec<(String, Value)>) -> Metadata {
+        let index = entries.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)).collect();
+        Metadata { path, entries, index }
+    }
+
+    /// The file this metadata came from (for messages).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// All entries in file order.
+    pub fn entries(&self) -> &[(String, Value)] {
+        &self.entries
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.index.get(key).map(|&i| &self.entries[i].1)
+    }
+
+    pub fn contains(&self, key: &str) -> bool {
+        self.index.contains_key(key)
+    }
+
+    fn missing(&self, key: &str) -> Error {
+        Error::MissingKey { path: self.path.clone(), key: key.to_string() }
+    }
+
+    fn wrong_type(&self, key: &str, expected: &str, found: &Value) -> Error {
+        let found = match found.as_i128() {
+            Some(i) => format!("{} {i}", found.type_description()),
+            None => found.type_description(),
+        };
+        Error::WrongType { path: self.path.clone(), key: key.to_string(), expected: expected.to_string(), found }
+    }
+
+    int_getters!(get_u32, opt_u32, u32, "u32");
+    int_getters!(get_i32, opt_i32, i32, "i32");
+    int_getters!(get_u64, opt_u64, u64, "u64");
+    int_getters!(get_u16, opt_u16, u16, "u16");
+
+    /// The value of `key` as f32 (an f64 is narrowed).
+    pub fn get_f32(&self, key: &str) -> Result<f32> {
+        self.opt_f32(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    pub fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::F32(v)) => Ok(Some(*v)),
+            Some(Value::F64(v)) => Ok(Some(*v as f32)),
+            Some(v) => Err(self.wrong_type(key, "f32", v)),
+        }
+    }
+
+    pub fn get_bool(&self, key: &str) -> Result<bool> {
+        self.opt_bool(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(v)) => Ok(Some(*v)),
+            Some(v) => Err(self.wrong_type(key, "bool", v)),
+        }
+    }
+
+    pub fn get_str(&self, key: &str) -> Result<&str> {
+        self.opt_str(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    pub fn opt_str(&self, key: &str) -> Result<Option<&str>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(self.wrong_type(key, "string", v)),
+        }
+    }
+
+    /// The value of `key`, which must be an array of any element type.
+    pub fn get_array(&self, key: &str) -> Result<&Array> {
+        match self.get(key) {
+            None => Err(self.missing(key)),
+            Some(Value::Array(a)) => Ok(a),
+            Some(v) => Err(self.wrong_type(key, "array", v)),
+        }
+    }
+
+    array_getter!(get_str_array, String, String, "array of string");
+    array_getter!(get_f32_array, F32, f32, "array of f32");
+    array_getter!(get_i32_array, I32, i32, "array of i32");
+
+    /// The value of `key` as a list of u32: an integer array whose elements all fit, or a single
+    /// integer (llama.cpp stores per-layer values either way).
+    pub fn get_u32_list(&self, key: &str) -> Result<Vec<u32>> {
+        let v = self.get(key).ok_or_else(|| self.missing(key))?;
+        let bad = || self.wrong_type(key, "u32 or array of u32", v);
+        if let Some(i) = v.as_i128() {
+            return u32::try_from(i).map(|x| vec![x]).map_err(|_| bad());
+        }
+        let Value::Array(a) = v else { return Err(bad()) };
+        (0..a.len())
+            .map(|i| a.get(i).and_then(|e| e.as_i128()).and_then(|e| u32::try_from(e).ok()).ok_or_else(bad))
+            .collect()
+    }
+}
