@@ -1,1 +1,67 @@
-fn main() {}
+//! tandem: inference runtime for trillion-parameter MoE models in GGUF.
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use tandem::inspect::Report;
+use tandem_gguf::{GgufModel, LoadOptions};
+
+#[derive(Parser)]
+#[command(name = "tandem", version, about = "Inference runtime for trillion-parameter MoE models in GGUF")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Describe a GGUF model from its headers: hyperparameters, metadata, tensors, totals.
+    Inspect(InspectArgs),
+}
+
+#[derive(Args)]
+struct InspectArgs {
+    /// The model: a .gguf file, or any shard of a split model (NAME-00001-of-00013.gguf).
+    #[arg(value_name = "MODEL")]
+    model: PathBuf,
+    /// Print JSON for machines instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Leave out the per-tensor table (totals are still printed).
+    #[arg(long)]
+    no_tensors: bool,
+}
+
+fn inspect(args: &InspectArgs) -> anyhow::Result<()> {
+    let model = GgufModel::open(&args.model, LoadOptions::default())?;
+    let report = Report::new(&args.model.display().to_string(), &model);
+    let out = if args.json {
+        let mut s = serde_json::to_string_pretty(&report)?;
+        s.push('\n');
+        s
+    } else {
+        report.to_text(!args.no_tensors)
+    };
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(out.as_bytes()).and_then(|_| stdout.flush()) {
+        // A closed pipe (`tandem inspect m.gguf | head`) is not an error.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r.context("writing to stdout"),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Inspect(args) => inspect(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tandem: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -98,12 +98,8 @@ impl GgufFile {
     }
 
     fn from_storage(bytes: Storage, path: String) -> Result<GgufFile> {
-        let Header { version, metadata, tensors, alignment, data_offset } =
-            parse_header(&bytes).map_err(|ParseError { offset, msg }| Error::Malformed {
-                path: path.clone(),
-                offset,
-                msg,
-            })?;
+        let Header { version, metadata, tensors, alignment, data_offset } = parse_header(&bytes)
+            .map_err(|ParseError { offset, msg }| Error::Malformed { path: path.clone(), offset, msg })?;
         let tensor_index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         Ok(GgufFile {
             metadata: Metadata::new(path.clone(), metadata),

@@ -189,10 +189,7 @@ impl GgmlType {
 
     /// Whether values are stored in blocks with shared scales (anything but plain numbers).
     pub fn is_quantized(self) -> bool {
-        !matches!(
-            self,
-            Self::F32 | Self::F16 | Self::BF16 | Self::F64 | Self::I8 | Self::I16 | Self::I32 | Self::I64
-        )
+        !matches!(self, Self::F32 | Self::F16 | Self::BF16 | Self::F64 | Self::I8 | Self::I16 | Self::I32 | Self::I64)
     }
 
     /// Bytes of a row of `n` elements, or `None` when `n` is not a whole number of blocks or the

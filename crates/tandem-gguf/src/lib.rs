@@ -28,8 +28,8 @@ pub use model::{
 };
 pub use naming::TensorCategory;
 pub use parse::{
-    TensorInfo, DEFAULT_ALIGNMENT, KEY_ALIGNMENT, MAX_ARRAY_NESTING, MAX_DIMS, MAX_KVS, MAX_NAME_LEN,
-    MAX_STRING_LEN, MAX_TENSORS,
+    TensorInfo, DEFAULT_ALIGNMENT, KEY_ALIGNMENT, MAX_ARRAY_NESTING, MAX_DIMS, MAX_KVS, MAX_NAME_LEN, MAX_STRING_LEN,
+    MAX_TENSORS,
 };
 pub use value::{Array, Value, ValueType};
 pub use writer::GgufWriter;

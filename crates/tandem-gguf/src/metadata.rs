@@ -23,10 +23,7 @@ macro_rules! int_getters {
         #[doc = concat!("Like the getter for ", $name, ", but `Ok(None)` when the key is absent.")]
         pub fn $opt(&self, key: &str) -> Result<Option<$t>> {
             let Some(v) = self.get(key) else { return Ok(None) };
-            v.as_i128()
-                .and_then(|i| <$t>::try_from(i).ok())
-                .map(Some)
-                .ok_or_else(|| self.wrong_type(key, $name, v))
+            v.as_i128().and_then(|i| <$t>::try_from(i).ok()).map(Some).ok_or_else(|| self.wrong_type(key, $name, v))
         }
     };
 }

@@ -163,9 +163,7 @@ impl GgufModel {
 
     /// All tensors, shard by shard, in file order.
     pub fn tensors(&self) -> impl ExactSizeIterator<Item = TensorRef<'_>> + '_ {
-        self.order
-            .iter()
-            .map(|&(s, t)| TensorRef { info: &self.shards[s].tensors()[t], shard: s })
+        self.order.iter().map(|&(s, t)| TensorRef { info: &self.shards[s].tensors()[t], shard: s })
     }
 
     pub fn tensor(&self, name: &str) -> Option<TensorRef<'_>> {
@@ -175,10 +173,9 @@ impl GgufModel {
 
     /// The bytes of tensor `name`, a zero-copy view into its shard.
     pub fn tensor_data(&self, name: &str) -> Result<&[u8]> {
-        let r = self.tensor(name).ok_or_else(|| Error::MissingTensor {
-            path: self.shards[0].path().to_string(),
-            name: name.to_string(),
-        })?;
+        let r = self
+            .tensor(name)
+            .ok_or_else(|| Error::MissingTensor { path: self.shards[0].path().to_string(), name: name.to_string() })?;
         Ok(self.shards[r.shard].data_of(r.info))
     }
 }

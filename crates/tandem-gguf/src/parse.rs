@@ -77,10 +77,7 @@ impl<'a> Cursor<'a> {
 
     fn take(&mut self, n: u64, what: &str) -> PResult<&'a [u8]> {
         if n > self.remaining() {
-            return self.err(format!(
-                "file truncated: {what} needs {n} bytes, {} left",
-                self.remaining()
-            ));
+            return self.err(format!("file truncated: {what} needs {n} bytes, {} left", self.remaining()));
         }
         let s = &self.buf[self.pos..self.pos + n as usize];
         self.pos += n as usize;
@@ -108,16 +105,13 @@ impl<'a> Cursor<'a> {
         let start = self.pos as u64;
         let n = self.u64(what)?;
         if n > cap {
-            return Err(ParseError {
-                offset: start,
-                msg: format!("{what} {n} is larger than the limit {cap}"),
-            });
+            return Err(ParseError { offset: start, msg: format!("{what} {n} is larger than the limit {cap}") });
         }
         if n.saturating_mul(min_item) > self.remaining() {
             return Err(ParseError {
                 offset: start,
                 msg: format!(
-                    "{what} {n} cannot fit in the {} bytes left in the file",
+                    "{what} {n} cannot fit in the {} bytes left in the file (truncated or corrupt?)",
                     self.remaining()
                 ),
             });
@@ -137,10 +131,7 @@ impl<'a> Cursor<'a> {
         if len > self.remaining() {
             return Err(ParseError {
                 offset: start,
-                msg: format!(
-                    "{what} length {len} is larger than the {} bytes left in the file",
-                    self.remaining()
-                ),
+                msg: format!("{what} length {len} is larger than the {} bytes left in the file", self.remaining()),
             });
         }
         let bytes = self.take(len, what)?;
@@ -150,10 +141,8 @@ impl<'a> Cursor<'a> {
     fn value_type(&mut self, key: &str) -> PResult<ValueType> {
         let start = self.pos as u64;
         let id = self.u32("value type")?;
-        ValueType::from_id(id).ok_or(ParseError {
-            offset: start,
-            msg: format!("unknown metadata value type {id} for key '{key}'"),
-        })
+        ValueType::from_id(id)
+            .ok_or(ParseError { offset: start, msg: format!("unknown metadata value type {id} for key '{key}'") })
     }
 
     fn value(&mut self, ty: ValueType, key: &str, depth: usize) -> PResult<Value> {
@@ -188,9 +177,7 @@ impl<'a> Cursor<'a> {
 
     fn array_value(&mut self, key: &str, depth: usize) -> PResult<Array> {
         if depth > MAX_ARRAY_NESTING {
-            return self.err(format!(
-                "arrays nested deeper than {MAX_ARRAY_NESTING} levels in key '{key}'"
-            ));
+            return self.err(format!("arrays nested deeper than {MAX_ARRAY_NESTING} levels in key '{key}'"));
         }
         let ty = self.value_type(key)?;
         let n = self.count("array length", ty.min_encoded_size(), u64::MAX)? as usize;
@@ -236,9 +223,7 @@ pub fn parse_header(buf: &[u8]) -> PResult<Header> {
         2 | 3 => {}
         1 => return c.err("GGUF version 1 is not supported (versions 2 and 3 are)"),
         v if v & 0xffff == 0 && v != 0 => {
-            return c.err(format!(
-                "GGUF version {v:#x} looks big-endian; only little-endian files are supported"
-            ))
+            return c.err(format!("GGUF version {v:#x} looks big-endian; only little-endian files are supported"))
         }
         v => return c.err(format!("unsupported GGUF version {v} (versions 2 and 3 are)")),
     }
@@ -266,12 +251,8 @@ pub fn parse_header(buf: &[u8]) -> PResult<Header> {
     let alignment = match metadata.iter().find(|(k, _)| k == KEY_ALIGNMENT) {
         None => DEFAULT_ALIGNMENT,
         Some((_, Value::U32(a))) if *a != 0 && a.is_power_of_two() => *a as u64,
-        Some((_, Value::U32(a))) => {
-            return c.err(format!("{KEY_ALIGNMENT} = {a} is not a non-zero power of two"))
-        }
-        Some((_, v)) => {
-            return c.err(format!("{KEY_ALIGNMENT} has type {}, expected u32", v.type_description()))
-        }
+        Some((_, Value::U32(a))) => return c.err(format!("{KEY_ALIGNMENT} = {a} is not a non-zero power of two")),
+        Some((_, v)) => return c.err(format!("{KEY_ALIGNMENT} has type {}, expected u32", v.type_description())),
     };
 
     let mut tensors = Vec::with_capacity(n_tensors as usize);
@@ -282,10 +263,7 @@ pub fn parse_header(buf: &[u8]) -> PResult<Header> {
         if t.offset % alignment != 0 {
             return Err(ParseError {
                 offset: info_at,
-                msg: format!(
-                    "tensor '{}' offset {} is not a multiple of the alignment {alignment}",
-                    t.name, t.offset
-                ),
+                msg: format!("tensor '{}' offset {} is not a multiple of the alignment {alignment}", t.name, t.offset),
             });
         }
         if !names.insert(t.name.clone()) {
@@ -325,10 +303,7 @@ fn tensor_info(c: &mut Cursor) -> PResult<TensorInfo> {
     let type_at = c.pos as u64;
     let type_id = c.u32("tensor type")?;
     let Some(ty) = GgmlType::from_id(type_id) else {
-        return Err(ParseError {
-            offset: type_at,
-            msg: format!("tensor '{name}' has unknown ggml type id {type_id}"),
-        });
+        return Err(ParseError { offset: type_at, msg: format!("tensor '{name}' has unknown ggml type id {type_id}") });
     };
     let Some(row) = ty.row_bytes(dims[0]) else {
         return c.err(format!(

@@ -214,11 +214,7 @@ fn misaligned_offset() {
 
 #[test]
 fn overlapping_tensors() {
-    let r = Raw::new(3, 2, 0)
-        .tensor("a", &[16], 0, 0)
-        .tensor("b", &[16], 0, 32)
-        .pad(32)
-        .zeros(128);
+    let r = Raw::new(3, 2, 0).tensor("a", &[16], 0, 0).tensor("b", &[16], 0, 32).pad(32).zeros(128);
     assert_rejects(r, "tensors 'a' and 'b' overlap");
 }
 

@@ -31,7 +31,10 @@ fn all_values_writer() -> GgufWriter {
         .add("a.i64", vec![i64::MIN])
         .add("a.f64", vec![1e300f64])
         .add("a.empty", Vec::<f32>::new())
-        .add("a.nested", Array::Array(vec![Array::U32(vec![1, 2]), Array::Array(vec![Array::String(vec!["x".into()])])]));
+        .add(
+            "a.nested",
+            Array::Array(vec![Array::U32(vec![1, 2]), Array::Array(vec![Array::String(vec!["x".into()])])]),
+        );
     w
 }
 

@@ -107,7 +107,10 @@ fn split_count_without_split_name() {
     let p = dir.path().join("renamed.gguf");
     w.write_file(&p).unwrap();
     let e = open(&p).unwrap_err();
-    assert!(e.contains("renamed.gguf: split.count = 3 but the file name does not follow NAME-00001-of-00003.gguf"), "{e}");
+    assert!(
+        e.contains("renamed.gguf: split.count = 3 but the file name does not follow NAME-00001-of-00003.gguf"),
+        "{e}"
+    );
 }
 
 #[test]

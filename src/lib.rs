@@ -1,0 +1,3 @@
+//! The `tandem` binary's library: wires the crates into the commands of the CLI.
+
+pub mod inspect;
