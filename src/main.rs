@@ -32,10 +32,29 @@ struct InspectArgs {
     /// Leave out the per-tensor table (totals are still printed).
     #[arg(long)]
     no_tensors: bool,
+    #[command(flatten)]
+    load: LoadArgs,
+}
+
+/// How model files are brought into memory (llama.cpp's flags).
+#[derive(Args)]
+struct LoadArgs {
+    /// Read the files into memory instead of memory-mapping them.
+    #[arg(long)]
+    no_mmap: bool,
+    /// Lock the model's memory so it is never paged out.
+    #[arg(long)]
+    mlock: bool,
+}
+
+impl LoadArgs {
+    fn options(&self) -> LoadOptions {
+        LoadOptions { mmap: !self.no_mmap, mlock: self.mlock }
+    }
 }
 
 fn inspect(args: &InspectArgs) -> anyhow::Result<()> {
-    let model = GgufModel::open(&args.model, LoadOptions::default())?;
+    let model = GgufModel::open(&args.model, args.load.options())?;
     let report = Report::new(&args.model.display().to_string(), &model);
     let out = if args.json {
         let mut s = serde_json::to_string_pretty(&report)?;

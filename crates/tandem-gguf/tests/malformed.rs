@@ -42,7 +42,7 @@ impl Raw {
         r.u32(ty).u64(offset)
     }
     fn pad(mut self, align: usize) -> Raw {
-        while self.0.len() % align != 0 {
+        while !self.0.len().is_multiple_of(align) {
             self.0.push(0);
         }
         self
