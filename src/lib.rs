@@ -1,3 +1,4 @@
 //! The `tandem` binary's library: wires the crates into the commands of the CLI.
 
 pub mod inspect;
+pub mod cli;

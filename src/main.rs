@@ -72,7 +72,7 @@ fn inspect(args: &InspectArgs) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(tandem::cli::normalize_args(std::env::args_os()));
     let result = match &cli.command {
         Command::Inspect(args) => inspect(args),
     };
