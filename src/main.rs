@@ -19,6 +19,8 @@ struct Cli {
 enum Command {
     /// Describe a GGUF model from its headers: hyperparameters, metadata, tensors, totals.
     Inspect(InspectArgs),
+    /// Write every position's logits for a token sequence (little-endian f32 [n_tokens][n_vocab]).
+    Logits(tandem::logits::LogitsArgs),
 }
 
 #[derive(Args)]
@@ -75,6 +77,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse_from(tandem::cli::normalize_args(std::env::args_os()));
     let result = match &cli.command {
         Command::Inspect(args) => inspect(args),
+        Command::Logits(args) => tandem::logits::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

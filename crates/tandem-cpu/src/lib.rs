@@ -1,2 +1,26 @@
-//! CPU backend. Filled in by the inference and performance issues: SIMD kernels chosen at run time,
-//! quantized matvec/matmul and the routed-expert FFN.
+//! CPU kernels of tandem: quantized matrix multiplication with activations quantized to the type
+//! ggml pairs with each weight type, and the element-wise ops of a transformer layer, as ggml's CPU
+//! backend computes them (ggml/src/ggml-cpu/ops.cpp). Parallel over output rows with rayon.
+//!
+//! These kernels are the scalar reference path; the performance issue adds run-time-selected SIMD
+//! kernels that are tested against them.
+
+mod matmul;
+mod ops;
+mod pool;
+
+pub use matmul::{matmul, matmul_quantized, quantize_activations, QuantizedActs, WeightRef};
+pub use ops::{add_assign, rmsnorm, rope, silu_mul, softmax_in_place, RopeParams, RopeStyle};
+pub use pool::Threads;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Quant(#[from] tandem_quant::Error),
+    #[error("{0}")]
+    Shape(String),
+    #[error("cannot start a pool of {threads} threads: {msg}")]
+    Pool { threads: usize, msg: String },
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

@@ -166,9 +166,25 @@ impl GgufModel {
         self.order.iter().map(|&(s, t)| TensorRef { info: &self.shards[s].tensors()[t], shard: s })
     }
 
+    /// The position of tensor `name` in [`GgufModel::tensors`].
+    pub fn tensor_index(&self, name: &str) -> Option<usize> {
+        self.index.get(name).copied()
+    }
+
+    /// The tensor at position `i` of [`GgufModel::tensors`].
+    pub fn tensor_at(&self, i: usize) -> Option<TensorRef<'_>> {
+        let &(s, t) = self.order.get(i)?;
+        Some(TensorRef { info: &self.shards[s].tensors()[t], shard: s })
+    }
+
     pub fn tensor(&self, name: &str) -> Option<TensorRef<'_>> {
         let &(s, t) = &self.order[*self.index.get(name)?];
         Some(TensorRef { info: &self.shards[s].tensors()[t], shard: s })
+    }
+
+    /// The bytes of a tensor of this model (from [`GgufModel::tensors`] or [`GgufModel::tensor`]).
+    pub fn data(&self, t: TensorRef<'_>) -> &[u8] {
+        self.shards[t.shard].data_of(t.info)
     }
 
     /// The bytes of tensor `name`, a zero-copy view into its shard.

@@ -1,0 +1,150 @@
+//! Quantized matrix multiplication: `y[t] = W x[t]` with `W` in any ggml weight type, used in place
+//! from the memory map. As ggml's `mul_mat`, each activation row is first quantized to the weight
+//! type's `vec_dot_type` (Q8_0, Q8_1, Q8_K, F16, BF16 or F32), then dotted with each weight row.
+
+use crate::{Error, Result};
+use rayon::prelude::*;
+use tandem_quant::{quantize_row, row_size, vec_dot, vec_dot_type, GgmlType};
+
+/// A weight matrix of `rows` rows of `cols` elements of type `ty` (ggml: ne0 = cols, ne1 = rows).
+#[derive(Clone, Copy, Debug)]
+pub struct WeightRef<'a> {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+}
+
+impl<'a> WeightRef<'a> {
+    /// Checks that the bytes hold exactly `rows x cols` elements.
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &'a [u8]) -> Result<WeightRef<'a>> {
+        let rb = row_size(ty, cols)?;
+        if rb.checked_mul(rows) != Some(data.len()) {
+            return Err(Error::Shape(format!(
+                "{ty} weight of {rows} x {cols} needs {} bytes, got {}",
+                rb.saturating_mul(rows),
+                data.len()
+            )));
+        }
+        Ok(WeightRef { ty, rows, cols, data })
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.data.len() / self.rows.max(1)
+    }
+
+    /// Rows `start..start + n` as a matrix of their own (e.g. one expert of a 3-D tensor).
+    pub fn rows(&self, start: usize, n: usize) -> Result<WeightRef<'a>> {
+        if start + n > self.rows {
+            return Err(Error::Shape(format!("rows {start}..{} of a {}-row weight", start + n, self.rows)));
+        }
+        let rb = self.row_bytes();
+        Ok(WeightRef { ty: self.ty, rows: n, cols: self.cols, data: &self.data[start * rb..(start + n) * rb] })
+    }
+}
+
+/// Activation rows quantized to the `vec_dot_type` of a weight type.
+pub struct QuantizedActs {
+    pub ty: GgmlType,
+    pub cols: usize,
+    pub row_bytes: usize,
+    pub data: Vec<u8>,
+}
+
+impl QuantizedActs {
+    pub fn row(&self, t: usize) -> &[u8] {
+        &self.data[t * self.row_bytes..(t + 1) * self.row_bytes]
+    }
+
+    pub fn n_rows(&self) -> usize {
+        self.data.len() / self.row_bytes.max(1)
+    }
+}
+
+/// Quantizes the rows of `x` (each `cols` long) as ggml does before multiplying them with weights
+/// of type `weight_ty`.
+pub fn quantize_activations(weight_ty: GgmlType, x: &[f32], cols: usize) -> Result<QuantizedActs> {
+    let ty = vec_dot_type(weight_ty);
+    let row_bytes = row_size(ty, cols)?;
+    if cols == 0 || x.len() % cols != 0 {
+        return Err(Error::Shape(format!("{} activations are not rows of {cols}", x.len())));
+    }
+    let n = x.len() / cols;
+    let mut data = vec![0u8; n * row_bytes];
+    for (src, dst) in x.chunks_exact(cols).zip(data.chunks_exact_mut(row_bytes)) {
+        match ty {
+            GgmlType::Q8_0 | GgmlType::Q8_1 => quantize_q8_act(ty, src, dst),
+            _ => quantize_row(ty, src, dst)?,
+        }
+    }
+    Ok(QuantizedActs { ty, cols, row_bytes, data })
+}
+
+/// Activations to Q8_0 / Q8_1 as ggml's CPU backend quantizes them on x86 (`quantize_row_q8_0` /
+/// `quantize_row_q8_1` in ggml-cpu/arch/x86/quants.c): `d = max/127`, multiply by `127/max`,
+/// round half to even. The reference quantizer (`quantize_row_q8_0_ref`) divides and rounds half
+/// away from zero; the difference decides which activations land one step apart, and matching
+/// llama.cpp's logits needs the same steps.
+fn quantize_q8_act(ty: GgmlType, src: &[f32], dst: &mut [u8]) {
+    let bsz = ty.type_size();
+    for (x, y) in src.chunks_exact(32).zip(dst.chunks_exact_mut(bsz)) {
+        let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = max / 127.0;
+        let id = if max != 0.0 { 127.0 / max } else { 0.0 };
+        y[..2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
+        let qs_at = if ty == GgmlType::Q8_1 { 4 } else { 2 };
+        let mut sum = 0i32;
+        for (j, v) in x.iter().enumerate() {
+            let q = (v * id).round_ties_even() as i32;
+            sum += q;
+            y[qs_at + j] = q as i8 as u8;
+        }
+        if ty == GgmlType::Q8_1 {
+            y[2..4].copy_from_slice(&half::f16::from_f32(d * sum as f32).to_bits().to_le_bytes());
+        }
+    }
+}
+
+/// `y[t][r] = dot(W[r], x[t])` for `n = x.len() / w.cols` tokens; `y` is `[n][w.rows]`.
+pub fn matmul(pool: &rayon::ThreadPool, w: &WeightRef, x: &[f32], y: &mut [f32]) -> Result<()> {
+    let acts = quantize_activations(w.ty, x, w.cols)?;
+    matmul_quantized(pool, w, &acts, y)
+}
+
+/// [`matmul`] with activations already quantized (reused across weights of the same type).
+pub fn matmul_quantized(pool: &rayon::ThreadPool, w: &WeightRef, acts: &QuantizedActs, y: &mut [f32]) -> Result<()> {
+    let n = acts.n_rows();
+    if acts.cols != w.cols || acts.ty != vec_dot_type(w.ty) || y.len() != n * w.rows {
+        return Err(Error::Shape(format!(
+            "matmul of a {} x {} {} weight with {n} rows of {} {} into {} outputs",
+            w.rows, w.cols, w.ty, acts.cols, acts.ty, y.len()
+        )));
+    }
+    if n == 0 || w.rows == 0 {
+        return Ok(());
+    }
+    // Validates the type and lengths once, so the loop below cannot fail.
+    vec_dot(w.ty, w.cols, &w.data[..w.row_bytes()], acts.row(0))?;
+    let rb = w.row_bytes();
+    let threads = pool.current_num_threads().max(1);
+    let rows_per_task = w.rows.div_ceil(threads * 4).max(1);
+    // Computed transposed ([row][token]) so each task owns a contiguous slice.
+    let mut yt = vec![0f32; n * w.rows];
+    pool.install(|| {
+        yt.par_chunks_mut(rows_per_task * n).enumerate().for_each(|(chunk, out)| {
+            let r0 = chunk * rows_per_task;
+            for (i, out_row) in out.chunks_exact_mut(n).enumerate() {
+                let wrow = &w.data[(r0 + i) * rb..(r0 + i + 1) * rb];
+                for (t, o) in out_row.iter_mut().enumerate() {
+                    *o = vec_dot(w.ty, w.cols, wrow, acts.row(t)).unwrap_or(f32::NAN);
+                }
+            }
+        })
+    });
+    for (r, col) in yt.chunks_exact(n).enumerate() {
+        for (t, v) in col.iter().enumerate() {
+            y[t * w.rows + r] = *v;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,138 @@
+//! Pieces every architecture shares: embeddings and output head, the SwiGLU FFN, and attention
+//! over the KV cache.
+
+use crate::backend::{AttnInput, Backend};
+use crate::kv_cache::KvCache;
+use crate::weights::{Weight, WeightLoader};
+use crate::Result;
+
+/// The tokens of one micro-batch.
+pub(crate) struct Ubatch<'a> {
+    pub tokens: &'a [u32],
+    pub pos: &'a [u32],
+    pub seq: &'a [usize],
+}
+
+impl Ubatch<'_> {
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+}
+
+/// Token embeddings, final norm and output head (tied to the embeddings when `output.weight` is
+/// absent, as llama.cpp does).
+pub(crate) struct Head {
+    pub token_embd: Weight,
+    pub output_norm: Vec<f32>,
+    pub output: Weight,
+    pub n_embd: usize,
+    pub n_vocab: usize,
+}
+
+impl Head {
+    pub fn load(l: &WeightLoader, n_embd: usize) -> Result<Head> {
+        let n_vocab = l
+            .gguf()
+            .tensor("token_embd.weight")
+            .map(|t| *t.info.dims.get(1).unwrap_or(&0) as usize)
+            .ok_or_else(|| crate::model_err("missing tensor 'token_embd.weight'"))?;
+        let token_embd = l.get("token_embd.weight", &[n_embd, n_vocab])?;
+        let output_norm = l.vec("output_norm.weight", n_embd)?;
+        let output = match l.opt("output.weight", &[n_embd, n_vocab])? {
+            Some(w) => w,
+            None => token_embd.clone(),
+        };
+        Ok(Head { token_embd, output_norm, output, n_embd, n_vocab })
+    }
+
+    /// `[n_tokens][n_embd]` embeddings (`ggml_get_rows`).
+    pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let mut x = Vec::with_capacity(tokens.len() * self.n_embd);
+        for &t in tokens {
+            x.extend(self.token_embd.row_f32(t as usize)?);
+        }
+        Ok(x)
+    }
+}
+
+/// `down(silu(gate x) * up x)` (llama.cpp `build_ffn` with LLM_FFN_SILU, LLM_FFN_PAR).
+pub(crate) struct Ffn {
+    pub gate: Weight,
+    pub up: Weight,
+    pub down: Weight,
+}
+
+impl Ffn {
+    /// `blk.{il}.ffn_{gate,up,down}{suffix}.weight` of width `n_ff`.
+    pub fn load(l: &WeightLoader, il: usize, suffix: &str, n_embd: usize, n_ff: usize) -> Result<Ffn> {
+        Ok(Ffn {
+            gate: l.get(&format!("blk.{il}.ffn_gate{suffix}.weight"), &[n_embd, n_ff])?,
+            up: l.get(&format!("blk.{il}.ffn_up{suffix}.weight"), &[n_embd, n_ff])?,
+            down: l.get(&format!("blk.{il}.ffn_down{suffix}.weight"), &[n_ff, n_embd])?,
+        })
+    }
+
+    pub fn forward(&self, b: &dyn Backend, h: &[f32], n_tokens: usize) -> Result<Vec<f32>> {
+        let n_ff = self.gate.rows();
+        let mut gate = vec![0f32; n_tokens * n_ff];
+        let mut up = vec![0f32; n_tokens * n_ff];
+        b.matmul(&self.gate, h, &mut gate)?;
+        b.matmul(&self.up, h, &mut up)?;
+        b.swiglu(&mut gate, &up);
+        let mut out = vec![0f32; n_tokens * self.down.rows()];
+        b.matmul(&self.down, &gate, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// Head counts and sizes of an attention.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AttnShape {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub dk: usize,
+    pub dv: usize,
+    pub scale: f32,
+}
+
+/// Appends each token's K (and V) row to its sequence's cache in layer `il`, then attends every
+/// token to the positions up to its own. `k` is `[n][n_head_kv * dk]`, `v` `[n][n_head_kv * dv]`
+/// or `None` under MLA; returns `[n][n_head * dv]`.
+pub(crate) fn attend(
+    b: &dyn Backend,
+    cache: &mut KvCache,
+    il: usize,
+    ub: &Ubatch,
+    q: &[f32],
+    k: &[f32],
+    v: Option<&[f32]>,
+    s: AttnShape,
+) -> Result<Vec<f32>> {
+    let n = ub.len();
+    let (k_len, v_len) = (s.n_head_kv * s.dk, s.n_head_kv * s.dv);
+    for t in 0..n {
+        let vr = v.map(|v| &v[t * v_len..(t + 1) * v_len]);
+        cache.push(ub.seq[t], il, &k[t * k_len..(t + 1) * k_len], vr)?;
+    }
+    let (k_type, v_type) = (cache.k_type(), cache.v_type());
+    let q_len = s.n_head * s.dk;
+    let mut out = vec![0f32; n * s.n_head * s.dv];
+    for t in 0..n {
+        let (kb, vb) = cache.rows(ub.seq[t], il);
+        let a = AttnInput {
+            q: &q[t * q_len..(t + 1) * q_len],
+            n_head: s.n_head,
+            n_head_kv: s.n_head_kv,
+            dk: s.dk,
+            dv: s.dv,
+            k: kb,
+            k_type,
+            v: v.map(|_| vb),
+            v_type,
+            n_kv: ub.pos[t] as usize + 1,
+            scale: s.scale,
+        };
+        b.attention(&a, &mut out[t * s.n_head * s.dv..(t + 1) * s.n_head * s.dv])?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,237 @@
+//! A loaded model and a context to run it: batches split into micro-batches (`-ub`), several
+//! sequences per batch, logits for the positions asked for.
+
+use crate::backend::Backend;
+use crate::common::{Head, Ubatch};
+use crate::config::{Arch, Keys};
+use crate::kv_cache::{CacheType, KvCache, KvLayout};
+use crate::weights::WeightLoader;
+use crate::{deepseek2, llama, qwen3moe, Error, Result};
+use std::collections::HashMap;
+use std::sync::Arc;
+use tandem_gguf::GgufModel;
+
+/// The layers of an architecture, between the embeddings and the output head.
+pub(crate) trait Layers: Send + Sync {
+    fn layout(&self) -> KvLayout;
+    /// Runs layer `il` on the residual stream `x` (`[n_tokens][n_embd]`) in place.
+    fn forward_layer(&self, il: usize, b: &dyn Backend, cache: &mut KvCache, ub: &Ubatch, x: &mut [f32]) -> Result<()>;
+    /// RMS norm epsilon of the output norm.
+    fn eps(&self) -> f32;
+}
+
+/// A model bound to its GGUF file.
+pub struct Model {
+    arch: Arch,
+    gguf: Arc<GgufModel>,
+    head: Head,
+    layers: Box<dyn Layers>,
+    n_ctx_train: usize,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Model({}, {} layers, vocab {})", self.arch.name(), self.layers.layout().n_layer, self.head.n_vocab)
+    }
+}
+
+impl Model {
+    /// Binds every tensor of `gguf`; refuses unknown architectures, missing, misshapen or
+    /// unsupported tensors, and tensors the architecture does not use, naming them.
+    pub fn load(gguf: Arc<GgufModel>) -> Result<Model> {
+        let md = gguf.metadata();
+        let arch = Arch::from_name(md.get_str("general.architecture")?)?;
+        let keys = Keys { md, arch: arch.name() };
+        let loader = WeightLoader::new(gguf.clone());
+        let n_embd = keys.u32("embedding_length")?;
+        let head = Head::load(&loader, n_embd)?;
+        let layers: Box<dyn Layers> = match arch {
+            Arch::Llama => Box::new(llama::Llama::load(&keys, &loader, n_embd)?),
+            Arch::Deepseek2 => Box::new(deepseek2::Deepseek2::load(&keys, &loader, n_embd)?),
+            Arch::Qwen3Moe => Box::new(qwen3moe::Qwen3Moe::load(&keys, &loader, n_embd)?),
+        };
+        // DeepSeek V3's multi-token-prediction layer (`blk.N.nextn.*`) is not used for decoding.
+        loader.check_all_used(|name| name.contains(".nextn."))?;
+        let n_ctx_train = keys.u32("context_length")?;
+        Ok(Model { arch, gguf, head, layers, n_ctx_train })
+    }
+
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+
+    pub fn gguf(&self) -> &GgufModel {
+        &self.gguf
+    }
+
+    pub fn n_vocab(&self) -> usize {
+        self.head.n_vocab
+    }
+
+    pub fn n_embd(&self) -> usize {
+        self.head.n_embd
+    }
+
+    pub fn n_layer(&self) -> usize {
+        self.layers.layout().n_layer
+    }
+
+    pub fn n_ctx_train(&self) -> usize {
+        self.n_ctx_train
+    }
+}
+
+/// Tokens to decode: token `i` is at position `pos[i]` of sequence `seq[i]`; `logits[i]` asks for
+/// its logits. Each sequence's positions must continue its cache without gaps.
+#[derive(Clone, Debug, Default)]
+pub struct Batch {
+    pub tokens: Vec<u32>,
+    pub pos: Vec<u32>,
+    pub seq: Vec<usize>,
+    pub logits: Vec<bool>,
+}
+
+impl Batch {
+    /// `tokens` of sequence `seq` from position `start`; logits for all of them or the last one.
+    pub fn sequence(tokens: &[u32], start: u32, seq: usize, all_logits: bool) -> Batch {
+        let n = tokens.len();
+        Batch {
+            tokens: tokens.to_vec(),
+            pos: (start..start + n as u32).collect(),
+            seq: vec![seq; n],
+            logits: (0..n).map(|i| all_logits || i + 1 == n).collect(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+}
+
+/// How a context runs.
+#[derive(Clone, Debug)]
+pub struct ContextParams {
+    /// Most positions per sequence (`-c`; 0 = the model's training context).
+    pub n_ctx: usize,
+    /// Most tokens per forward pass (`-ub`).
+    pub n_ubatch: usize,
+    pub cache_type_k: CacheType,
+    pub cache_type_v: CacheType,
+}
+
+impl Default for ContextParams {
+    fn default() -> Self {
+        ContextParams { n_ctx: 4096, n_ubatch: 512, cache_type_k: CacheType::F16, cache_type_v: CacheType::F16 }
+    }
+}
+
+/// A model, a backend and a KV cache.
+pub struct Context {
+    model: Arc<Model>,
+    backend: Box<dyn Backend>,
+    cache: KvCache,
+    params: ContextParams,
+}
+
+impl Context {
+    pub fn new(model: Arc<Model>, backend: Box<dyn Backend>, mut params: ContextParams) -> Result<Context> {
+        if params.n_ctx == 0 {
+            params.n_ctx = model.n_ctx_train;
+        }
+        params.n_ubatch = params.n_ubatch.max(1);
+        let cache = KvCache::new(model.layers.layout(), params.cache_type_k, params.cache_type_v, params.n_ctx)?;
+        Ok(Context { model, backend, cache, params })
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    pub fn params(&self) -> &ContextParams {
+        &self.params
+    }
+
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    /// Positions cached for `seq`.
+    pub fn seq_len(&self, seq: usize) -> usize {
+        self.cache.seq_len(seq)
+    }
+
+    /// Forgets positions `n..` of `seq`.
+    pub fn truncate(&mut self, seq: usize, n: usize) {
+        self.cache.truncate(seq, n)
+    }
+
+    fn check(&self, batch: &Batch) -> Result<()> {
+        let n = batch.len();
+        if batch.pos.len() != n || batch.seq.len() != n || batch.logits.len() != n {
+            return Err(Error::Batch("batch fields have different lengths".into()));
+        }
+        let n_vocab = self.model.n_vocab();
+        let mut next: HashMap<usize, usize> = HashMap::new();
+        for i in 0..n {
+            let (tok, seq, pos) = (batch.tokens[i], batch.seq[i], batch.pos[i] as usize);
+            if tok as usize >= n_vocab {
+                return Err(Error::Batch(format!("token id {tok} is out of range (vocabulary of {n_vocab})")));
+            }
+            let want = next.entry(seq).or_insert_with(|| self.cache.seq_len(seq));
+            if pos != *want {
+                return Err(Error::Batch(format!("sequence {seq}: position {pos} given, {want} expected next")));
+            }
+            if pos >= self.params.n_ctx {
+                return Err(Error::Batch(format!(
+                    "sequence {seq}: position {pos} is beyond the context of {} tokens",
+                    self.params.n_ctx
+                )));
+            }
+            *want += 1;
+        }
+        Ok(())
+    }
+
+    /// Runs the batch; returns the logits of the tokens that asked for them, `[n][n_vocab]` in
+    /// batch order. On error the cache is left as it was.
+    pub fn decode(&mut self, batch: &Batch) -> Result<Vec<f32>> {
+        self.check(batch)?;
+        let before: Vec<(usize, usize)> = batch.seq.iter().map(|&s| (s, self.cache.seq_len(s))).collect();
+        let r = self.decode_checked(batch);
+        if r.is_err() {
+            for (s, len) in before {
+                self.cache.truncate(s, len);
+            }
+        }
+        r
+    }
+
+    fn decode_checked(&mut self, batch: &Batch) -> Result<Vec<f32>> {
+        let m = &*self.model;
+        let n_embd = m.n_embd();
+        let mut logits = Vec::new();
+        let mut start = 0;
+        while start < batch.len() {
+            let end = (start + self.params.n_ubatch).min(batch.len());
+            let ub = Ubatch { tokens: &batch.tokens[start..end], pos: &batch.pos[start..end], seq: &batch.seq[start..end] };
+            let mut x = m.head.embed(ub.tokens)?;
+            for il in 0..m.layers.layout().n_layer {
+                m.layers.forward_layer(il, self.backend.as_ref(), &mut self.cache, &ub, &mut x)?;
+            }
+            let wanted: Vec<usize> = (start..end).filter(|&i| batch.logits[i]).map(|i| i - start).collect();
+            if !wanted.is_empty() {
+                let mut h: Vec<f32> = wanted.iter().flat_map(|&i| x[i * n_embd..(i + 1) * n_embd].to_vec()).collect();
+                self.backend.rmsnorm(&mut h, n_embd, Some(&m.head.output_norm), m.layers.eps());
+                let mut out = vec![0f32; wanted.len() * m.n_vocab()];
+                self.backend.matmul(&m.head.output, &h, &mut out)?;
+                logits.extend_from_slice(&out);
+            }
+            start = end;
+        }
+        Ok(logits)
+    }
+}

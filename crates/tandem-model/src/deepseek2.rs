@@ -1,0 +1,277 @@
+//! `deepseek2`: Kimi K2 / K2.5, DeepSeek V3 / R1 (llama.cpp src/models/deepseek2.cpp).
+//!
+//! Multi-head latent attention in both GGUF flavours: mainline MLA files carry `attn_k_b` and
+//! `attn_v_b` and are run in the absorbed form over a latent cache (one row of
+//! `kv_lora_rank + n_rot` values per position, V read from its latent part); legacy files carry
+//! `attn_kv_b` and are run as ordinary multi-head attention. MoE layers after
+//! `leading_dense_block_count` dense ones, with shared experts.
+
+use crate::backend::Backend;
+use crate::common::{attend, AttnShape, Ffn, Ubatch};
+use crate::config::{Arch, Keys, RopeConfig};
+use crate::context::Layers;
+use crate::kv_cache::{KvCache, KvLayout};
+use crate::moe::{Gating, Moe, Routing};
+use crate::weights::{Weight, WeightLoader};
+use crate::{model_err, Result};
+use tandem_cpu::RopeStyle;
+
+enum Query {
+    /// `attn_q_a` [n_embd] -> [q_lora], its norm, `attn_q_b` [q_lora] -> [n_head * dk].
+    Lora { a: Weight, norm: Vec<f32>, b: Weight },
+    /// `attn_q` [n_embd] -> [n_head * dk] (models without `q_lora_rank`).
+    Full(Weight),
+}
+
+enum KvUp {
+    /// `attn_k_b` [nope, kv_lora, n_head] and `attn_v_b` [kv_lora, dv, n_head].
+    Mla { k_b: Weight, v_b: Weight },
+    /// `attn_kv_b` [kv_lora] -> [n_head * (nope + dv)].
+    Legacy(Weight),
+}
+
+enum Ffw {
+    Dense(Ffn),
+    Moe { moe: Moe, shared: Option<Ffn> },
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    q: Query,
+    kv_a: Weight, // [n_embd] -> [kv_lora + n_rot]
+    kv_a_norm: Vec<f32>,
+    kv_up: KvUp,
+    wo: Weight, // [n_head * dv] -> [n_embd]
+    ffn_norm: Vec<f32>,
+    ffn: Ffw,
+}
+
+pub(crate) struct Deepseek2 {
+    layers: Vec<Layer>,
+    n_embd: usize,
+    n_head: usize,
+    /// Per-head K and V sizes after decompression (`key_length_mla` / `value_length_mla`).
+    dk: usize,
+    dv: usize,
+    n_rot: usize,
+    kv_lora: usize,
+    mla: bool,
+    kq_scale: f32,
+    eps: f32,
+    rope: RopeConfig,
+}
+
+impl Deepseek2 {
+    pub fn load(keys: &Keys, l: &WeightLoader, n_embd: usize) -> Result<Deepseek2> {
+        let n_layer = keys.u32("block_count")?;
+        let n_head = keys.uniform_u32("attention.head_count")?.ok_or_else(|| model_err("missing head_count"))?;
+        let n_rot = keys.u32("rope.dimension_count")?;
+        let kv_lora = keys.u32("attention.kv_lora_rank")?;
+        let q_lora = keys.opt_u32("attention.q_lora_rank")?.unwrap_or(0);
+        let k_mla = keys.opt_u32("attention.key_length_mla")?.unwrap_or(0);
+        let v_mla = keys.opt_u32("attention.value_length_mla")?.unwrap_or(0);
+        let mla = k_mla != 0 && v_mla != 0;
+        let (dk, dv) = if mla {
+            (k_mla, v_mla)
+        } else {
+            (keys.u32("attention.key_length")?, keys.u32("attention.value_length")?)
+        };
+        if dk <= n_rot {
+            return Err(model_err(format!("deepseek2: key length {dk} must exceed the rope dimension {n_rot}")));
+        }
+        let nope = dk - n_rot;
+        let eps = keys.f32("attention.layer_norm_rms_epsilon")?;
+        let n_ctx_train = keys.u32("context_length")?;
+        let rope = RopeConfig::load(keys, Arch::Deepseek2, n_rot, RopeStyle::Norm, n_ctx_train)?;
+        // llama.cpp pre-scales kq_scale for YaRN (deepseek2.cpp, TAG_DEEPSEEK2_YARN_LOG_MUL_FIX).
+        let inv_fs_ln = (1.0 / rope.params.freq_scale).ln();
+        let attn_factor_org = rope.params.attn_factor * (1.0 + 0.1 * inv_fs_ln);
+        let mscale = attn_factor_org * (1.0 + 0.1 * rope.yarn_log_mul * inv_fs_ln);
+        let kq_scale = mscale * mscale / (dk as f32).sqrt();
+
+        let n_dense = keys.opt_u32("leading_dense_block_count")?.unwrap_or(0);
+        let n_ff = keys.opt_u32("feed_forward_length")?.unwrap_or(0);
+        let n_expert = keys.opt_u32("expert_count")?.unwrap_or(0);
+        let routing = Routing {
+            n_expert,
+            n_used: keys.opt_u32("expert_used_count")?.unwrap_or(0),
+            gating: Gating::from_id(keys.opt_u32("expert_gating_func")?.unwrap_or(0))?,
+            norm_weights: keys.opt_bool("expert_weights_norm")?.unwrap_or(false),
+            scale: keys.opt_f32("expert_weights_scale")?.unwrap_or(0.0),
+            n_group: keys.opt_u32("expert_group_count")?.unwrap_or(0),
+            n_group_used: keys.opt_u32("expert_group_used_count")?.unwrap_or(0),
+        };
+        let n_ff_exp = keys.uniform_u32("expert_feed_forward_length")?.unwrap_or(0);
+        let n_shared = keys.opt_u32("expert_shared_count")?.unwrap_or(0);
+
+        let mut layers = Vec::with_capacity(n_layer);
+        for il in 0..n_layer {
+            let p = |n: &str| format!("blk.{il}.{n}.weight");
+            let q = if q_lora > 0 {
+                Query::Lora {
+                    a: l.get(&p("attn_q_a"), &[n_embd, q_lora])?,
+                    norm: l.vec(&p("attn_q_a_norm"), q_lora)?,
+                    b: l.get(&p("attn_q_b"), &[q_lora, n_head * dk])?,
+                }
+            } else {
+                Query::Full(l.get(&p("attn_q"), &[n_embd, n_head * dk])?)
+            };
+            let kv_up = if mla {
+                KvUp::Mla {
+                    k_b: l.get(&p("attn_k_b"), &[nope, kv_lora, n_head])?,
+                    v_b: l.get(&p("attn_v_b"), &[kv_lora, dv, n_head])?,
+                }
+            } else {
+                KvUp::Legacy(l.get(&p("attn_kv_b"), &[kv_lora, n_head * (nope + dv)])?)
+            };
+            let ffn = if il < n_dense {
+                Ffw::Dense(Ffn::load(l, il, "", n_embd, n_ff)?)
+            } else {
+                Ffw::Moe {
+                    moe: Moe::load(l, il, n_embd, n_ff_exp, routing)?,
+                    shared: match n_shared {
+                        0 => None,
+                        s => Some(Ffn::load(l, il, "_shexp", n_embd, n_ff_exp * s)?),
+                    },
+                }
+            };
+            layers.push(Layer {
+                attn_norm: l.vec(&p("attn_norm"), n_embd)?,
+                q,
+                kv_a: l.get(&p("attn_kv_a_mqa"), &[n_embd, kv_lora + n_rot])?,
+                kv_a_norm: l.vec(&p("attn_kv_a_norm"), kv_lora)?,
+                kv_up,
+                wo: l.get(&p("attn_output"), &[n_head * dv, n_embd])?,
+                ffn_norm: l.vec(&p("ffn_norm"), n_embd)?,
+                ffn,
+            });
+        }
+        Ok(Deepseek2 { layers, n_embd, n_head, dk, dv, n_rot, kv_lora, mla, kq_scale, eps, rope })
+    }
+
+    /// Attention of one layer: returns `[n][n_head * dv]` before `attn_output`.
+    fn attention(&self, ly: &Layer, il: usize, b: &dyn Backend, cache: &mut KvCache, ub: &Ubatch, h: &[f32]) -> Result<Vec<f32>> {
+        let n = ub.len();
+        let (nh, dk, dv, nr, kl) = (self.n_head, self.dk, self.dv, self.n_rot, self.kv_lora);
+        let nope = dk - nr;
+        let mut q = vec![0f32; n * nh * dk];
+        match &ly.q {
+            Query::Lora { a, norm, b: wb } => {
+                let mut qa = vec![0f32; n * a.rows()];
+                b.matmul(a, h, &mut qa)?;
+                b.rmsnorm(&mut qa, a.rows(), Some(norm), self.eps);
+                b.matmul(wb, &qa, &mut q)?;
+            }
+            Query::Full(w) => b.matmul(w, h, &mut q)?,
+        }
+        // [n][kv_lora + n_rot]: the latent, normalized, and the shared rotary key.
+        let mut kv = vec![0f32; n * (kl + nr)];
+        b.matmul(&ly.kv_a, h, &mut kv)?;
+        for t in 0..n {
+            let cache_t = self.rope.cache(ub.pos[t]);
+            let row = &mut kv[t * (kl + nr)..(t + 1) * (kl + nr)];
+            b.rope(&mut row[kl..], &cache_t, RopeStyle::Norm);
+            b.rmsnorm(&mut row[..kl], kl, Some(&ly.kv_a_norm), self.eps);
+            for head in q[t * nh * dk..(t + 1) * nh * dk].chunks_exact_mut(dk) {
+                b.rope(&mut head[nope..], &cache_t, RopeStyle::Norm);
+            }
+        }
+        match &ly.kv_up {
+            KvUp::Mla { k_b, v_b } => {
+                // Absorbed: q_h' = [W_kb,h q_nope,h ; q_pe,h] against cached [latent ; k_pe].
+                let dq = kl + nr;
+                let mut qcur = vec![0f32; n * nh * dq];
+                for hd in 0..nh {
+                    let q_nope: Vec<f32> =
+                        (0..n).flat_map(|t| q[(t * nh + hd) * dk..(t * nh + hd) * dk + nope].iter().copied()).collect();
+                    let mut absorbed = vec![0f32; n * kl];
+                    b.matmul_rows(k_b, hd * kl, kl, &q_nope, &mut absorbed)?;
+                    for t in 0..n {
+                        let dst = &mut qcur[(t * nh + hd) * dq..(t * nh + hd + 1) * dq];
+                        dst[..kl].copy_from_slice(&absorbed[t * kl..(t + 1) * kl]);
+                        dst[kl..].copy_from_slice(&q[(t * nh + hd) * dk + nope..(t * nh + hd + 1) * dk]);
+                    }
+                }
+                let shape = AttnShape { n_head: nh, n_head_kv: 1, dk: dq, dv: kl, scale: self.kq_scale };
+                let lat = attend(b, cache, il, ub, &qcur, &kv, None, shape)?;
+                // Decompress each head's latent output with W_vb,h.
+                let mut o = vec![0f32; n * nh * dv];
+                for hd in 0..nh {
+                    let x: Vec<f32> = (0..n).flat_map(|t| lat[(t * nh + hd) * kl..(t * nh + hd + 1) * kl].iter().copied()).collect();
+                    let mut y = vec![0f32; n * dv];
+                    b.matmul_rows(v_b, hd * dv, dv, &x, &mut y)?;
+                    for t in 0..n {
+                        o[(t * nh + hd) * dv..(t * nh + hd + 1) * dv].copy_from_slice(&y[t * dv..(t + 1) * dv]);
+                    }
+                }
+                Ok(o)
+            }
+            KvUp::Legacy(kv_b) => {
+                let latent: Vec<f32> = (0..n).flat_map(|t| kv[t * (kl + nr)..t * (kl + nr) + kl].iter().copied()).collect();
+                let mut up = vec![0f32; n * nh * (nope + dv)];
+                b.matmul(kv_b, &latent, &mut up)?;
+                let mut k = vec![0f32; n * nh * dk];
+                let mut v = vec![0f32; n * nh * dv];
+                for t in 0..n {
+                    let k_pe = &kv[t * (kl + nr) + kl..(t + 1) * (kl + nr)];
+                    for hd in 0..nh {
+                        let src = &up[(t * nh + hd) * (nope + dv)..(t * nh + hd + 1) * (nope + dv)];
+                        let kd = &mut k[(t * nh + hd) * dk..(t * nh + hd + 1) * dk];
+                        kd[..nope].copy_from_slice(&src[..nope]);
+                        kd[nope..].copy_from_slice(k_pe);
+                        v[(t * nh + hd) * dv..(t * nh + hd + 1) * dv].copy_from_slice(&src[nope..]);
+                    }
+                }
+                let shape = AttnShape { n_head: nh, n_head_kv: nh, dk, dv, scale: self.kq_scale };
+                attend(b, cache, il, ub, &q, &k, Some(&v), shape)
+            }
+        }
+    }
+}
+
+impl Layers for Deepseek2 {
+    fn layout(&self) -> KvLayout {
+        let n_layer = self.layers.len();
+        if self.mla {
+            let row = self.kv_lora + self.n_rot;
+            KvLayout { n_layer, k_row: row, v_row: 0, k_head: row, v_head: self.kv_lora }
+        } else {
+            KvLayout {
+                n_layer,
+                k_row: self.n_head * self.dk,
+                v_row: self.n_head * self.dv,
+                k_head: self.dk,
+                v_head: self.dv,
+            }
+        }
+    }
+
+    fn forward_layer(&self, il: usize, b: &dyn Backend, cache: &mut KvCache, ub: &Ubatch, x: &mut [f32]) -> Result<()> {
+        let ly = &self.layers[il];
+        let n = ub.len();
+        let mut h = x.to_vec();
+        b.rmsnorm(&mut h, self.n_embd, Some(&ly.attn_norm), self.eps);
+        let o = self.attention(ly, il, b, cache, ub, &h)?;
+        let mut attn = vec![0f32; n * self.n_embd];
+        b.matmul(&ly.wo, &o, &mut attn)?;
+        b.add(x, &attn);
+        let mut h = x.to_vec();
+        b.rmsnorm(&mut h, self.n_embd, Some(&ly.ffn_norm), self.eps);
+        let out = match &ly.ffn {
+            Ffw::Dense(f) => f.forward(b, &h, n)?,
+            Ffw::Moe { moe, shared } => {
+                let mut out = moe.forward(b, &h, n)?;
+                if let Some(s) = shared {
+                    b.add(&mut out, &s.forward(b, &h, n)?);
+                }
+                out
+            }
+        };
+        b.add(x, &out);
+        Ok(())
+    }
+
+    fn eps(&self) -> f32 {
+        self.eps
+    }
+}
