@@ -30,6 +30,10 @@ pub const MULTI_LETTER_FLAGS: &[(&str, &str)] = &[
     ("-sm", "--split-mode"),
     ("-ts", "--tensor-split"),
     ("-mg", "--main-gpu"),
+    ("-fit", "--fit"),
+    ("-fitt", "--fit-target"),
+    ("-cb", "--cont-batching"),
+    ("-nocb", "--no-cont-batching"),
 ];
 
 /// Rewrites llama.cpp's multi-letter single-dash flags (also in `-ngl=99` form) to long flags.
@@ -113,6 +117,156 @@ pub struct RuntimeArgs {
     /// Parallel sequences (server slots).
     #[arg(long = "parallel", value_name = "N", default_value_t = 1)]
     pub parallel: usize,
+}
+
+/// Where tensors go: llama.cpp's placement flags, plus `--gpu` to plan for hardware that is not
+/// there. Turned into a `tandem_plan::PlanRequest` by `tandem::plan::request`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct PlacementArgs {
+    /// Layers on the GPU, counted from the output end: 999 or `all` = every layer, `auto` = --fit.
+    #[arg(long = "n-gpu-layers", visible_alias = "gpu-layers", value_name = "N")]
+    pub n_gpu_layers: Option<tandem_plan::GpuLayers>,
+    /// PATTERN=DEVICE[,PATTERN=DEVICE...]: tensors whose name matches the regex go to DEVICE
+    /// (CPU, CUDA0, ...). Repeatable; rules are tried in order and the first match wins.
+    #[arg(long = "override-tensor", value_name = "PATTERN=DEVICE,...")]
+    pub override_tensor: Vec<String>,
+    /// Keep every routed-expert tensor on the CPU.
+    #[arg(long = "cpu-moe")]
+    pub cpu_moe: bool,
+    /// Keep the routed-expert tensors of the first N layers on the CPU.
+    #[arg(long = "n-cpu-moe", value_name = "N")]
+    pub n_cpu_moe: Option<u32>,
+    /// Declare a GPU and the memory the plan may use on it, e.g. CUDA0=96GiB (repeatable).
+    #[arg(long = "gpu", value_name = "CUDAn=SIZE")]
+    pub gpu: Vec<String>,
+    /// Fit the placement to the GPUs' memory [default: on when neither -ngl nor -ot is given].
+    #[arg(long = "fit", value_name = "on|off", num_args = 0..=1, default_missing_value = "on",
+          value_parser = ["on", "off"])]
+    pub fit: Option<String>,
+    /// Memory --fit leaves free on each GPU: MiB (as llama.cpp's -fitt), or a size like 2GiB [default: 1024].
+    #[arg(long = "fit-target", value_name = "MiB")]
+    pub fit_target: Option<String>,
+    /// Host memory tandem may use, e.g. 768GiB [default: this machine's].
+    #[arg(long = "host-memory", value_name = "SIZE")]
+    pub host_memory: Option<String>,
+    /// Keep the KV cache in host memory.
+    #[arg(long = "no-kv-offload")]
+    pub no_kv_offload: bool,
+}
+
+/// llama.cpp / ik_llama.cpp flags that tandem accepts so that existing command lines work, but
+/// does not need: each one set yields a one-line note of what tandem does instead.
+#[derive(Args, Debug, Clone, Default)]
+pub struct CompatArgs {
+    /// ik_llama.cpp's MLA mode (ignored: tandem always uses absorbed MLA).
+    #[arg(long = "mla-use", value_name = "N")]
+    pub mla_use: Option<u32>,
+    /// ik_llama.cpp's attention batch cap in MiB (ignored: attention is chunked automatically).
+    #[arg(long = "attn-max-batch", value_name = "MiB")]
+    pub attn_max_batch: Option<u64>,
+    /// ik_llama.cpp's merged Q/K/V projection (ignored).
+    #[arg(long = "merge-qkv")]
+    pub merge_qkv: bool,
+    /// Use the model's Jinja chat template (ignored: always on).
+    #[arg(long)]
+    pub jinja: bool,
+    /// Continuous batching (ignored: always on).
+    #[arg(long = "cont-batching")]
+    pub cont_batching: bool,
+    /// Disable continuous batching (ignored: always on).
+    #[arg(long = "no-cont-batching")]
+    pub no_cont_batching: bool,
+    /// ik_llama.cpp's warm-up with a full batch (ignored).
+    #[arg(long = "warmup-batch")]
+    pub warmup_batch: bool,
+    /// Flash attention: on, off, auto (ignored: one attention path).
+    #[arg(long = "flash-attn", value_name = "on|off|auto", num_args = 0..=1, default_missing_value = "on",
+          value_parser = ["on", "off", "auto"])]
+    pub flash_attn: Option<String>,
+    /// ik_llama.cpp's fused MoE (ignored).
+    #[arg(long = "fused-moe", value_name = "0|1", num_args = 0..=1, default_missing_value = "1",
+          value_parser = ["0", "1"])]
+    pub fused_moe: Option<String>,
+    /// ik_llama.cpp's run-time repacking (ignored).
+    #[arg(long = "run-time-repack")]
+    pub run_time_repack: bool,
+    /// ik_llama.cpp's smart expert reduction K[,T] (ignored).
+    #[arg(long = "smart-expert-reduction", value_name = "K[,T]")]
+    pub smart_expert_reduction: Option<String>,
+    /// llama.cpp's device list (ignored: declare GPUs with --gpu).
+    #[arg(long = "device", value_name = "DEV,...")]
+    pub device: Option<String>,
+    /// llama.cpp's multi-GPU split mode (ignored: layers are split).
+    #[arg(long = "split-mode", value_name = "MODE")]
+    pub split_mode: Option<String>,
+    /// llama.cpp's multi-GPU split proportions (ignored: proportional to --gpu budgets).
+    #[arg(long = "tensor-split", value_name = "N0,N1,...")]
+    pub tensor_split: Option<String>,
+    /// llama.cpp's main GPU (ignored).
+    #[arg(long = "main-gpu", value_name = "N")]
+    pub main_gpu: Option<u32>,
+}
+
+impl CompatArgs {
+    /// One line per flag that was given: what tandem does instead.
+    pub fn notes(&self) -> Vec<String> {
+        let mut n = Vec::new();
+        let mut note = |given: bool, text: String| {
+            if given {
+                n.push(text);
+            }
+        };
+        let v = |o: &Option<String>| o.clone().unwrap_or_default();
+        note(self.mla_use.is_some(), format!("-mla {}: ignored; tandem always runs MLA with the absorbed attn_k_b/attn_v_b over the latent KV cache (ik_llama.cpp's -mla 3)", self.mla_use.unwrap_or(0)));
+        note(self.attn_max_batch.is_some(), format!("-amb {}: ignored; tandem computes attention scores in chunks of {} cached positions, so their buffer does not grow with -c", self.attn_max_batch.unwrap_or(0), tandem_plan::ATTN_KV_CHUNK));
+        note(self.merge_qkv, "--merge-qkv: ignored; deepseek2 has no separate Q/K/V projections to merge and tandem reads the others as stored".into());
+        note(self.jinja, "--jinja: ignored; tandem always renders the chat template stored in the GGUF".into());
+        note(self.cont_batching, "--cont-batching: ignored; continuous batching is always on".into());
+        note(self.no_cont_batching, "--no-cont-batching: ignored; continuous batching is always on".into());
+        note(self.warmup_batch, "--warmup-batch: ignored; tandem runs no warm-up batch at load".into());
+        note(
+            self.flash_attn.is_some(),
+            format!("-fa {}: ignored; tandem has one attention path and picks it itself", v(&self.flash_attn)),
+        );
+        note(
+            self.fused_moe.is_some(),
+            "-fmoe: ignored; tandem has a single routed-expert path and no switch for it".into(),
+        );
+        note(
+            self.run_time_repack,
+            "-rtr: ignored; tandem uses the weights in their GGUF layout, so mmap keeps working".into(),
+        );
+        note(
+            self.smart_expert_reduction.is_some(),
+            format!(
+                "-ser {}: ignored; tandem always uses the model's expert_used_count experts",
+                v(&self.smart_expert_reduction)
+            ),
+        );
+        note(
+            self.device.is_some(),
+            format!(
+                "-dev {}: ignored; declare GPUs with --gpu CUDA0=SIZE and place tensors with -ngl/-ot",
+                v(&self.device)
+            ),
+        );
+        note(
+            self.split_mode.is_some(),
+            format!("-sm {}: ignored; tandem splits whole layers across GPUs", v(&self.split_mode)),
+        );
+        note(
+            self.tensor_split.is_some(),
+            format!(
+                "-ts {}: ignored; layers are split across GPUs in proportion to their --gpu memory",
+                v(&self.tensor_split)
+            ),
+        );
+        note(
+            self.main_gpu.is_some(),
+            format!("-mg {}: ignored; use -ot to pin tensors to a GPU", self.main_gpu.unwrap_or(0)),
+        );
+        n
+    }
 }
 
 #[cfg(test)]

@@ -3,3 +3,4 @@
 pub mod inspect;
 pub mod cli;
 pub mod logits;
+pub mod plan;

@@ -21,6 +21,8 @@ enum Command {
     Inspect(InspectArgs),
     /// Write every position's logits for a token sequence (little-endian f32 [n_tokens][n_vocab]).
     Logits(tandem::logits::LogitsArgs),
+    /// Plan where every tensor goes (-ngl, -ot, --cpu-moe, --fit) and the memory of each device, from headers only.
+    Plan(Box<tandem::plan::PlanArgs>),
 }
 
 #[derive(Args)]
@@ -78,6 +80,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Inspect(args) => inspect(args),
         Command::Logits(args) => tandem::logits::run(args),
+        Command::Plan(args) => tandem::plan::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

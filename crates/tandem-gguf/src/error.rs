@@ -6,12 +6,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{path}: {source}")]
-    Io {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The cause is part of the message rather than a `source`, so `{:#}` chains print it once.
+    #[error("{path}: {cause}")]
+    Io { path: String, cause: std::io::Error },
     /// The bytes are not a valid GGUF file; `offset` is where reading stopped.
     #[error("{path}: invalid GGUF at byte {offset}: {msg}")]
     Malformed { path: String, offset: u64, msg: String },
@@ -24,12 +21,8 @@ pub enum Error {
     /// A split (multi-shard) model is inconsistent; the message names the shard.
     #[error("{0}")]
     Split(String),
-    #[error("{path}: mlock failed: {source} (raise the locked-memory limit, e.g. `ulimit -l unlimited`)")]
-    Mlock {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("{path}: mlock failed: {cause} (raise the locked-memory limit, e.g. `ulimit -l unlimited`)")]
+    Mlock { path: String, cause: std::io::Error },
     /// The writer was asked to write something that is not a valid GGUF file.
     #[error("GGUF writer: {0}")]
     Write(String),
@@ -37,6 +30,6 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn io(path: &Path, source: std::io::Error) -> Error {
-        Error::Io { path: path.display().to_string(), source }
+        Error::Io { path: path.display().to_string(), cause: source }
     }
 }

@@ -123,7 +123,7 @@ impl GgufFile {
                 _ => Err(std::io::Error::last_os_error()),
             },
         };
-        r.map_err(|source| Error::Mlock { path: self.path.clone(), source })
+        r.map_err(|cause| Error::Mlock { path: self.path.clone(), cause })
     }
 
     pub fn path(&self) -> &str {
