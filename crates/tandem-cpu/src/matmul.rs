@@ -66,7 +66,7 @@ impl QuantizedActs {
 pub fn quantize_activations(weight_ty: GgmlType, x: &[f32], cols: usize) -> Result<QuantizedActs> {
     let ty = vec_dot_type(weight_ty);
     let row_bytes = row_size(ty, cols)?;
-    if cols == 0 || x.len() % cols != 0 {
+    if cols == 0 || !x.len().is_multiple_of(cols) {
         return Err(Error::Shape(format!("{} activations are not rows of {cols}", x.len())));
     }
     let n = x.len() / cols;
@@ -117,7 +117,12 @@ pub fn matmul_quantized(pool: &rayon::ThreadPool, w: &WeightRef, acts: &Quantize
     if acts.cols != w.cols || acts.ty != vec_dot_type(w.ty) || y.len() != n * w.rows {
         return Err(Error::Shape(format!(
             "matmul of a {} x {} {} weight with {n} rows of {} {} into {} outputs",
-            w.rows, w.cols, w.ty, acts.cols, acts.ty, y.len()
+            w.rows,
+            w.cols,
+            w.ty,
+            acts.cols,
+            acts.ty,
+            y.len()
         )));
     }
     if n == 0 || w.rows == 0 {

@@ -146,9 +146,7 @@ fn attention_cpu(pool: &rayon::ThreadPool, a: &AttnInput, out: &mut [f32]) -> Re
 fn round_to(ty: GgmlType, x: &mut [f32]) {
     match ty {
         GgmlType::F16 => x.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
-        GgmlType::BF16 => {
-            x.iter_mut().for_each(|v| *v = tandem_quant::bf16_to_f32(tandem_quant::f32_to_bf16(*v)))
-        }
+        GgmlType::BF16 => x.iter_mut().for_each(|v| *v = tandem_quant::bf16_to_f32(tandem_quant::f32_to_bf16(*v))),
         _ => {}
     }
 }

@@ -95,19 +95,25 @@ pub(crate) struct AttnShape {
     pub scale: f32,
 }
 
+/// The projected queries, keys and values of a micro-batch: `q` is `[n][n_head * dk]`, `k`
+/// `[n][n_head_kv * dk]`, `v` `[n][n_head_kv * dv]` or `None` under MLA (V is read from K).
+pub(crate) struct Qkv<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: Option<&'a [f32]>,
+}
+
 /// Appends each token's K (and V) row to its sequence's cache in layer `il`, then attends every
-/// token to the positions up to its own. `k` is `[n][n_head_kv * dk]`, `v` `[n][n_head_kv * dv]`
-/// or `None` under MLA; returns `[n][n_head * dv]`.
+/// token to the positions up to its own; returns `[n][n_head * dv]`.
 pub(crate) fn attend(
     b: &dyn Backend,
     cache: &mut KvCache,
     il: usize,
     ub: &Ubatch,
-    q: &[f32],
-    k: &[f32],
-    v: Option<&[f32]>,
+    qkv: Qkv,
     s: AttnShape,
 ) -> Result<Vec<f32>> {
+    let Qkv { q, k, v } = qkv;
     let n = ub.len();
     let (k_len, v_len) = (s.n_head_kv * s.dk, s.n_head_kv * s.dv);
     for t in 0..n {

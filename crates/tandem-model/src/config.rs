@@ -90,7 +90,13 @@ fn get_mscale(scale: f32, mscale: f32) -> f32 {
 }
 
 impl RopeConfig {
-    pub(crate) fn load(keys: &Keys, arch: Arch, n_rot: usize, style: RopeStyle, n_ctx_train: usize) -> Result<RopeConfig> {
+    pub(crate) fn load(
+        keys: &Keys,
+        arch: Arch,
+        n_rot: usize,
+        style: RopeStyle,
+        n_ctx_train: usize,
+    ) -> Result<RopeConfig> {
         let freq_base = keys.opt_f32("rope.freq_base")?.unwrap_or(10000.0);
         let scaling = keys.md.opt_str(&keys.k("rope.scaling.type"))?.unwrap_or("linear").to_string();
         let factor = match keys.opt_f32("rope.scaling.factor")? {
@@ -105,7 +111,12 @@ impl RopeConfig {
             }
             "linear" => false,
             "yarn" => true,
-            other => return Err(model_err(format!("{}: rope scaling '{other}' is not supported yet", keys.k("rope.scaling.type")))),
+            other => {
+                return Err(model_err(format!(
+                    "{}: rope scaling '{other}' is not supported yet",
+                    keys.k("rope.scaling.type")
+                )))
+            }
         };
         let n_ctx_orig = keys.opt_u32("rope.scaling.original_context_length")?.unwrap_or(n_ctx_train);
         let rope_attn_factor = keys.opt_f32("rope.scaling.attn_factor")?.unwrap_or(1.0);

@@ -217,7 +217,8 @@ impl Context {
         let mut start = 0;
         while start < batch.len() {
             let end = (start + self.params.n_ubatch).min(batch.len());
-            let ub = Ubatch { tokens: &batch.tokens[start..end], pos: &batch.pos[start..end], seq: &batch.seq[start..end] };
+            let ub =
+                Ubatch { tokens: &batch.tokens[start..end], pos: &batch.pos[start..end], seq: &batch.seq[start..end] };
             let mut x = m.head.embed(ub.tokens)?;
             for il in 0..m.layers.layout().n_layer {
                 m.layers.forward_layer(il, self.backend.as_ref(), &mut self.cache, &ub, &mut x)?;

@@ -7,7 +7,7 @@
 //! `leading_dense_block_count` dense ones, with shared experts.
 
 use crate::backend::Backend;
-use crate::common::{attend, AttnShape, Ffn, Ubatch};
+use crate::common::{attend, AttnShape, Ffn, Qkv, Ubatch};
 use crate::config::{Arch, Keys, RopeConfig};
 use crate::context::Layers;
 use crate::kv_cache::{KvCache, KvLayout};
@@ -32,7 +32,7 @@ enum KvUp {
 
 enum Ffw {
     Dense(Ffn),
-    Moe { moe: Moe, shared: Option<Ffn> },
+    Moe { moe: Box<Moe>, shared: Option<Ffn> },
 }
 
 struct Layer {
@@ -71,11 +71,8 @@ impl Deepseek2 {
         let k_mla = keys.opt_u32("attention.key_length_mla")?.unwrap_or(0);
         let v_mla = keys.opt_u32("attention.value_length_mla")?.unwrap_or(0);
         let mla = k_mla != 0 && v_mla != 0;
-        let (dk, dv) = if mla {
-            (k_mla, v_mla)
-        } else {
-            (keys.u32("attention.key_length")?, keys.u32("attention.value_length")?)
-        };
+        let (dk, dv) =
+            if mla { (k_mla, v_mla) } else { (keys.u32("attention.key_length")?, keys.u32("attention.value_length")?) };
         if dk <= n_rot {
             return Err(model_err(format!("deepseek2: key length {dk} must exceed the rope dimension {n_rot}")));
         }
@@ -128,7 +125,7 @@ impl Deepseek2 {
                 Ffw::Dense(Ffn::load(l, il, "", n_embd, n_ff)?)
             } else {
                 Ffw::Moe {
-                    moe: Moe::load(l, il, n_embd, n_ff_exp, routing)?,
+                    moe: Box::new(Moe::load(l, il, n_embd, n_ff_exp, routing)?),
                     shared: match n_shared {
                         0 => None,
                         s => Some(Ffn::load(l, il, "_shexp", n_embd, n_ff_exp * s)?),
@@ -150,7 +147,15 @@ impl Deepseek2 {
     }
 
     /// Attention of one layer: returns `[n][n_head * dv]` before `attn_output`.
-    fn attention(&self, ly: &Layer, il: usize, b: &dyn Backend, cache: &mut KvCache, ub: &Ubatch, h: &[f32]) -> Result<Vec<f32>> {
+    fn attention(
+        &self,
+        ly: &Layer,
+        il: usize,
+        b: &dyn Backend,
+        cache: &mut KvCache,
+        ub: &Ubatch,
+        h: &[f32],
+    ) -> Result<Vec<f32>> {
         let n = ub.len();
         let (nh, dk, dv, nr, kl) = (self.n_head, self.dk, self.dv, self.n_rot, self.kv_lora);
         let nope = dk - nr;
@@ -193,11 +198,12 @@ impl Deepseek2 {
                     }
                 }
                 let shape = AttnShape { n_head: nh, n_head_kv: 1, dk: dq, dv: kl, scale: self.kq_scale };
-                let lat = attend(b, cache, il, ub, &qcur, &kv, None, shape)?;
+                let lat = attend(b, cache, il, ub, Qkv { q: &qcur, k: &kv, v: None }, shape)?;
                 // Decompress each head's latent output with W_vb,h.
                 let mut o = vec![0f32; n * nh * dv];
                 for hd in 0..nh {
-                    let x: Vec<f32> = (0..n).flat_map(|t| lat[(t * nh + hd) * kl..(t * nh + hd + 1) * kl].iter().copied()).collect();
+                    let x: Vec<f32> =
+                        (0..n).flat_map(|t| lat[(t * nh + hd) * kl..(t * nh + hd + 1) * kl].iter().copied()).collect();
                     let mut y = vec![0f32; n * dv];
                     b.matmul_rows(v_b, hd * dv, dv, &x, &mut y)?;
                     for t in 0..n {
@@ -207,7 +213,8 @@ impl Deepseek2 {
                 Ok(o)
             }
             KvUp::Legacy(kv_b) => {
-                let latent: Vec<f32> = (0..n).flat_map(|t| kv[t * (kl + nr)..t * (kl + nr) + kl].iter().copied()).collect();
+                let latent: Vec<f32> =
+                    (0..n).flat_map(|t| kv[t * (kl + nr)..t * (kl + nr) + kl].iter().copied()).collect();
                 let mut up = vec![0f32; n * nh * (nope + dv)];
                 b.matmul(kv_b, &latent, &mut up)?;
                 let mut k = vec![0f32; n * nh * dk];
@@ -223,7 +230,7 @@ impl Deepseek2 {
                     }
                 }
                 let shape = AttnShape { n_head: nh, n_head_kv: nh, dk, dv, scale: self.kq_scale };
-                attend(b, cache, il, ub, &q, &k, Some(&v), shape)
+                attend(b, cache, il, ub, Qkv { q: &q, k: &k, v: Some(&v) }, shape)
             }
         }
     }

@@ -75,12 +75,12 @@ impl KvCache {
                 ty.block_size()
             ))
         };
-        if layout.k_head % k_type.block_size() != 0 {
+        if !layout.k_head.is_multiple_of(k_type.block_size()) {
             return Err(bad("K", k_type, layout.k_head));
         }
         // MLA reads V from the latent part of K, so that part must be whole blocks of K's type.
         let (v_ty_check, v_n) = if layout.v_row == 0 { (k_type, layout.v_head) } else { (v_type, layout.v_head) };
-        if v_n % v_ty_check.block_size() != 0 {
+        if !v_n.is_multiple_of(v_ty_check.block_size()) {
             return Err(bad("V", v_ty_check, v_n));
         }
         Ok(KvCache {
@@ -142,7 +142,11 @@ impl KvCache {
     /// Appends the K (and V) row of the next position of `seq` in layer `il`.
     pub(crate) fn push(&mut self, seq: usize, il: usize, k: &[f32], v: Option<&[f32]>) -> Result<()> {
         let n_layer = self.layout.n_layer;
-        let s = self.seqs.entry(seq).or_insert_with(|| SeqKv { len: 0, k: vec![Vec::new(); n_layer], v: vec![Vec::new(); n_layer] });
+        let s = self.seqs.entry(seq).or_insert_with(|| SeqKv {
+            len: 0,
+            k: vec![Vec::new(); n_layer],
+            v: vec![Vec::new(); n_layer],
+        });
         let kbuf = &mut s.k[il];
         let at = kbuf.len();
         kbuf.resize(at + self.k_row_bytes, 0);

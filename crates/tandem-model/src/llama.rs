@@ -2,7 +2,7 @@
 //! SmolLM2-135M-Instruct is the real model this is checked against.
 
 use crate::backend::Backend;
-use crate::common::{attend, AttnShape, Ffn, Ubatch};
+use crate::common::{attend, AttnShape, Ffn, Qkv, Ubatch};
 use crate::config::{Arch, Keys, RopeConfig};
 use crate::context::Layers;
 use crate::kv_cache::{KvCache, KvLayout};
@@ -118,7 +118,7 @@ impl Layers for Llama {
         let mut h = x.to_vec();
         b.rmsnorm(&mut h, self.n_embd, Some(&ly.attn_norm), self.eps);
         let (q, k, v) = qkv_roped(b, ub, &h, (&ly.wq, &ly.wk, &ly.wv), (None, None, self.eps), self.shape, &self.rope)?;
-        let o = attend(b, cache, il, ub, &q, &k, Some(&v), self.shape)?;
+        let o = attend(b, cache, il, ub, Qkv { q: &q, k: &k, v: Some(&v) }, self.shape)?;
         let mut attn = vec![0f32; n * self.n_embd];
         b.matmul(&ly.wo, &o, &mut attn)?;
         b.add(x, &attn);

@@ -52,7 +52,8 @@ impl Moe {
         if r.n_used == 0 || r.n_used > r.n_expert {
             return Err(model_err(format!("{} experts used of {}", r.n_used, r.n_expert)));
         }
-        if r.n_group > 1 && (r.n_expert % r.n_group != 0 || r.n_group_used == 0 || r.n_group_used > r.n_group) {
+        if r.n_group > 1 && (!r.n_expert.is_multiple_of(r.n_group) || r.n_group_used == 0 || r.n_group_used > r.n_group)
+        {
             return Err(model_err(format!(
                 "expert groups: {} experts in {} groups, {} used",
                 r.n_expert, r.n_group, r.n_group_used
@@ -116,8 +117,7 @@ impl Moe {
         let (ne, nf) = (self.n_embd, self.n_ff);
         let mut logits = vec![0f32; n * self.r.n_expert];
         b.matmul(&self.gate_inp, h, &mut logits)?;
-        let routes: Vec<Vec<(usize, f32)>> =
-            logits.chunks_exact(self.r.n_expert).map(|l| self.route(l)).collect();
+        let routes: Vec<Vec<(usize, f32)>> = logits.chunks_exact(self.r.n_expert).map(|l| self.route(l)).collect();
         // Each expert runs once on all the tokens routed to it.
         let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); self.r.n_expert];
         for (t, route) in routes.iter().enumerate() {

@@ -3,7 +3,7 @@
 //! (llama.cpp src/models/qwen3moe.cpp).
 
 use crate::backend::Backend;
-use crate::common::{attend, AttnShape, Ubatch};
+use crate::common::{attend, AttnShape, Qkv, Ubatch};
 use crate::config::{Arch, Keys, RopeConfig};
 use crate::context::Layers;
 use crate::kv_cache::{KvCache, KvLayout};
@@ -76,7 +76,13 @@ impl Qwen3Moe {
 impl Layers for Qwen3Moe {
     fn layout(&self) -> KvLayout {
         let s = self.shape;
-        KvLayout { n_layer: self.layers.len(), k_row: s.n_head_kv * s.dk, v_row: s.n_head_kv * s.dv, k_head: s.dk, v_head: s.dv }
+        KvLayout {
+            n_layer: self.layers.len(),
+            k_row: s.n_head_kv * s.dk,
+            v_row: s.n_head_kv * s.dv,
+            k_head: s.dk,
+            v_head: s.dv,
+        }
     }
 
     fn forward_layer(&self, il: usize, b: &dyn Backend, cache: &mut KvCache, ub: &Ubatch, x: &mut [f32]) -> Result<()> {
@@ -86,7 +92,7 @@ impl Layers for Qwen3Moe {
         b.rmsnorm(&mut h, self.n_embd, Some(&ly.attn_norm), self.eps);
         let norms = (Some(ly.q_norm.as_slice()), Some(ly.k_norm.as_slice()), self.eps);
         let (q, k, v) = qkv_roped(b, ub, &h, (&ly.wq, &ly.wk, &ly.wv), norms, self.shape, &self.rope)?;
-        let o = attend(b, cache, il, ub, &q, &k, Some(&v), self.shape)?;
+        let o = attend(b, cache, il, ub, Qkv { q: &q, k: &k, v: Some(&v) }, self.shape)?;
         let mut attn = vec![0f32; n * self.n_embd];
         b.matmul(&ly.wo, &o, &mut attn)?;
         b.add(x, &attn);

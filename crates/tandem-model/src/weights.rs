@@ -1,8 +1,8 @@
 //! Weights bound by GGUF tensor name, used in place from the memory map.
 
 use crate::{model_err, Result};
-use std::collections::HashSet;
 use std::cell::RefCell;
+use std::collections::HashSet;
 use std::sync::Arc;
 use tandem_cpu::WeightRef;
 use tandem_gguf::{GgmlType, GgufModel};
@@ -77,7 +77,6 @@ impl WeightLoader {
     pub fn gguf(&self) -> &GgufModel {
         &self.src
     }
-
 
     /// A tensor that must exist with shape `dims` (ggml order).
     pub fn get(&self, name: &str, dims: &[usize]) -> Result<Weight> {
