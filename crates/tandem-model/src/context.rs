@@ -169,6 +169,11 @@ impl Context {
         self.cache.truncate(seq, n)
     }
 
+    /// Makes `dst` start with the first `n` cached positions of `src`, without recomputing them.
+    pub fn copy_prefix(&mut self, src: usize, dst: usize, n: usize) {
+        self.cache.copy_prefix(src, dst, n)
+    }
+
     fn check(&self, batch: &Batch) -> Result<()> {
         let n = batch.len();
         if batch.pos.len() != n || batch.seq.len() != n || batch.logits.len() != n {

@@ -134,6 +134,25 @@ impl KvCache {
         }
     }
 
+    /// Makes `dst` a copy of the first `n` positions of `src` (a shared prompt prefix computed once).
+    pub fn copy_prefix(&mut self, src: usize, dst: usize, n: usize) {
+        if src == dst {
+            self.truncate(dst, n);
+            return;
+        }
+        let n = n.min(self.seq_len(src));
+        self.truncate(dst, 0);
+        let Some(s) = self.seqs.get(&src) else { return };
+        let copy = SeqKv {
+            len: n,
+            k: s.k.iter().map(|k| k[..n * self.k_row_bytes].to_vec()).collect(),
+            v: s.v.iter().map(|v| v[..(n * self.v_row_bytes).min(v.len())].to_vec()).collect(),
+        };
+        if n > 0 {
+            self.seqs.insert(dst, copy);
+        }
+    }
+
     /// Bytes the cache holds now.
     pub fn used_bytes(&self) -> usize {
         self.seqs.values().map(|s| s.len * (self.k_row_bytes + self.v_row_bytes) * self.layout.n_layer).sum()
