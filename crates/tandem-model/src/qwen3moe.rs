@@ -48,7 +48,8 @@ impl Qwen3Moe {
             n_used: keys.u32("expert_used_count")?,
             gating: Gating::Softmax,
             norm_weights: true,
-            scale: keys.opt_f32("expert_weights_scale")?.unwrap_or(0.0),
+            // llama.cpp's qwen3moe never reads expert_weights_scale: weights are not scaled.
+            scale: 0.0,
             n_group: 0,
             n_group_used: 0,
         };
