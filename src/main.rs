@@ -23,6 +23,12 @@ enum Command {
     Logits(tandem::logits::LogitsArgs),
     /// Plan where every tensor goes (-ngl, -ot, --cpu-moe, --fit) and the memory of each device, from headers only.
     Plan(Box<tandem::plan::PlanArgs>),
+    /// Generate text: the prompt through the chat template, tokens streamed to stdout (--chat: interactive).
+    Run(Box<tandem::run::RunArgs>),
+    /// Print the token ids of a text, as llama.cpp tokenizes it.
+    Tokenize(tandem::tokenize::TokenizeArgs),
+    /// Serve the model over gRPC (continuous batching, prompt cache, health, metrics); no -m: a demo model.
+    Serve(Box<tandem::serve::ServeArgs>),
 }
 
 #[derive(Args)]
@@ -81,6 +87,9 @@ fn main() -> ExitCode {
         Command::Inspect(args) => inspect(args),
         Command::Logits(args) => tandem::logits::run(args),
         Command::Plan(args) => tandem::plan::run(args),
+        Command::Run(args) => tandem::run::run(args),
+        Command::Tokenize(args) => tandem::tokenize::run(args),
+        Command::Serve(args) => tandem::serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,1 +1,50 @@
-//! Slots, continuous batching, prompt cache and sampling. Filled in by the serve issue.
+//! Slots, continuous batching, prompt cache and sampling. So far: [`sampling`] (the sampler chain
+//! and stop strings); the rest comes with the serve issue.
+
+pub mod demo;
+mod handle;
+pub mod request;
+pub mod sampling;
+mod scheduler;
+mod slot;
+pub mod stats;
+
+pub use handle::{Engine, EngineConfig, EngineHandle, EngineInfo, Logger};
+pub use request::{
+    Event, Failure, Finish, FinishReason, LengthLimit, PositionLogprobs, Prompt, Request, Sink, Timings, TokenLogprob,
+    Usage,
+};
+pub use sampling::{argmax, Sampler, SamplingParams, StopMatcher, StopOutput};
+pub use stats::Stats;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The error type of tandem-engine. Every message is one line and names the offending value.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A sampling parameter no sampler can use.
+    #[error("invalid sampling parameter: {0}")]
+    InvalidParam(String),
+    /// A request no engine can run: an empty prompt, a token id outside the vocabulary, a prompt
+    /// longer than the context (the serve issue).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// Every slot is busy and the queue holds as many requests as it may.
+    #[error("the queue is full ({0} requests waiting for a slot); retry later")]
+    QueueFull(usize),
+    /// A request with this id is still queued or running.
+    #[error("a request with id '{0}' is already running")]
+    AlreadyRunning(String),
+    /// The engine is stopping or has stopped.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    /// Chat on a model whose GGUF has no `tokenizer.chat_template`.
+    #[error("the model has no chat template (tokenizer.chat_template); use Generate with a prompt")]
+    NoChatTemplate,
+    #[error(transparent)]
+    Model(#[from] tandem_model::Error),
+    #[error(transparent)]
+    Tokenizer(#[from] tandem_tokenizer::Error),
+    #[error(transparent)]
+    Gguf(#[from] tandem_gguf::Error),
+}

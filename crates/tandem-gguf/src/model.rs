@@ -147,6 +147,11 @@ impl GgufModel {
         Ok(GgufModel { shards, order, index })
     }
 
+    /// A model of one file already opened or built in memory (`GgufFile::from_bytes`).
+    pub fn from_file(file: GgufFile) -> Result<GgufModel> {
+        Self::from_shards(vec![file])
+    }
+
     pub fn shards(&self) -> &[GgufFile] {
         &self.shards
     }

@@ -1,1 +1,34 @@
-//! gRPC and HTTP front ends over the engine. Filled in by the serve and HTTP issues.
+//! gRPC front end over the engine: `tandem.v1.InferenceService` (proto/tandem/v1/inference.proto),
+//! the standard `grpc.health.v1.Health`, server reflection (v1 and v1alpha) and Prometheus metrics.
+//! The server only translates: the engine owns the model and does the work.
+
+mod convert;
+pub mod metrics;
+mod server;
+mod service;
+
+pub use server::{start, Drained, RunningServer, SERVICE_NAME};
+pub use service::ModelDescription;
+
+/// The generated messages, client and server of `tandem.v1`.
+pub mod pb {
+    #![allow(clippy::all)]
+    tonic::include_proto!("tandem.v1");
+    /// The encoded descriptor set of proto/tandem/v1 (served by reflection).
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("tandem_v1_descriptor");
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The error type of tandem-server.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}: {1}")]
+    Io(String, #[source] std::io::Error),
+    #[error("gRPC transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("server reflection: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error(transparent)]
+    Engine(#[from] tandem_engine::Error),
+}

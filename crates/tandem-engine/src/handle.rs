@@ -1,0 +1,360 @@
+//! Starting the engine and talking to it. [`Engine::start`] warms the model up, prefills the
+//! system prompt and moves the context onto its own thread; [`EngineHandle`]s (cheap clones, any
+//! thread) validate and submit requests, abort them, and read the statistics.
+
+use crate::request::{CancelFlag, Prompt, Request, Sink, MAX_LOGPROBS};
+use crate::scheduler::{Command, Scheduler};
+use crate::slot::Job;
+use crate::stats::Stats;
+use crate::{Error, Result, Sampler};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use tandem_model::{Batch, Context, Model};
+use tandem_tokenizer::{message, ChatTemplate, Tokenizer};
+
+/// Where the engine writes its one-line notes (prompt-cache divergences, failed batches).
+pub type Logger = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// How the engine runs.
+#[derive(Clone)]
+pub struct EngineConfig {
+    /// Slots: requests generated at the same time (`-np`).
+    pub n_parallel: usize,
+    /// Requests that may wait for a slot (`--queue-size`); more are refused.
+    pub queue_size: usize,
+    /// Server cap on generated tokens per request (`-n`; 0 = none but the context).
+    pub max_tokens: u32,
+    /// Most prompt tokens computed per step, shared by the slots reading their prompts.
+    pub prefill_chunk: usize,
+    /// A free slot is reused for its cache when it holds at least this share of the prompt.
+    pub slot_similarity: f32,
+    /// Text every Generate prompt starts with, prefilled once at start.
+    pub system_prompt: Option<String>,
+    pub log: Option<Logger>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            n_parallel: 1,
+            queue_size: 64,
+            max_tokens: 0,
+            prefill_chunk: 512,
+            slot_similarity: 0.5,
+            system_prompt: None,
+            log: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for EngineConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineConfig")
+            .field("n_parallel", &self.n_parallel)
+            .field("queue_size", &self.queue_size)
+            .field("max_tokens", &self.max_tokens)
+            .field("prefill_chunk", &self.prefill_chunk)
+            .field("slot_similarity", &self.slot_similarity)
+            .finish()
+    }
+}
+
+/// What is being served.
+#[derive(Clone, Debug)]
+pub struct EngineInfo {
+    pub n_vocab: usize,
+    /// Positions per slot.
+    pub n_ctx: usize,
+    pub system_prompt_tokens: usize,
+}
+
+/// State shared by the handles and the engine thread.
+pub(crate) struct Shared {
+    tx: Mutex<Sender<Command>>,
+    pub config: EngineConfig,
+    pub model: Arc<Model>,
+    pub tokenizer: Arc<Tokenizer>,
+    template: Option<ChatTemplate>,
+    pub stats: Arc<Stats>,
+    pub info: EngineInfo,
+    sys: Vec<u32>,
+    /// Ids of queued and running requests.
+    inflight: Mutex<HashMap<String, CancelFlag>>,
+    /// Queued plus running requests.
+    pending: AtomicUsize,
+    next_id: AtomicU64,
+    stopped: AtomicBool,
+}
+
+impl Shared {
+    pub fn log(&self, msg: &str) {
+        if let Some(l) = &self.config.log {
+            l(msg);
+        }
+    }
+
+    pub fn release(&self, id: &str) {
+        self.inflight.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
+        self.pending.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The engine: its thread and a handle to it. Dropping it stops the thread.
+pub struct Engine {
+    handle: EngineHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Submits requests to the engine; clone freely.
+#[derive(Clone)]
+pub struct EngineHandle(Arc<Shared>);
+
+impl Engine {
+    /// Warms the model up with one token, prefills the system prompt, and starts the thread.
+    pub fn start(mut ctx: Context, tokenizer: Tokenizer, config: EngineConfig) -> Result<Engine> {
+        if config.n_parallel == 0 {
+            return Err(Error::InvalidRequest("--parallel must be at least 1".into()));
+        }
+        let sys_seq = config.n_parallel;
+        let warm_seq = config.n_parallel + 1;
+        let warm_token = tokenizer.special_ids().bos.unwrap_or(0);
+        ctx.decode(&Batch::sequence(&[warm_token], 0, warm_seq, false))?;
+        ctx.truncate(warm_seq, 0);
+        let sys = match config.system_prompt.as_deref() {
+            Some(text) if !text.is_empty() => tokenizer.encode(text, true, true)?,
+            _ => Vec::new(),
+        };
+        let n_ctx = ctx.params().n_ctx;
+        if sys.len() >= n_ctx {
+            return Err(Error::InvalidRequest(format!(
+                "the system prompt is {} tokens, the context holds {n_ctx} per slot (raise -c)",
+                sys.len()
+            )));
+        }
+        if !sys.is_empty() {
+            if let Some(log) = &config.log {
+                log(&format!("prefilling the system prompt: {} tokens", sys.len()));
+            }
+        }
+        for (k, chunk) in sys.chunks(config.prefill_chunk.max(1)).enumerate() {
+            ctx.decode(&Batch::sequence(chunk, (k * config.prefill_chunk.max(1)) as u32, sys_seq, false))?;
+        }
+        let template = match tokenizer.chat_template() {
+            Some(src) => Some(ChatTemplate::new(src, tokenizer.bos_text(), tokenizer.eos_text())?),
+            None => None,
+        };
+        let stats = Arc::new(Stats::default());
+        stats.kv_capacity_tokens.set((n_ctx * config.n_parallel) as u64);
+        let (tx, rx) = channel();
+        let info = EngineInfo { n_vocab: ctx.model().n_vocab(), n_ctx, system_prompt_tokens: sys.len() };
+        let shared = Arc::new(Shared {
+            tx: Mutex::new(tx),
+            model: ctx.model().clone(),
+            tokenizer: Arc::new(tokenizer),
+            template,
+            stats,
+            info,
+            sys: sys.clone(),
+            inflight: Mutex::new(HashMap::new()),
+            pending: AtomicUsize::new(0),
+            next_id: AtomicU64::new(1),
+            stopped: AtomicBool::new(false),
+            config,
+        });
+        let scheduler = Scheduler::new(ctx, shared.clone(), sys_seq, sys);
+        let on_thread = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("tandem-engine".into())
+            .spawn(move || {
+                // a bug must not leave clients waiting forever: the sinks are dropped (their
+                // streams end with INTERNAL) and new requests are refused
+                let run = std::panic::AssertUnwindSafe(|| scheduler.run(rx));
+                if std::panic::catch_unwind(run).is_err() {
+                    on_thread.stopped.store(true, Ordering::Release);
+                    on_thread.log("the engine thread panicked; new requests are refused");
+                }
+            })
+            .map_err(|e| Error::Unavailable(format!("starting the engine thread: {e}")))?;
+        Ok(Engine { handle: EngineHandle(shared), thread: Some(thread) })
+    }
+
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+
+    /// Fails whatever is queued or running with UNAVAILABLE and ends the thread.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.handle.0.stopped.store(true, Ordering::Release);
+        let _ = self.handle.0.tx.lock().unwrap_or_else(|e| e.into_inner()).send(Command::Stop);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl EngineHandle {
+    pub fn model(&self) -> &Arc<Model> {
+        &self.0.model
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.0.tokenizer
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.0.config
+    }
+
+    pub fn info(&self) -> &EngineInfo {
+        &self.0.info
+    }
+
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.0.stats
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.0.template.is_some()
+    }
+
+    /// False once the engine has stopped (shutdown, or a bug ended its thread).
+    pub fn is_running(&self) -> bool {
+        !self.0.stopped.load(Ordering::Acquire)
+    }
+
+    /// Queued plus running requests.
+    pub fn pending(&self) -> usize {
+        self.0.pending.load(Ordering::Acquire)
+    }
+
+    /// Validates `req` and queues it; events go to `sink`. Returns the request's id.
+    pub fn submit(&self, req: Request, sink: Box<dyn Sink>) -> Result<String> {
+        let s = &*self.0;
+        if s.stopped.load(Ordering::Acquire) {
+            return Err(Error::Unavailable("the server is shutting down".into()));
+        }
+        let tokens = self.prompt_tokens(&req.prompt)?;
+        let sampler = self.check(&req, &tokens)?;
+        let id = if req.id.is_empty() {
+            format!("req-{}", s.next_id.fetch_add(1, Ordering::Relaxed))
+        } else {
+            req.id.clone()
+        };
+        let cancel = CancelFlag::default();
+        {
+            let mut inflight = s.inflight.lock().unwrap_or_else(|e| e.into_inner());
+            if inflight.contains_key(&id) {
+                return Err(Error::AlreadyRunning(id));
+            }
+            let cap = s.config.n_parallel + s.config.queue_size;
+            if s.pending.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| (p < cap).then_some(p + 1)).is_err() {
+                s.stats.requests_rejected.add(1);
+                return Err(Error::QueueFull(s.config.queue_size));
+            }
+            inflight.insert(id.clone(), cancel.clone());
+        }
+        let job = Job { id: id.clone(), req, tokens, sampler, cancel, sink };
+        if s.tx.lock().unwrap_or_else(|e| e.into_inner()).send(Command::Submit(Box::new(job))).is_err() {
+            s.release(&id);
+            return Err(Error::Unavailable("the engine has stopped".into()));
+        }
+        Ok(id)
+    }
+
+    /// Cancels a queued or running request; its stream ends with `Cancelled` within one step.
+    pub fn abort(&self, id: &str) -> bool {
+        match self.0.inflight.lock().unwrap_or_else(|e| e.into_inner()).get(id) {
+            Some(flag) => {
+                flag.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The prompt as the engine will see it: the system prompt's tokens first for Generate.
+    pub fn prompt_tokens(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        let s = &*self.0;
+        let tok = &s.tokenizer;
+        Ok(match prompt {
+            Prompt::Text(text) => {
+                if text.is_empty() {
+                    return Err(Error::InvalidRequest("the prompt is empty".into()));
+                }
+                let mut ids = s.sys.clone();
+                ids.extend(tok.encode(text, s.sys.is_empty(), true)?);
+                ids
+            }
+            Prompt::Tokens(ids) => {
+                if ids.is_empty() {
+                    return Err(Error::InvalidRequest("the prompt is empty (no token ids)".into()));
+                }
+                let n_vocab = s.info.n_vocab;
+                if let Some((i, t)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= n_vocab) {
+                    return Err(Error::InvalidRequest(format!(
+                        "token id {t} at index {i} is outside the vocabulary of {n_vocab} tokens"
+                    )));
+                }
+                let mut all = s.sys.clone();
+                all.extend_from_slice(ids);
+                all
+            }
+            Prompt::Chat(messages) => {
+                if messages.is_empty() {
+                    return Err(Error::InvalidRequest("the chat has no messages".into()));
+                }
+                let text = self.render_chat(messages)?;
+                tok.encode(&text, true, true)?
+            }
+        })
+    }
+
+    /// Renders chat messages with the model's template and an assistant prompt. A BOS the
+    /// template writes is dropped when the tokenizer adds one anyway, as llama.cpp does.
+    pub fn render_chat(&self, messages: &[(String, String)]) -> Result<String> {
+        let s = &*self.0;
+        let Some(t) = &s.template else { return Err(Error::NoChatTemplate) };
+        let msgs: Vec<_> = messages.iter().map(|(r, c)| message(r, c)).collect();
+        let text = t.render(&msgs, None, true)?;
+        let bos = s.tokenizer.bos_text();
+        Ok(match text.strip_prefix(bos) {
+            Some(rest) if s.tokenizer.add_bos() && !bos.is_empty() => rest.to_string(),
+            _ => text,
+        })
+    }
+
+    /// Checks everything about a request except its prompt's tokens; returns its sampler.
+    fn check(&self, req: &Request, tokens: &[u32]) -> Result<Sampler> {
+        let n_ctx = self.0.info.n_ctx;
+        if tokens.is_empty() {
+            return Err(Error::InvalidRequest("the prompt is empty (it tokenizes to no tokens)".into()));
+        }
+        if tokens.len() >= n_ctx {
+            return Err(Error::InvalidRequest(format!(
+                "the prompt is {} tokens, the context holds {n_ctx} per slot",
+                tokens.len()
+            )));
+        }
+        let t = req.sampling.temperature;
+        if t.is_nan() || t < 0.0 {
+            return Err(Error::InvalidParam(format!("temperature = {t}: must be a number >= 0")));
+        }
+        if req.logprobs > MAX_LOGPROBS {
+            return Err(Error::InvalidRequest(format!("logprobs = {}: at most {MAX_LOGPROBS}", req.logprobs)));
+        }
+        Sampler::new(req.sampling.clone())
+    }
+}

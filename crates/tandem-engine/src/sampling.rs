@@ -1,0 +1,366 @@
+//! Sampling, per request: repetition / presence / frequency penalties over a window, then top-k,
+//! top-p, min-p and temperature, then a draw from a seeded ChaCha20 generator (the same seed gives
+//! the same tokens); temperature 0 is greedy. The order is llama.cpp's default sampler chain
+//! (common/sampling.cpp: penalties; top_k; top_p; min_p; temperature; dist).
+//!
+//! Also here: [`StopMatcher`], which finds stop strings across token boundaries and holds back
+//! text that might be the start of one, so a stop string is never emitted.
+
+use crate::{Error, Result};
+use rand_chacha::ChaCha20Rng;
+use rand_core::{RngCore, SeedableRng};
+use std::collections::{HashMap, VecDeque};
+
+/// How to pick the next token. The defaults are llama.cpp's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; `<= 0` picks the most likely token (greedy).
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens (0 = all).
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability adds up to `top_p` (1 = all).
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one (0 = none).
+    pub min_p: f32,
+    /// Divide positive (multiply negative) logits of tokens in the window by this (1 = off).
+    pub repeat_penalty: f32,
+    /// Subtract this from the logit of every token in the window (0 = off).
+    pub presence_penalty: f32,
+    /// Subtract this times the token's count in the window (0 = off).
+    pub frequency_penalty: f32,
+    /// How many of the last tokens the penalties look at (0 = none).
+    pub penalty_last_n: usize,
+    /// Seed of the random draw.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            penalty_last_n: 64,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding: always the most likely token.
+    pub fn greedy() -> SamplingParams {
+        SamplingParams { temperature: 0.0, ..SamplingParams::default() }
+    }
+
+    /// Rejects values no sampler can use; the message names the parameter.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |name: &str, v: f32, want: &str| Err(Error::InvalidParam(format!("{name} = {v}: must be {want}")));
+        if !self.temperature.is_finite() {
+            return bad("temperature", self.temperature, "a finite number");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", self.top_p, "in (0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", self.min_p, "in [0, 1]");
+        }
+        if !(self.repeat_penalty.is_finite() && self.repeat_penalty > 0.0) {
+            return bad("repeat_penalty", self.repeat_penalty, "a positive number");
+        }
+        if !self.presence_penalty.is_finite() {
+            return bad("presence_penalty", self.presence_penalty, "a finite number");
+        }
+        if !self.frequency_penalty.is_finite() {
+            return bad("frequency_penalty", self.frequency_penalty, "a finite number");
+        }
+        Ok(())
+    }
+}
+
+/// A sampler for one request: its parameters, random state and penalty window.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: ChaCha20Rng,
+    window: VecDeque<u32>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Result<Sampler> {
+        params.validate()?;
+        let rng = ChaCha20Rng::seed_from_u64(params.seed);
+        Ok(Sampler { params, rng, window: VecDeque::new() })
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Records a token (prompt or generated) in the penalty window.
+    pub fn accept(&mut self, token: u32) {
+        if self.params.penalty_last_n == 0 {
+            return;
+        }
+        if self.window.len() == self.params.penalty_last_n {
+            self.window.pop_front();
+        }
+        self.window.push_back(token);
+    }
+
+    /// Picks the next token from one row of logits. Does not [`accept`](Self::accept) it.
+    pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
+        if logits.is_empty() {
+            return Err(Error::InvalidParam("no logits to sample from (empty vocabulary)".into()));
+        }
+        let p = &self.params;
+        let mut logits = logits.to_vec();
+        self.apply_penalties(&mut logits);
+        if p.temperature <= 0.0 {
+            return Ok(argmax(&logits));
+        }
+        // candidates, most likely first (ties: lower id first, like a stable sort)
+        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && p.top_k < cand.len() {
+            cand.select_nth_unstable_by(p.top_k - 1, by_logit);
+            cand.truncate(p.top_k);
+        }
+        cand.sort_unstable_by(by_logit);
+        if p.top_p < 1.0 {
+            let probs = softmax(&cand);
+            let mut sum = 0.0;
+            let mut keep = cand.len();
+            for (i, q) in probs.iter().enumerate() {
+                sum += q;
+                if sum >= p.top_p as f64 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cand.truncate(keep.max(1));
+        }
+        if p.min_p > 0.0 {
+            // p_i >= min_p * p_max  <=>  l_i >= l_max + ln(min_p)
+            let threshold = cand[0].1 + p.min_p.ln();
+            let keep = cand.iter().take_while(|c| c.1 >= threshold).count();
+            cand.truncate(keep.max(1));
+        }
+        for c in &mut cand {
+            c.1 /= p.temperature;
+        }
+        let probs = softmax(&cand);
+        let r = (self.rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
+        let mut sum = 0.0;
+        for (c, q) in cand.iter().zip(&probs) {
+            sum += q;
+            if r < sum {
+                return Ok(c.0);
+            }
+        }
+        Ok(cand[cand.len() - 1].0)
+    }
+
+    /// llama.cpp's penalties sampler: repetition (divide/multiply), frequency and presence.
+    fn apply_penalties(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        if self.window.is_empty()
+            || (p.repeat_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0)
+        {
+            return;
+        }
+        let mut counts: HashMap<u32, u32> = HashMap::new();
+        for &t in &self.window {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (&t, &n) in &counts {
+            let Some(l) = logits.get_mut(t as usize) else { continue };
+            if *l <= 0.0 {
+                *l *= p.repeat_penalty;
+            } else {
+                *l /= p.repeat_penalty;
+            }
+            *l -= n as f32 * p.frequency_penalty + p.presence_penalty;
+        }
+    }
+}
+
+/// The index of the largest logit (the first one on ties, like llama.cpp's greedy sampler).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn softmax(cand: &[(u32, f32)]) -> Vec<f64> {
+    let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max) as f64;
+    let exps: Vec<f64> = cand.iter().map(|c| (c.1 as f64 - max).exp()).collect();
+    let sum: f64 = exps.iter().sum();
+    exps.into_iter().map(|e| e / sum).collect()
+}
+
+/// Finds stop strings in streamed text. Text that could still become a stop string is held back
+/// until it cannot; a stop string itself and everything after it are never emitted.
+#[derive(Clone, Debug, Default)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+    held: String,
+    stopped: bool,
+}
+
+/// What [`StopMatcher::push`] lets through.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StopOutput {
+    /// Text safe to emit now.
+    pub text: String,
+    /// A stop string was found: generation should end (after emitting `text`).
+    pub stopped: bool,
+}
+
+impl StopMatcher {
+    /// Empty stop strings are ignored.
+    pub fn new<S: AsRef<str>>(stops: &[S]) -> StopMatcher {
+        let stops = stops.iter().map(|s| s.as_ref().to_string()).filter(|s| !s.is_empty()).collect();
+        StopMatcher { stops, held: String::new(), stopped: false }
+    }
+
+    pub fn push(&mut self, text: &str) -> StopOutput {
+        if self.stopped {
+            return StopOutput { text: String::new(), stopped: true };
+        }
+        self.held.push_str(text);
+        // the earliest stop string wins
+        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+            self.stopped = true;
+            let text = self.held[..at].to_string();
+            self.held.clear();
+            return StopOutput { text, stopped: true };
+        }
+        // hold back the longest tail that is a prefix of some stop string
+        let mut keep_from = self.held.len();
+        for (i, _) in self.held.char_indices() {
+            let tail = &self.held[i..];
+            if self.stops.iter().any(|s| s.starts_with(tail)) {
+                keep_from = i;
+                break;
+            }
+        }
+        let text = self.held[..keep_from].to_string();
+        self.held.drain(..keep_from);
+        StopOutput { text, stopped: false }
+    }
+
+    /// The end of the stream: whatever was held back is not a stop string after all.
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        vec![1.0, 3.0, 2.5, -1.0, 2.9, 0.0]
+    }
+
+    #[test]
+    fn greedy_takes_the_argmax() {
+        let mut s = Sampler::new(SamplingParams::greedy()).unwrap();
+        assert_eq!(s.sample(&logits()).unwrap(), 1);
+        assert_eq!(argmax(&[1.0, 5.0, 5.0]), 1);
+    }
+
+    #[test]
+    fn same_seed_same_tokens() {
+        let p = SamplingParams {
+            temperature: 1.5,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 42,
+            ..SamplingParams::default()
+        };
+        let draw = |p: &SamplingParams| {
+            let mut s = Sampler::new(p.clone()).unwrap();
+            (0..64).map(|_| s.sample(&logits()).unwrap()).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(&p), draw(&p));
+        assert_ne!(draw(&p), draw(&SamplingParams { seed: 43, ..p.clone() }));
+        // a high temperature over six candidates reaches more than one of them
+        assert!(draw(&p).iter().collect::<std::collections::HashSet<_>>().len() > 2);
+    }
+
+    #[test]
+    fn filters_restrict_the_candidates() {
+        let base = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, ..SamplingParams::default() };
+        for (p, allowed) in [
+            (SamplingParams { top_k: 2, ..base.clone() }, vec![1, 4]),
+            (SamplingParams { top_p: 0.3, ..base.clone() }, vec![1]),
+            (SamplingParams { min_p: 0.6, ..base.clone() }, vec![1, 4, 2]),
+        ] {
+            for seed in 0..50 {
+                let mut s = Sampler::new(SamplingParams { seed, ..p.clone() }).unwrap();
+                let t = s.sample(&logits()).unwrap();
+                assert!(allowed.contains(&t), "{p:?} gave {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn penalties_follow_llama_cpp() {
+        let p = SamplingParams {
+            repeat_penalty: 2.0,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..SamplingParams::greedy()
+        };
+        let mut s = Sampler::new(p).unwrap();
+        s.accept(1);
+        s.accept(1);
+        s.accept(3);
+        let mut l = logits();
+        s.apply_penalties(&mut l);
+        assert_eq!(l[1], 3.0 / 2.0 - 2.0 * 0.25 - 0.5);
+        assert_eq!(l[3], -2.0 - 0.25 - 0.5); // a negative logit is multiplied
+        assert_eq!(s.sample(&logits()).unwrap(), 4); // token 1 is penalised below token 4
+    }
+
+    #[test]
+    fn invalid_params_are_rejected() {
+        let e = Sampler::new(SamplingParams { top_p: 0.0, ..SamplingParams::default() }).unwrap_err();
+        assert!(e.to_string().contains("top_p"), "{e}");
+        assert!(Sampler::new(SamplingParams { temperature: f32::NAN, ..SamplingParams::default() }).is_err());
+    }
+
+    #[test]
+    fn stop_strings_are_found_across_pieces_and_never_emitted() {
+        let mut m = StopMatcher::new(&["</end>", "STOP"]);
+        let mut out = String::new();
+        let mut stopped = false;
+        for piece in ["Hello <", "/e", "x> and </", "en", "d> tail"] {
+            let o = m.push(piece);
+            out.push_str(&o.text);
+            if o.stopped {
+                stopped = true;
+                break;
+            }
+        }
+        assert!(stopped);
+        assert_eq!(out, "Hello </ex> and ");
+        // held-back text that never becomes a stop string comes out at the end
+        let mut m = StopMatcher::new(&["STOP"]);
+        assert_eq!(m.push("a ST").text, "a ");
+        assert_eq!(m.push("O").text, "");
+        assert_eq!(m.finish(), "STO");
+        let mut m = StopMatcher::new::<&str>(&[]);
+        assert_eq!(m.push("anything").text, "anything");
+    }
+}

@@ -1,0 +1,331 @@
+//! The engine thread: it owns the model context and runs continuous batching. Every step decodes
+//! one token for each generating slot and up to `prefill_chunk` prompt tokens of slots still
+//! reading their prompt, all in one batch, so a long prompt never stalls the others for more than
+//! one chunk. Between steps it takes new requests, aborts, disconnects and deadlines.
+
+use crate::handle::Shared;
+use crate::request::{Failure, FinishReason};
+use crate::slot::{end_queued, Active, End, Job, Next};
+use std::collections::VecDeque;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::Instant;
+use tandem_model::{Batch, Context};
+
+/// Tokens of context shown on each side when a prompt diverges from a cached prefix.
+const DIVERGENCE_CONTEXT_TOKENS: usize = 8;
+/// Tokens a prompt must share with a cache (beyond the system prompt) before its divergence is
+/// worth reporting: every prompt shares BOS and perhaps a word with some cache.
+const DIVERGENCE_MIN_SHARED: usize = 4;
+
+pub(crate) enum Command {
+    Submit(Box<Job>),
+    /// Fail everything with UNAVAILABLE and end the thread.
+    Stop,
+}
+
+/// A sequence of the KV cache and the tokens it holds.
+pub(crate) struct Slot {
+    seq: usize,
+    /// Tokens whose KV is cached for `seq`, in order.
+    cache: Vec<u32>,
+    /// Step of last use, for least-recently-used choice.
+    last_used: u64,
+    active: Option<Active>,
+}
+
+pub(crate) struct Scheduler {
+    ctx: Context,
+    shared: Arc<Shared>,
+    slots: Vec<Slot>,
+    queue: VecDeque<Job>,
+    /// The KV sequence that holds the system prompt, and its tokens.
+    sys_seq: usize,
+    sys: Vec<u32>,
+    step: u64,
+}
+
+/// Length of the longest common prefix.
+pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl Scheduler {
+    pub fn new(ctx: Context, shared: Arc<Shared>, sys_seq: usize, sys: Vec<u32>) -> Scheduler {
+        let n = shared.config.n_parallel;
+        let slots = (0..n).map(|seq| Slot { seq, cache: Vec::new(), last_used: 0, active: None }).collect();
+        Scheduler { ctx, shared, slots, queue: VecDeque::new(), sys_seq, sys, step: 0 }
+    }
+
+    fn idle(&self) -> bool {
+        self.queue.is_empty() && self.slots.iter().all(|s| s.active.is_none())
+    }
+
+    pub fn run(mut self, rx: Receiver<Command>) {
+        loop {
+            if self.idle() {
+                self.publish();
+                match rx.recv() {
+                    Ok(cmd) => {
+                        if !self.command(cmd) {
+                            return;
+                        }
+                    }
+                    Err(_) => return,
+                }
+            }
+            while let Ok(cmd) = rx.try_recv() {
+                if !self.command(cmd) {
+                    return;
+                }
+            }
+            self.sweep();
+            self.admit();
+            self.publish();
+            self.decode_step();
+        }
+    }
+
+    /// Returns false when the thread should end.
+    fn command(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit(job) => {
+                self.queue.push_back(*job);
+                true
+            }
+            Command::Stop => {
+                let why = || End::Failed(Failure::Unavailable("the server is shutting down".into()));
+                for job in std::mem::take(&mut self.queue) {
+                    self.release(&job.id);
+                    end_queued(job, why(), &self.shared.stats);
+                }
+                for i in 0..self.slots.len() {
+                    self.end_slot(i, why());
+                }
+                self.publish();
+                false
+            }
+        }
+    }
+
+    /// Ends requests that were aborted, whose client left, or whose deadline passed.
+    fn sweep(&mut self) {
+        let now = Instant::now();
+        let why = |cancelled: bool, closed: bool, deadline: Option<Instant>| {
+            if closed {
+                Some(End::Disconnected)
+            } else if cancelled {
+                Some(End::Finished(FinishReason::Cancelled))
+            } else if deadline.is_some_and(|d| now >= d) {
+                Some(End::Failed(Failure::DeadlineExceeded))
+            } else {
+                None
+            }
+        };
+        let mut kept = VecDeque::with_capacity(self.queue.len());
+        for job in std::mem::take(&mut self.queue) {
+            match why(job.cancel.is_cancelled(), job.sink.is_closed(), job.req.deadline) {
+                Some(end) => {
+                    self.release(&job.id);
+                    end_queued(job, end, &self.shared.stats);
+                }
+                None => kept.push_back(job),
+            }
+        }
+        self.queue = kept;
+        for i in 0..self.slots.len() {
+            let end = match &self.slots[i].active {
+                Some(a) => why(a.job.cancel.is_cancelled(), a.job.sink.is_closed(), a.job.req.deadline),
+                None => None,
+            };
+            if let Some(end) = end {
+                self.end_slot(i, end);
+            }
+        }
+    }
+
+    /// Forgets a request's id and frees its place in the queue bound.
+    fn release(&self, id: &str) {
+        self.shared.release(id);
+    }
+
+    fn end_slot(&mut self, i: usize, end: End) {
+        if let Some(a) = self.slots[i].active.take() {
+            self.release(&a.job.id);
+            a.end(end, &self.shared.stats);
+        }
+    }
+
+    /// Moves queued requests into free slots: the one whose cache shares the most of the prompt if
+    /// that share reaches `--slot-prompt-similarity`, else the least recently used.
+    fn admit(&mut self) {
+        while !self.queue.is_empty() {
+            let free: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].active.is_none()).collect();
+            if free.is_empty() {
+                return;
+            }
+            let Some(job) = self.queue.pop_front() else { return };
+            let best = free.iter().copied().max_by_key(|&i| (common_prefix(&self.slots[i].cache, &job.tokens), i));
+            let lru = free.iter().copied().min_by_key(|&i| (self.slots[i].last_used, i));
+            let (Some(best), Some(lru)) = (best, lru) else { return };
+            let share = common_prefix(&self.slots[best].cache, &job.tokens) as f32 / job.tokens.len().max(1) as f32;
+            let i = if share > 0.0 && share >= self.shared.config.slot_similarity { best } else { lru };
+            self.start(i, job);
+        }
+    }
+
+    /// Puts `job` in slot `i`, reusing the longest prefix of the slot's cache or the system prompt.
+    fn start(&mut self, i: usize, job: Job) {
+        let now = Instant::now();
+        self.shared.stats.queue_time.observe((now - job.req.arrived).as_secs_f64());
+        let seq = self.slots[i].seq;
+        let prompt = &job.tokens;
+        let mut common = common_prefix(&self.slots[i].cache, prompt);
+        let sys_common = common_prefix(&self.sys, prompt);
+        if sys_common > common {
+            self.ctx.copy_prefix(self.sys_seq, seq, sys_common);
+            self.slots[i].cache = self.sys[..sys_common].to_vec();
+            common = sys_common;
+        }
+        self.find_divergence(prompt, sys_common);
+        // at least the last prompt token is computed, for its logits
+        let cached = common.min(prompt.len().saturating_sub(1));
+        self.ctx.truncate(seq, cached);
+        self.slots[i].cache.truncate(cached);
+        self.step += 1;
+        self.slots[i].last_used = self.step;
+        let stats = &self.shared.stats;
+        stats.prompt_tokens.add(prompt.len() as u64);
+        stats.cached_prompt_tokens.add(cached as u64);
+        let mut job = job;
+        for &t in &job.tokens {
+            job.sampler.accept(t);
+        }
+        self.slots[i].active = Some(Active::new(job, cached, self.shared.config.max_tokens, now));
+    }
+
+    /// Reports where the prompt stops matching the cache that shares most of it (any slot's, or
+    /// the system prompt) when that share is more than a coincidence.
+    fn find_divergence(&self, prompt: &[u32], sys_common: usize) {
+        let best = self.slots.iter().enumerate().map(|(k, s)| (common_prefix(&s.cache, prompt), k)).max();
+        if let Some((common, k)) = best {
+            let cache = &self.slots[k].cache;
+            if common >= sys_common + DIVERGENCE_MIN_SHARED && common < cache.len() && common < prompt.len() {
+                self.diverged(cache, prompt, common, &format!("slot {k}'s cache"));
+            }
+        }
+        if sys_common >= DIVERGENCE_MIN_SHARED && sys_common < self.sys.len() && sys_common < prompt.len() {
+            self.diverged(&self.sys, prompt, sys_common, "the system prompt");
+        }
+    }
+
+    /// Logs and counts where a prompt stopped matching a cached prefix (a timestamp in a system
+    /// prompt, say), so users can find what defeats their prompt cache.
+    fn diverged(&self, cached: &[u32], prompt: &[u32], at: usize, what: &str) {
+        let stats = &self.shared.stats;
+        stats.cache_divergences.add(1);
+        stats.cache_divergence_position.observe(at as f64);
+        let text = |ids: &[u32]| {
+            let end = (at + DIVERGENCE_CONTEXT_TOKENS).min(ids.len());
+            self.shared.tokenizer.decode(&ids[at..end], true).unwrap_or_default()
+        };
+        let before = at.saturating_sub(DIVERGENCE_CONTEXT_TOKENS);
+        let shared_text = self.shared.tokenizer.decode(&prompt[before..at], true).unwrap_or_default();
+        self.shared.log(&format!(
+            "prompt cache: the prompt ({} tokens) diverges from {what} at token {at}: after {shared_text:?}, cached {:?}, prompt {:?}",
+            prompt.len(),
+            text(cached),
+            text(prompt)
+        ));
+    }
+
+    /// Updates the gauges.
+    fn publish(&self) {
+        let s = &self.shared.stats;
+        s.running.set(self.slots.iter().filter(|s| s.active.is_some()).count() as u64);
+        s.waiting.set(self.queue.len() as u64);
+        let used: usize = self.slots.iter().map(|s| self.ctx.seq_len(s.seq)).sum::<usize>();
+        s.kv_used_tokens.set((used + self.ctx.seq_len(self.sys_seq)) as u64);
+    }
+
+    /// One batch: a token for every generating slot, then prompt chunks.
+    fn decode_step(&mut self) {
+        let mut batch = Batch::default();
+        // (slot, tokens added to its cache, wants logits)
+        let mut parts: Vec<(usize, usize, bool)> = Vec::new();
+        let push = |batch: &mut Batch, seq: usize, pos: usize, t: u32, logits: bool| {
+            batch.tokens.push(t);
+            batch.pos.push(pos as u32);
+            batch.seq.push(seq);
+            batch.logits.push(logits);
+        };
+        for (i, s) in self.slots.iter().enumerate() {
+            if let Some(t) = s.active.as_ref().and_then(|a| a.pending) {
+                push(&mut batch, s.seq, s.cache.len(), t, true);
+                parts.push((i, 1, true));
+            }
+        }
+        let mut budget = self.shared.config.prefill_chunk.max(1);
+        // oldest admitted first, so prompts are read in arrival order
+        let mut prefilling: Vec<usize> =
+            (0..self.slots.len()).filter(|&i| self.slots[i].active.as_ref().is_some_and(|a| a.in_prefill())).collect();
+        prefilling.sort_by_key(|&i| self.slots[i].active.as_ref().map(|a| a.admitted));
+        for i in prefilling {
+            if budget == 0 {
+                break;
+            }
+            let s = &self.slots[i];
+            let Some(a) = &s.active else { continue };
+            let n = (a.prompt_len() - a.prefilled).min(budget);
+            let last = a.prefilled + n == a.prompt_len();
+            for (k, &t) in a.job.tokens[a.prefilled..a.prefilled + n].iter().enumerate() {
+                push(&mut batch, s.seq, s.cache.len() + k, t, last && k + 1 == n);
+            }
+            parts.push((i, n, last));
+            budget -= n;
+        }
+        if batch.is_empty() {
+            return;
+        }
+        self.shared.stats.steps.add(1);
+        let logits = match self.ctx.decode(&batch) {
+            Ok(l) => l,
+            Err(e) => {
+                // the cache is as it was: fail the requests of this batch, keep the server up
+                let msg = format!("decoding failed: {e}");
+                self.shared.log(&msg);
+                for (i, _, _) in parts {
+                    self.end_slot(i, End::Failed(Failure::Internal(msg.clone())));
+                }
+                return;
+            }
+        };
+        let n_vocab = self.ctx.model().n_vocab();
+        let n_ctx = self.ctx.params().n_ctx;
+        let mut row = 0;
+        for (i, n, wants) in parts {
+            let slot = &mut self.slots[i];
+            let Some(a) = slot.active.as_mut() else { continue };
+            if let Some(t) = a.pending.take() {
+                slot.cache.push(t);
+            } else {
+                let from = a.prefilled;
+                slot.cache.extend_from_slice(&a.job.tokens[from..from + n]);
+                a.prefilled += n;
+            }
+            if !wants {
+                continue;
+            }
+            let Some(l) = logits.get(row * n_vocab..(row + 1) * n_vocab) else {
+                self.end_slot(i, End::Failed(Failure::Internal("the model returned too few logits".into())));
+                continue;
+            };
+            row += 1;
+            let cache_len = slot.cache.len();
+            match a.on_logits(l, &self.shared.tokenizer, &self.shared.stats, cache_len, n_ctx) {
+                Next::Continue => {}
+                Next::End(end) => self.end_slot(i, end),
+            }
+        }
+    }
+}

@@ -1,0 +1,265 @@
+//! The engine on the tiny fixture models: continuous batching gives the same tokens as running
+//! alone, the prompt cache and system prompt are reused, limits and stops end generations as
+//! they say, aborts and deadlines free slots, bad requests are refused with the reason.
+
+use std::path::PathBuf;
+use std::sync::mpsc::{channel, Receiver};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tandem_engine::{
+    Engine, EngineConfig, Error, Event, Failure, Finish, FinishReason, LengthLimit, Prompt, Request, SamplingParams,
+};
+use tandem_gguf::{GgufModel, LoadOptions};
+use tandem_model::{Context, ContextParams, CpuBackend, Model};
+use tandem_tokenizer::Tokenizer;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models").join(name)
+}
+
+fn engine(model: &str, n_ctx: usize, config: EngineConfig) -> Engine {
+    let gguf = Arc::new(GgufModel::open(fixture(model), LoadOptions::default()).unwrap());
+    let tok = Tokenizer::from_gguf(&gguf).unwrap();
+    let model = Arc::new(Model::load(gguf).unwrap());
+    let threads = tandem_cpu::Threads::new(1, 1).unwrap();
+    let params = ContextParams { n_ctx, ..ContextParams::default() };
+    let ctx = Context::new(model, Box::new(CpuBackend::new(threads)), params).unwrap();
+    Engine::start(ctx, tok, config).unwrap()
+}
+
+fn greedy(prompt: &str, max_tokens: u32) -> Request {
+    let mut r = Request::new(Prompt::Text(prompt.into()));
+    r.sampling = SamplingParams::greedy();
+    r.max_tokens = max_tokens;
+    r
+}
+
+/// Every event of one request, until its end.
+fn collect(rx: &Receiver<Event>) -> (Vec<u32>, String, Result<Finish, Failure>) {
+    let (mut ids, mut text) = (Vec::new(), String::new());
+    loop {
+        match rx.recv_timeout(Duration::from_secs(60)).expect("the engine stopped sending") {
+            Event::Token { id, text: t, .. } => {
+                ids.push(id);
+                text.push_str(&t);
+            }
+            Event::Finished { text: t, finish } => {
+                text.push_str(&t);
+                return (ids, text, Ok(finish));
+            }
+            Event::Failed(f) => return (ids, text, Err(f)),
+        }
+    }
+}
+
+fn run(e: &Engine, req: Request) -> (Vec<u32>, String, Finish) {
+    let (tx, rx) = channel();
+    e.handle().submit(req, Box::new(tx)).unwrap();
+    let (ids, text, f) = collect(&rx);
+    (ids, text, f.unwrap())
+}
+
+const PROMPTS: [&str; 4] = [
+    "The quick brown fox",
+    "Mixture of experts models route every token",
+    "In the beginning there was the word",
+    "Language models read text as a sequence of tokens. Each token is a small piece of text",
+];
+
+#[test]
+fn sixteen_requests_on_four_slots_match_each_alone() {
+    let alone: Vec<_> = {
+        let e = engine("deepseek2-mla-tiny.gguf", 256, EngineConfig::default());
+        (0..16).map(|i| run(&e, greedy(PROMPTS[i % 4], 6 + i as u32)).0).collect()
+    };
+    let config = EngineConfig { n_parallel: 4, prefill_chunk: 7, ..EngineConfig::default() };
+    let e = engine("deepseek2-mla-tiny.gguf", 256, config);
+    let rxs: Vec<_> = (0..16)
+        .map(|i| {
+            let (tx, rx) = channel();
+            e.handle().submit(greedy(PROMPTS[i % 4], 6 + i as u32), Box::new(tx)).unwrap();
+            rx
+        })
+        .collect();
+    for (i, rx) in rxs.iter().enumerate() {
+        let (ids, _, f) = collect(rx);
+        assert_eq!(ids, alone[i], "request {i}");
+        let f = f.unwrap();
+        assert_eq!(f.usage.completion_tokens as usize, ids.len());
+    }
+    // batches really were shared: fewer steps than tokens computed
+    let stats = e.handle().stats().clone();
+    assert!(stats.steps.get() < stats.generated_tokens.get(), "{} steps", stats.steps.get());
+}
+
+#[test]
+fn limits_say_which_one_ended_the_generation() {
+    let config = EngineConfig { max_tokens: 5, ..EngineConfig::default() };
+    let e = engine("llama-tiny.gguf", 64, config);
+    let mut r = greedy(PROMPTS[0], 3);
+    r.ignore_eos = true;
+    let (ids, _, f) = run(&e, r.clone());
+    assert_eq!((ids.len(), f.reason), (3, FinishReason::Length(LengthLimit::Request)));
+    r.max_tokens = 50;
+    let (ids, _, f) = run(&e, r.clone());
+    assert_eq!((ids.len(), f.reason), (5, FinishReason::Length(LengthLimit::Server)));
+    r.max_tokens = 0;
+    assert_eq!(run(&e, r).2.reason, FinishReason::Length(LengthLimit::Server));
+    // the context: 64 positions, a prompt of 60
+    let e = engine("llama-tiny.gguf", 64, EngineConfig::default());
+    let mut r = Request::new(Prompt::Tokens(vec![100; 60]));
+    r.ignore_eos = true;
+    let (ids, _, f) = run(&e, r);
+    assert_eq!(f.reason, FinishReason::Length(LengthLimit::Context));
+    assert_eq!(ids.len(), 64 - 60 + 1);
+}
+
+#[test]
+fn stop_strings_end_generation_and_are_not_sent() {
+    let e = engine("llama-tiny.gguf", 128, EngineConfig::default());
+    let mut r = greedy(PROMPTS[1], 24);
+    r.ignore_eos = true;
+    let (_, full, _) = run(&e, r.clone());
+    assert!(full.chars().count() > 6, "{full:?}");
+    let stop: String = full.chars().skip(3).take(3).collect();
+    r.stop = vec![stop.clone()];
+    let (_, text, f) = run(&e, r);
+    assert_eq!(f.reason, FinishReason::Stop);
+    assert_eq!(text, full[..full.find(&stop).unwrap()]);
+}
+
+#[test]
+fn prompt_cache_and_system_prompt_are_reused() {
+    let long: String = PROMPTS.iter().cycle().take(12).copied().collect::<Vec<_>>().join(" ");
+    let lines = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let sink = lines.clone();
+    let config = EngineConfig {
+        n_parallel: 2,
+        system_prompt: Some("You are a helpful assistant.".into()),
+        log: Some(Arc::new(move |l: &str| sink.lock().unwrap().push(l.to_string()))),
+        ..EngineConfig::default()
+    };
+    let e = engine("deepseek2-mla-tiny.gguf", 512, config);
+    let sys = e.handle().info().system_prompt_tokens as u32;
+    assert!(sys > 4);
+    let (first_ids, _, f1) = run(&e, greedy(&long, 4));
+    assert_eq!(f1.usage.cached_tokens, sys, "a first request starts from the system prompt");
+    let (_, _, f2) = run(&e, greedy(&format!("{long} and then"), 4));
+    assert!(f2.usage.cached_tokens >= f1.usage.prompt_tokens - 1, "{:?} vs {:?}", f2.usage, f1.usage);
+    // a reused prefix gives the same tokens as computing it
+    let (again, _, f3) = run(&e, greedy(&long, 4));
+    assert_eq!(again, first_ids);
+    assert_eq!(f3.usage.cached_tokens, f3.usage.prompt_tokens - 1);
+    // a prompt that diverges from the cache is logged with where and what
+    run(&e, greedy(&format!("{} zebra {}", &long[..60], &long[60..]), 2));
+    let lines = lines.lock().unwrap();
+    assert!(lines.iter().any(|l| l.contains("diverges") && l.contains("zebra")), "{lines:?}");
+    assert!(e.handle().stats().cache_divergences.get() >= 1);
+}
+
+#[test]
+fn abort_and_deadline_free_the_slot() {
+    let e = engine("llama-tiny.gguf", 256, EngineConfig::default());
+    let h = e.handle();
+    let (tx, rx) = channel();
+    let mut r = greedy(PROMPTS[2], 0);
+    r.ignore_eos = true;
+    r.id = "long-one".into();
+    h.submit(r.clone(), Box::new(tx)).unwrap();
+    assert!(matches!(rx.recv().unwrap(), Event::Token { .. }));
+    assert!(matches!(h.submit(r.clone(), Box::new(channel().0)), Err(Error::AlreadyRunning(_))));
+    assert!(h.abort("long-one"));
+    let (_, _, f) = collect(&rx);
+    assert_eq!(f.unwrap().reason, FinishReason::Cancelled);
+    assert!(!h.abort("long-one"));
+    // the one slot is free again: a deadline ends the next request
+    let (tx, rx) = channel();
+    r.deadline = Some(Instant::now() + Duration::from_millis(50));
+    h.submit(r, Box::new(tx)).unwrap();
+    assert_eq!(collect(&rx).2, Err(Failure::DeadlineExceeded));
+    assert_eq!(run(&e, greedy(PROMPTS[0], 2)).0.len(), 2);
+    assert_eq!(h.pending(), 0);
+}
+
+#[test]
+fn queue_full_and_bad_requests_are_refused() {
+    let config = EngineConfig { n_parallel: 1, queue_size: 1, ..EngineConfig::default() };
+    let e = engine("llama-tiny.gguf", 64, config);
+    let h = e.handle();
+    let bad = |r: Request| h.submit(r, Box::new(channel().0)).unwrap_err().to_string();
+    let with = |f: &dyn Fn(&mut Request)| {
+        let mut r = greedy("hi", 1);
+        f(&mut r);
+        r
+    };
+    assert!(bad(with(&|r| r.sampling.temperature = f32::NAN)).contains("temperature"));
+    assert!(bad(with(&|r| r.sampling.temperature = -1.0)).contains("temperature = -1"));
+    assert!(bad(with(&|r| r.sampling.top_p = 0.0)).contains("top_p"));
+    assert!(bad(with(&|r| r.sampling.top_p = 1.5)).contains("top_p"));
+    assert!(bad(with(&|r| r.prompt = Prompt::Text(String::new()))).contains("empty"));
+    assert!(bad(with(&|r| r.prompt = Prompt::Tokens(vec![]))).contains("empty"));
+    let n_vocab = h.info().n_vocab as u32;
+    let msg = bad(with(&|r| r.prompt = Prompt::Tokens(vec![1, n_vocab + 7])));
+    assert!(msg.contains(&format!("{}", n_vocab + 7)) && msg.contains(&n_vocab.to_string()), "{msg}");
+    let msg = bad(with(&|r| r.prompt = Prompt::Tokens(vec![5; 100])));
+    assert!(msg.contains("100 tokens") && msg.contains("64"), "{msg}");
+    assert!(bad(with(&|r| r.logprobs = 1000)).contains("logprobs"));
+    // one running, one waiting, the third refused
+    let mut long = greedy(PROMPTS[0], 0);
+    long.ignore_eos = true;
+    let (tx1, rx1) = channel();
+    let (tx2, rx2) = channel();
+    h.submit(long.clone(), Box::new(tx1)).unwrap();
+    h.submit(long.clone(), Box::new(tx2)).unwrap();
+    assert!(matches!(h.submit(long, Box::new(channel().0)), Err(Error::QueueFull(1))));
+    drop(e); // shutdown fails both with UNAVAILABLE
+    assert!(matches!(collect(&rx1).2, Err(Failure::Unavailable(_))));
+    assert!(matches!(collect(&rx2).2, Err(Failure::Unavailable(_))));
+}
+
+#[test]
+fn logprobs_and_chat() {
+    let e = engine("deepseek2-mla-tiny.gguf", 256, EngineConfig::default());
+    let (tx, rx) = channel();
+    let mut r = greedy(PROMPTS[0], 3);
+    r.logprobs = 3;
+    e.handle().submit(r, Box::new(tx)).unwrap();
+    match rx.recv().unwrap() {
+        Event::Token { id, logprobs: Some(lp), .. } => {
+            assert_eq!(lp.sampled.id, id);
+            assert_eq!(lp.top.len(), 3);
+            assert_eq!(lp.top[0].id, id, "greedy takes the most likely token");
+            assert!(lp.top[0].logprob <= 0.0 && lp.top[0].logprob >= lp.top[1].logprob);
+        }
+        other => panic!("{other:?}"),
+    }
+    let chat = Prompt::Chat(vec![("user".into(), "Hello".into())]);
+    let text = e.handle().render_chat(&[("user".into(), "Hello".into())]).unwrap();
+    assert!(text.contains("Hello"), "{text}");
+    let mut r = Request::new(chat);
+    r.max_tokens = 2;
+    assert!(run(&e, r).2.usage.prompt_tokens > 1);
+}
+
+#[test]
+fn a_long_prompt_is_prefilled_in_chunks_between_decode_steps() {
+    let config = EngineConfig { n_parallel: 2, prefill_chunk: 16, ..EngineConfig::default() };
+    let e = engine("llama-tiny.gguf", 1024, config);
+    let h = e.handle();
+    let (tx_a, rx_a) = channel();
+    let mut a = greedy(PROMPTS[0], 0);
+    a.ignore_eos = true;
+    h.submit(a, Box::new(tx_a)).unwrap();
+    assert!(matches!(rx_a.recv().unwrap(), Event::Token { .. }));
+    // B's 400-token prompt takes 25 steps of 16; A decodes a token in each of them
+    let (tx_b, rx_b) = channel();
+    h.submit(greedy(&PROMPTS[3].repeat(20), 1), Box::new(tx_b)).unwrap();
+    let (ids, _, f) = collect(&rx_b);
+    let f = f.unwrap();
+    assert_eq!(ids.len(), 1);
+    let computed = (f.usage.prompt_tokens - f.usage.cached_tokens) as usize;
+    assert!(computed >= 320, "{:?}", f.usage);
+    let during = rx_a.try_iter().count();
+    assert!(during + 1 >= computed / 16, "A generated {during} tokens while B's {computed} were prefilled");
+    drop(e);
+}

@@ -1,0 +1,304 @@
+//! `tandem.v1.InferenceService`: each call is translated, handed to the engine with a reply
+//! channel, and the engine's events are streamed back as they come. The service answers
+//! UNAVAILABLE until a model is ready and again once the server drains.
+
+use crate::convert;
+use crate::pb;
+use crate::pb::inference_service_server::InferenceService;
+use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+use tandem_engine::{EngineHandle, Event, Sink};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status};
+
+/// Most token ids a Detokenize call may send.
+const MAX_DETOKENIZE_IDS: usize = 1 << 20;
+
+/// What is being served, described once when the model is ready.
+#[derive(Clone, Debug, Default)]
+pub struct ModelDescription {
+    /// Shown as `name` (`--alias`, else general.name, else the file name).
+    pub name: String,
+    pub demo: bool,
+    /// Where the weights run, one line.
+    pub placement: String,
+}
+
+/// State shared by the service, the server and the metrics endpoint.
+pub struct State {
+    engine: OnceLock<(EngineHandle, pb::GetModelInfoResponse)>,
+    draining: AtomicBool,
+    /// Streams still open (their engine requests not yet ended).
+    streams: watch::Sender<usize>,
+    next_id: AtomicU64,
+}
+
+impl State {
+    pub(crate) fn new() -> State {
+        State {
+            engine: OnceLock::new(),
+            draining: AtomicBool::new(false),
+            streams: watch::channel(0).0,
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    /// The engine, once the model is ready and while the server is not draining.
+    fn engine(&self) -> Result<&EngineHandle, Status> {
+        if self.draining.load(Ordering::Acquire) {
+            return Err(Status::unavailable("the server is shutting down"));
+        }
+        match self.engine.get() {
+            Some((e, _)) if e.is_running() => Ok(e),
+            Some(_) => Err(Status::unavailable("the engine has stopped")),
+            None => Err(Status::unavailable("the model is still loading")),
+        }
+    }
+
+    pub(crate) fn engine_handle(&self) -> Option<&EngineHandle> {
+        self.engine.get().map(|(e, _)| e)
+    }
+
+    pub(crate) fn set_engine(&self, engine: EngineHandle, desc: &ModelDescription) {
+        let info = model_info(&engine, desc);
+        let _ = self.engine.set((engine, info));
+    }
+
+    pub(crate) fn start_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn streams(&self) -> watch::Receiver<usize> {
+        self.streams.subscribe()
+    }
+}
+
+/// Counts an open stream until the engine drops its sink.
+struct StreamGuard(Arc<State>);
+
+impl StreamGuard {
+    fn new(state: Arc<State>) -> StreamGuard {
+        state.streams.send_modify(|n| *n += 1);
+        StreamGuard(state)
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.streams.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// The engine's reply channel for one stream.
+struct StreamSink {
+    id: String,
+    tx: mpsc::UnboundedSender<Result<pb::GenerateResponse, Status>>,
+    generated: u32,
+    /// The last event was sent.
+    done: bool,
+    _guard: StreamGuard,
+}
+
+impl Drop for StreamSink {
+    fn drop(&mut self) {
+        // dropped before the end: the engine stopped without finishing this request
+        if !self.done {
+            let _ = self.tx.send(Err(Status::internal("the engine stopped before the request finished")));
+        }
+    }
+}
+
+impl Sink for StreamSink {
+    fn send(&mut self, event: Event) -> bool {
+        self.done |= !matches!(event, Event::Token { .. });
+        self.tx.send(convert::response(&self.id, event, &mut self.generated)).is_ok()
+    }
+
+    fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
+
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+/// The gRPC service.
+pub struct Service {
+    state: Arc<State>,
+}
+
+impl Service {
+    pub(crate) fn new(state: Arc<State>) -> Service {
+        Service { state }
+    }
+
+    /// Submits a request (tokenizing it off the async threads) and returns its stream.
+    async fn stream(&self, mut req: tandem_engine::Request) -> Result<Response<ResponseStream>, Status> {
+        let engine = self.state.engine()?.clone();
+        if req.id.is_empty() {
+            req.id = format!("req-{}", self.state.next_id.fetch_add(1, Ordering::Relaxed));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let sink = StreamSink {
+            id: req.id.clone(),
+            tx,
+            generated: 0,
+            done: false,
+            _guard: StreamGuard::new(self.state.clone()),
+        };
+        tokio::task::spawn_blocking(move || engine.submit(req, Box::new(sink)))
+            .await
+            .map_err(|e| Status::internal(format!("submitting the request: {e}")))?
+            .map_err(|e| convert::status(&e))?;
+        // a stream ends after its finish message or its error
+        let stream = UnboundedReceiverStream::new(rx);
+        Ok(Response::new(Box::pin(stream.take_while_inclusive())))
+    }
+}
+
+/// `take_while` that also yields the last item: a stream ends after the finish or the error.
+trait TakeWhileInclusive: Stream<Item = Result<pb::GenerateResponse, Status>> + Sized + Send + 'static {
+    fn take_while_inclusive(self) -> ResponseStream {
+        let mut done = false;
+        Box::pin(self.map_while(move |item| {
+            if done {
+                return None;
+            }
+            done = match &item {
+                Ok(r) => r.finish.is_some(),
+                Err(_) => true,
+            };
+            Some(item)
+        }))
+    }
+}
+
+impl<S: Stream<Item = Result<pb::GenerateResponse, Status>> + Sized + Send + 'static> TakeWhileInclusive for S {}
+
+#[tonic::async_trait]
+impl InferenceService for Service {
+    type GenerateStream = ResponseStream;
+    type ChatStream = ResponseStream;
+
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        let now = Instant::now();
+        let deadline = convert::deadline(request.metadata(), now)?;
+        let req = convert::generate_request(request.into_inner(), deadline, now)?;
+        self.stream(req).await
+    }
+
+    async fn chat(&self, request: Request<pb::ChatRequest>) -> Result<Response<Self::ChatStream>, Status> {
+        let now = Instant::now();
+        let deadline = convert::deadline(request.metadata(), now)?;
+        let req = convert::chat_request(request.into_inner(), deadline, now)?;
+        self.stream(req).await
+    }
+
+    async fn tokenize(&self, request: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {
+        let engine = self.state.engine()?.clone();
+        let r = request.into_inner();
+        let out = tokio::task::spawn_blocking(move || -> Result<pb::TokenizeResponse, Status> {
+            let tok = engine.tokenizer();
+            let ids = tok
+                .encode(&r.text, r.add_special, r.parse_special)
+                .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            let pieces = ids
+                .iter()
+                .map(|&id| String::from_utf8_lossy(tok.token_to_piece(id, true).unwrap_or(&[])).into_owned())
+                .collect();
+            Ok(pb::TokenizeResponse { ids, pieces })
+        })
+        .await
+        .map_err(|e| Status::internal(format!("tokenizing: {e}")))??;
+        Ok(Response::new(out))
+    }
+
+    async fn detokenize(
+        &self,
+        request: Request<pb::DetokenizeRequest>,
+    ) -> Result<Response<pb::DetokenizeResponse>, Status> {
+        let engine = self.state.engine()?;
+        let r = request.into_inner();
+        if r.ids.len() > MAX_DETOKENIZE_IDS {
+            return Err(Status::invalid_argument(format!("{} token ids, at most {MAX_DETOKENIZE_IDS}", r.ids.len())));
+        }
+        let n_vocab = engine.info().n_vocab;
+        if let Some((i, t)) = r.ids.iter().enumerate().find(|(_, &t)| t as usize >= n_vocab) {
+            return Err(Status::invalid_argument(format!(
+                "token id {t} at index {i} is outside the vocabulary of {n_vocab} tokens"
+            )));
+        }
+        let text = engine.tokenizer().decode(&r.ids, r.special).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        Ok(Response::new(pb::DetokenizeResponse { text }))
+    }
+
+    async fn get_model_info(
+        &self,
+        _request: Request<pb::GetModelInfoRequest>,
+    ) -> Result<Response<pb::GetModelInfoResponse>, Status> {
+        self.state.engine()?;
+        match self.state.engine.get() {
+            Some((_, info)) => Ok(Response::new(info.clone())),
+            None => Err(Status::unavailable("the model is still loading")),
+        }
+    }
+
+    async fn abort(&self, request: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
+        // aborts are honoured while draining: they only shorten the drain
+        let Some(engine) = self.state.engine_handle() else {
+            return Err(Status::unavailable("the model is still loading"));
+        };
+        Ok(Response::new(pb::AbortResponse { found: engine.abort(&request.into_inner().request_id) }))
+    }
+}
+
+/// GetModelInfo's answer, from the model's metadata and tensors.
+fn model_info(engine: &EngineHandle, desc: &ModelDescription) -> pb::GetModelInfoResponse {
+    let model = engine.model();
+    let gguf = model.gguf();
+    let md = gguf.metadata();
+    let mut by_type: BTreeMap<String, (u32, u64)> = BTreeMap::new();
+    for t in gguf.tensors() {
+        let e = by_type.entry(t.info.ty.to_string()).or_default();
+        e.0 += 1;
+        e.1 += t.info.size;
+    }
+    let mut quant_types: Vec<pb::QuantType> =
+        by_type.into_iter().map(|(ty, (tensors, bytes))| pb::QuantType { r#type: ty, tensors, bytes }).collect();
+    quant_types.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.r#type.cmp(&b.r#type)));
+    let tok = engine.tokenizer();
+    let config = engine.config();
+    let name = match (&desc.name, md.opt_str("general.name")) {
+        (n, _) if !n.is_empty() => n.clone(),
+        (_, Ok(Some(n))) => n.to_string(),
+        _ => gguf.shards().first().map(|s| s.path().to_string()).unwrap_or_default(),
+    };
+    pb::GetModelInfoResponse {
+        architecture: model.arch().name().to_string(),
+        name,
+        demo: desc.demo,
+        vocab_size: model.n_vocab() as u32,
+        n_layer: model.n_layer() as u32,
+        n_embd: model.n_embd() as u32,
+        context_train: model.n_ctx_train() as u32,
+        context_per_slot: engine.info().n_ctx as u32,
+        parallel: config.n_parallel as u32,
+        max_tokens: config.max_tokens,
+        queue_size: config.queue_size as u32,
+        placement: desc.placement.clone(),
+        weight_bytes: quant_types.iter().map(|q| q.bytes).sum(),
+        quant_types,
+        system_prompt_tokens: engine.info().system_prompt_tokens as u32,
+        has_chat_template: engine.has_chat_template(),
+        eog_token_ids: {
+            let mut v: Vec<u32> = tok.eog_ids().collect();
+            v.sort_unstable();
+            v
+        },
+        bos_token_id: tok.special_ids().bos.filter(|_| tok.add_bos()),
+    }
+}

@@ -1,0 +1,246 @@
+//! Chat templates: the Jinja in `tokenizer.chat_template`, rendered with minijinja set up the way
+//! transformers' `apply_chat_template` sets up Python's jinja2 (trim_blocks, lstrip_blocks, loop
+//! controls, `raise_exception`, `strftime_now`, a `tojson` that writes what Python's `json.dumps`
+//! writes) plus Python's string/dict/list methods (`.strip()`, `.get()`, `.items()`, ...).
+
+use crate::{Error, Result};
+use minijinja::value::{Kwargs, Serde, Value};
+use minijinja::{Environment, ErrorKind};
+use serde_json::Value as Json;
+
+const NAME: &str = "chat_template";
+
+/// A parsed chat template and the special-token texts it is rendered with.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate").field("bos_token", &self.bos_token).field("eos_token", &self.eos_token).finish()
+    }
+}
+
+/// One chat message in the OpenAI shape: `{"role": "user", "content": "..."}`, possibly with
+/// `tool_calls`, `tool_call_id` or list-of-parts content.
+pub fn message(role: &str, content: &str) -> Json {
+    serde_json::json!({ "role": role, "content": content })
+}
+
+impl ChatTemplate {
+    /// Parses `source`; syntax errors are reported here, not at the first render.
+    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate> {
+        let mut env = Environment::new();
+        env.set_syntax(
+            minijinja::syntax::SyntaxConfig::builder()
+                .trim_blocks(true)
+                .lstrip_blocks(true)
+                .build()
+                .map_err(Error::from)?,
+        );
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<Value, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+        });
+        env.add_function("strftime_now", |fmt: String| strftime_now(&fmt));
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(NAME, source.to_string()).map_err(Error::from)?;
+        Ok(ChatTemplate { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
+    }
+
+    /// Renders `messages` (OpenAI-shaped JSON objects); `tools` is passed as the `tools` variable.
+    pub fn render(&self, messages: &[Json], tools: Option<&[Json]>, add_generation_prompt: bool) -> Result<String> {
+        let tmpl = self.env.get_template(NAME).map_err(Error::from)?;
+        let ctx = minijinja::context! {
+            messages => Value::from(Serde(messages)),
+            tools => tools.map(|t| Value::from(Serde(t))),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.as_str(),
+            eos_token => self.eos_token.as_str(),
+        };
+        Ok(tmpl.render(ctx)?)
+    }
+}
+
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent, separators=separators,
+/// sort_keys=sort_keys)`.
+fn tojson(value: Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let _ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let json =
+        serde_json::to_value(&value).map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let (item, key) = match separators.as_deref() {
+        Some([a, b]) => (a.clone(), b.clone()),
+        Some(_) => return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "separators must be a pair")),
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+    };
+    let mut out = String::new();
+    write_json(&mut out, &json, &PyJson { indent, item, key, sort_keys: sort_keys.unwrap_or(false) }, 0);
+    Ok(Value::from_safe_string(out))
+}
+
+struct PyJson {
+    indent: Option<usize>,
+    item: String,
+    key: String,
+    sort_keys: bool,
+}
+
+fn write_json(out: &mut String, v: &Json, f: &PyJson, depth: usize) {
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = f.indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    };
+    match v {
+        Json::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, x) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&f.item);
+                }
+                newline(out, depth + 1);
+                write_json(out, x, f, depth + 1);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        Json::Object(map) if !map.is_empty() => {
+            let mut entries: Vec<_> = map.iter().collect();
+            if f.sort_keys {
+                entries.sort_by(|a, b| a.0.cmp(b.0));
+            }
+            out.push('{');
+            for (i, (k, x)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&f.item);
+                }
+                newline(out, depth + 1);
+                out.push_str(&Json::String(k.clone()).to_string());
+                out.push_str(&f.key);
+                write_json(out, x, f, depth + 1);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        Json::Number(n) if n.is_f64() => {
+            // Python writes floats with repr(): 1.0, 1e-05, 1e+20
+            let x = n.as_f64().unwrap_or(0.0);
+            let s = if x.is_finite() && x == x.trunc() && x.abs() < 1e16 { format!("{x:.1}") } else { n.to_string() };
+            out.push_str(&s);
+        }
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+/// `strftime_now(format)`: the current UTC time with the C strftime fields templates use.
+fn strftime_now(fmt: &str) -> std::result::Result<String, minijinja::Error> {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    Ok(strftime(fmt, secs))
+}
+
+fn strftime(fmt: &str, secs: u64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = ["Thursday", "Friday", "Saturday", "Sunday", "Monday", "Tuesday", "Wednesday"];
+    let days = (secs / 86_400) as i64;
+    let tod = secs % 86_400;
+    // civil-from-days (Howard Hinnant's algorithm)
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (m, wd) = ((month - 1) as usize, days.rem_euclid(7) as usize);
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('e') => out.push_str(&format!("{day:2}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('B') => out.push_str(MONTHS[m]),
+            Some('b') => out.push_str(&MONTHS[m][..3]),
+            Some('A') => out.push_str(DAYS[wd]),
+            Some('a') => out.push_str(&DAYS[wd][..3]),
+            Some('H') => out.push_str(&format!("{:02}", tod / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", tod / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", tod % 60)),
+            Some('%') => out.push('%'),
+            Some(o) => {
+                out.push('%');
+                out.push(o);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_and_raises() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{% if m.role == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}\
+             [{{ m.role }}]{{ m.content.strip() }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}",
+            "<s>",
+            "</s>",
+        )
+        .unwrap();
+        let msgs = [message("user", " hi ")];
+        assert_eq!(t.render(&msgs, None, true).unwrap(), "[user]hi[assistant]");
+        let err = t.render(&[message("bad", "x")], None, false).unwrap_err().to_string();
+        assert!(err.contains("no bad roles"), "{err}");
+        assert!(ChatTemplate::new("{% if %}", "", "").is_err());
+    }
+
+    #[test]
+    fn tojson_writes_python_json() {
+        let t = ChatTemplate::new("{{ x | tojson }}|{{ x | tojson(indent=2) }}", "", "").unwrap();
+        let env_ctx = serde_json::json!({"a": [1, 2.0, "é<"], "b": {}});
+        let tmpl = t.env.get_template(NAME).unwrap();
+        let s = tmpl.render(minijinja::context! { x => Value::from(Serde(&env_ctx)) }).unwrap();
+        assert_eq!(
+            s,
+            "{\"a\": [1, 2.0, \"é<\"], \"b\": {}}|{\n  \"a\": [\n    1,\n    2.0,\n    \"é<\"\n  ],\n  \"b\": {}\n}"
+        );
+    }
+
+    #[test]
+    fn strftime_formats_dates() {
+        // 2024-07-26 13:25:09 UTC, a Friday
+        assert_eq!(strftime("%d %b %Y %H:%M:%S %A %B %%", 1_722_000_309), "26 Jul 2024 13:25:09 Friday July %");
+    }
+}

