@@ -73,6 +73,23 @@ pub struct ServeArgs {
     pub compat: CompatArgs,
 }
 
+/// The memory layout of the loaded model, as `tandem plan` computes it for the devices this
+/// build runs on (the CPU: the CUDA backend is a later issue, so `--gpu` budgets are not used here).
+fn print_load_plan(gguf: &GgufModel, path: &std::path::Path, args: &ServeArgs) {
+    let model_args = crate::cli::ModelArgs { model: path.to_path_buf(), no_mmap: args.no_mmap, mlock: args.mlock };
+    let planned = crate::plan::request(&args.placement, &model_args, &args.runtime).and_then(|mut req| {
+        req.gpus.clear();
+        req.n_gpu_layers = None;
+        req.rules.clear();
+        let info = tandem_plan::ModelInfo::from_gguf(gguf, &path.display().to_string())?;
+        Ok(tandem_plan::plan(&info, &req)?)
+    });
+    match planned {
+        Ok(plan) => plan.to_text(false).lines().for_each(|l| log(l)),
+        Err(e) => log(&format!("no memory plan: {e:#}")),
+    }
+}
+
 fn log(line: &str) {
     eprintln!("tandem serve: {line}");
 }
@@ -89,6 +106,9 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
     };
     let gguf = Arc::new(gguf);
     let name = args.model.as_ref().map_or("the demo model".into(), |p| p.display().to_string());
+    if let Some(path) = &args.model {
+        print_load_plan(&gguf, path, args);
+    }
     let tok = Tokenizer::from_gguf(&gguf).with_context(|| format!("{name}: reading the tokenizer"))?;
     let model = Arc::new(Model::load(gguf).with_context(|| format!("loading {name}"))?);
     let rt = &args.runtime;
