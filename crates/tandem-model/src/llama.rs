@@ -10,22 +10,95 @@ use crate::weights::{Weight, WeightLoader};
 use crate::Result;
 use tandem_cpu::RopeStyle;
 
+/// The attention weights of a llama-style layer (llama, qwen3moe).
+pub(crate) struct GqaWeights {
+    pub attn_norm: Vec<f32>,
+    pub wq: Weight, // [n_embd] -> [n_head * head_dim]
+    pub wk: Weight, // [n_embd] -> [n_head_kv * head_dim]
+    pub wv: Weight, // [n_embd] -> [n_head_kv * head_dim]
+    pub wo: Weight, // [n_head * head_dim] -> [n_embd]
+    /// Per-head RMS norms of Q and K before rope (qwen3's QK-norm).
+    pub qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+impl GqaWeights {
+    pub fn load(l: &WeightLoader, il: usize, n_embd: usize, s: AttnShape, qk_norm: bool) -> Result<GqaWeights> {
+        let p = |n: &str| format!("blk.{il}.{n}.weight");
+        Ok(GqaWeights {
+            attn_norm: l.vec(&p("attn_norm"), n_embd)?,
+            wq: l.get(&p("attn_q"), &[n_embd, s.n_head * s.dk])?,
+            wk: l.get(&p("attn_k"), &[n_embd, s.n_head_kv * s.dk])?,
+            wv: l.get(&p("attn_v"), &[n_embd, s.n_head_kv * s.dv])?,
+            wo: l.get(&p("attn_output"), &[s.n_head * s.dv, n_embd])?,
+            qk_norm: match qk_norm {
+                true => Some((l.vec(&p("attn_q_norm"), s.dk)?, l.vec(&p("attn_k_norm"), s.dk)?)),
+                false => None,
+            },
+        })
+    }
+}
+
+/// Grouped-query attention with rotary embeddings, shared by llama and qwen3moe.
+pub(crate) struct Gqa {
+    pub n_embd: usize,
+    pub shape: AttnShape,
+    pub eps: f32,
+    pub rope: RopeConfig,
+}
+
+impl Gqa {
+    pub fn layout(&self, n_layer: usize) -> KvLayout {
+        let s = self.shape;
+        KvLayout { n_layer, k_row: s.n_head_kv * s.dk, v_row: s.n_head_kv * s.dv, k_head: s.dk, v_head: s.dv }
+    }
+
+    /// `x += attn_output(attention(attn_norm(x)))` for layer `il`.
+    pub fn residual(
+        &self,
+        w: &GqaWeights,
+        il: usize,
+        b: &dyn Backend,
+        cache: &mut KvCache,
+        ub: &Ubatch,
+        x: &mut [f32],
+    ) -> Result<()> {
+        let (s, n) = (self.shape, ub.len());
+        let mut h = x.to_vec();
+        b.rmsnorm(&mut h, self.n_embd, Some(&w.attn_norm), self.eps);
+        let mut q = vec![0f32; n * s.n_head * s.dk];
+        let mut k = vec![0f32; n * s.n_head_kv * s.dk];
+        let mut v = vec![0f32; n * s.n_head_kv * s.dv];
+        b.matmul(&w.wq, &h, &mut q)?;
+        b.matmul(&w.wk, &h, &mut k)?;
+        b.matmul(&w.wv, &h, &mut v)?;
+        if let Some((qn, kn)) = &w.qk_norm {
+            b.rmsnorm(&mut q, s.dk, Some(qn), self.eps);
+            b.rmsnorm(&mut k, s.dk, Some(kn), self.eps);
+        }
+        for t in 0..n {
+            let cache_t = self.rope.cache(ub.pos[t]);
+            let heads = q[t * s.n_head * s.dk..(t + 1) * s.n_head * s.dk].chunks_exact_mut(s.dk);
+            for head in heads.chain(k[t * s.n_head_kv * s.dk..(t + 1) * s.n_head_kv * s.dk].chunks_exact_mut(s.dk)) {
+                b.rope(head, &cache_t, self.rope.params.style);
+            }
+        }
+        let o = attend(b, cache, il, ub, Qkv { q: &q, k: &k, v: Some(&v) }, s)?;
+        let mut attn = vec![0f32; n * self.n_embd];
+        b.matmul(&w.wo, &o, &mut attn)?;
+        b.add(x, &attn);
+        Ok(())
+    }
+}
+
 struct Layer {
-    attn_norm: Vec<f32>,
-    wq: Weight, // [n_embd] -> [n_head * head_dim]
-    wk: Weight, // [n_embd] -> [n_head_kv * head_dim]
-    wv: Weight, // [n_embd] -> [n_head_kv * head_dim]
-    wo: Weight, // [n_head * head_dim] -> [n_embd]
+    attn: GqaWeights,
     ffn_norm: Vec<f32>,
     ffn: Ffn,
 }
 
 pub(crate) struct Llama {
     layers: Vec<Layer>,
-    n_embd: usize,
-    shape: AttnShape,
-    eps: f32,
-    rope: RopeConfig,
+    gqa: Gqa,
 }
 
 impl Llama {
@@ -50,86 +123,32 @@ impl Llama {
         };
         let mut layers = Vec::with_capacity(n_layer);
         for il in 0..n_layer {
-            let p = |n: &str| format!("blk.{il}.{n}.weight");
             layers.push(Layer {
-                attn_norm: l.vec(&p("attn_norm"), n_embd)?,
-                wq: l.get(&p("attn_q"), &[n_embd, n_head * head_dim])?,
-                wk: l.get(&p("attn_k"), &[n_embd, n_head_kv * head_dim])?,
-                wv: l.get(&p("attn_v"), &[n_embd, n_head_kv * head_dim])?,
-                wo: l.get(&p("attn_output"), &[n_head * head_dim, n_embd])?,
-                ffn_norm: l.vec(&p("ffn_norm"), n_embd)?,
+                attn: GqaWeights::load(l, il, n_embd, shape, false)?,
+                ffn_norm: l.vec(&format!("blk.{il}.ffn_norm.weight"), n_embd)?,
                 ffn: Ffn::load(l, il, "", n_embd, n_ff)?,
             });
         }
-        Ok(Llama { layers, n_embd, shape, eps, rope })
+        Ok(Llama { layers, gqa: Gqa { n_embd, shape, eps, rope } })
     }
-}
-
-/// Q/K/V projections with rotary embeddings applied to every head of Q and K.
-pub(crate) fn qkv_roped(
-    b: &dyn Backend,
-    ub: &Ubatch,
-    h: &[f32],
-    (wq, wk, wv): (&Weight, &Weight, &Weight),
-    (q_norm, k_norm, eps): (Option<&[f32]>, Option<&[f32]>, f32),
-    s: AttnShape,
-    rope: &RopeConfig,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-    let n = ub.len();
-    let mut q = vec![0f32; n * s.n_head * s.dk];
-    let mut k = vec![0f32; n * s.n_head_kv * s.dk];
-    let mut v = vec![0f32; n * s.n_head_kv * s.dv];
-    b.matmul(wq, h, &mut q)?;
-    b.matmul(wk, h, &mut k)?;
-    b.matmul(wv, h, &mut v)?;
-    if let Some(w) = q_norm {
-        b.rmsnorm(&mut q, s.dk, Some(w), eps);
-    }
-    if let Some(w) = k_norm {
-        b.rmsnorm(&mut k, s.dk, Some(w), eps);
-    }
-    for t in 0..n {
-        let cache = rope.cache(ub.pos[t]);
-        for head in q[t * s.n_head * s.dk..(t + 1) * s.n_head * s.dk].chunks_exact_mut(s.dk) {
-            b.rope(head, &cache, rope.params.style);
-        }
-        for head in k[t * s.n_head_kv * s.dk..(t + 1) * s.n_head_kv * s.dk].chunks_exact_mut(s.dk) {
-            b.rope(head, &cache, rope.params.style);
-        }
-    }
-    Ok((q, k, v))
 }
 
 impl Layers for Llama {
     fn layout(&self) -> KvLayout {
-        let s = self.shape;
-        KvLayout {
-            n_layer: self.layers.len(),
-            k_row: s.n_head_kv * s.dk,
-            v_row: s.n_head_kv * s.dv,
-            k_head: s.dk,
-            v_head: s.dv,
-        }
+        self.gqa.layout(self.layers.len())
     }
 
     fn forward_layer(&self, il: usize, b: &dyn Backend, cache: &mut KvCache, ub: &Ubatch, x: &mut [f32]) -> Result<()> {
         let ly = &self.layers[il];
-        let n = ub.len();
+        self.gqa.residual(&ly.attn, il, b, cache, ub, x)?;
         let mut h = x.to_vec();
-        b.rmsnorm(&mut h, self.n_embd, Some(&ly.attn_norm), self.eps);
-        let (q, k, v) = qkv_roped(b, ub, &h, (&ly.wq, &ly.wk, &ly.wv), (None, None, self.eps), self.shape, &self.rope)?;
-        let o = attend(b, cache, il, ub, Qkv { q: &q, k: &k, v: Some(&v) }, self.shape)?;
-        let mut attn = vec![0f32; n * self.n_embd];
-        b.matmul(&ly.wo, &o, &mut attn)?;
-        b.add(x, &attn);
-        let mut h = x.to_vec();
-        b.rmsnorm(&mut h, self.n_embd, Some(&ly.ffn_norm), self.eps);
-        let ffn = ly.ffn.forward(b, &h, n)?;
+        b.rmsnorm(&mut h, self.gqa.n_embd, Some(&ly.ffn_norm), self.gqa.eps);
+        let ffn = ly.ffn.forward(b, &h, ub.len())?;
         b.add(x, &ffn);
         Ok(())
     }
 
     fn eps(&self) -> f32 {
-        self.eps
+        self.gqa.eps
     }
 }

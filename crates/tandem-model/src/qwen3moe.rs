@@ -3,34 +3,25 @@
 //! (llama.cpp src/models/qwen3moe.cpp).
 
 use crate::backend::Backend;
-use crate::common::{attend, AttnShape, Qkv, Ubatch};
+use crate::common::{AttnShape, Ubatch};
 use crate::config::{Arch, Keys, RopeConfig};
 use crate::context::Layers;
 use crate::kv_cache::{KvCache, KvLayout};
-use crate::llama::qkv_roped;
+use crate::llama::{Gqa, GqaWeights};
 use crate::moe::{Gating, Moe, Routing};
-use crate::weights::{Weight, WeightLoader};
+use crate::weights::WeightLoader;
 use crate::Result;
 use tandem_cpu::RopeStyle;
 
 struct Layer {
-    attn_norm: Vec<f32>,
-    wq: Weight, // [n_embd] -> [n_head * head_dim]
-    wk: Weight, // [n_embd] -> [n_head_kv * head_dim]
-    wv: Weight, // [n_embd] -> [n_head_kv * head_dim]
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
-    wo: Weight, // [n_head * head_dim] -> [n_embd]
+    attn: GqaWeights,
     ffn_norm: Vec<f32>,
     moe: Moe,
 }
 
 pub(crate) struct Qwen3Moe {
     layers: Vec<Layer>,
-    n_embd: usize,
-    shape: AttnShape,
-    eps: f32,
-    rope: RopeConfig,
+    gqa: Gqa,
 }
 
 impl Qwen3Moe {
@@ -57,54 +48,32 @@ impl Qwen3Moe {
         let shape = AttnShape { n_head, n_head_kv, dk: head_dim, dv: head_dim, scale: 1.0 / (head_dim as f32).sqrt() };
         let mut layers = Vec::with_capacity(n_layer);
         for il in 0..n_layer {
-            let p = |n: &str| format!("blk.{il}.{n}.weight");
             layers.push(Layer {
-                attn_norm: l.vec(&p("attn_norm"), n_embd)?,
-                wq: l.get(&p("attn_q"), &[n_embd, n_head * head_dim])?,
-                wk: l.get(&p("attn_k"), &[n_embd, n_head_kv * head_dim])?,
-                wv: l.get(&p("attn_v"), &[n_embd, n_head_kv * head_dim])?,
-                q_norm: l.vec(&p("attn_q_norm"), head_dim)?,
-                k_norm: l.vec(&p("attn_k_norm"), head_dim)?,
-                wo: l.get(&p("attn_output"), &[n_head * head_dim, n_embd])?,
-                ffn_norm: l.vec(&p("ffn_norm"), n_embd)?,
+                attn: GqaWeights::load(l, il, n_embd, shape, true)?,
+                ffn_norm: l.vec(&format!("blk.{il}.ffn_norm.weight"), n_embd)?,
                 moe: Moe::load(l, il, n_embd, n_ff_exp, routing)?,
             });
         }
-        Ok(Qwen3Moe { layers, n_embd, shape, eps, rope })
+        Ok(Qwen3Moe { layers, gqa: Gqa { n_embd, shape, eps, rope } })
     }
 }
 
 impl Layers for Qwen3Moe {
     fn layout(&self) -> KvLayout {
-        let s = self.shape;
-        KvLayout {
-            n_layer: self.layers.len(),
-            k_row: s.n_head_kv * s.dk,
-            v_row: s.n_head_kv * s.dv,
-            k_head: s.dk,
-            v_head: s.dv,
-        }
+        self.gqa.layout(self.layers.len())
     }
 
     fn forward_layer(&self, il: usize, b: &dyn Backend, cache: &mut KvCache, ub: &Ubatch, x: &mut [f32]) -> Result<()> {
         let ly = &self.layers[il];
-        let n = ub.len();
+        self.gqa.residual(&ly.attn, il, b, cache, ub, x)?;
         let mut h = x.to_vec();
-        b.rmsnorm(&mut h, self.n_embd, Some(&ly.attn_norm), self.eps);
-        let norms = (Some(ly.q_norm.as_slice()), Some(ly.k_norm.as_slice()), self.eps);
-        let (q, k, v) = qkv_roped(b, ub, &h, (&ly.wq, &ly.wk, &ly.wv), norms, self.shape, &self.rope)?;
-        let o = attend(b, cache, il, ub, Qkv { q: &q, k: &k, v: Some(&v) }, self.shape)?;
-        let mut attn = vec![0f32; n * self.n_embd];
-        b.matmul(&ly.wo, &o, &mut attn)?;
-        b.add(x, &attn);
-        let mut h = x.to_vec();
-        b.rmsnorm(&mut h, self.n_embd, Some(&ly.ffn_norm), self.eps);
-        let out = ly.moe.forward(b, &h, n)?;
+        b.rmsnorm(&mut h, self.gqa.n_embd, Some(&ly.ffn_norm), self.gqa.eps);
+        let out = ly.moe.forward(b, &h, ub.len())?;
         b.add(x, &out);
         Ok(())
     }
 
     fn eps(&self) -> f32 {
-        self.eps
+        self.gqa.eps
     }
 }
