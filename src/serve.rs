@@ -2,7 +2,8 @@
 //! builds the demo model when no `-m` is given), warms it up, turns SERVING, and on SIGTERM or
 //! Ctrl-C drains: NOT_SERVING, new calls UNAVAILABLE, open streams finish (up to
 //! `--shutdown-timeout`), then exit 0. A llama-server command line works with the binary name
-//! changed; `--port` is the gRPC port.
+//! changed; `--port` is the gRPC port, `--http-port` (8080) the OpenAI- and llama-server-compatible
+//! HTTP API over the same engine.
 
 use crate::cli::{CompatArgs, PlacementArgs, RuntimeArgs};
 use anyhow::{bail, Context as _};
@@ -37,6 +38,10 @@ pub struct ServeArgs {
     /// gRPC port (0 = any free port; the one chosen is printed).
     #[arg(long, value_name = "PORT", default_value_t = 50051)]
     pub port: u16,
+    /// Port of the OpenAI- and llama-server-compatible HTTP API (0 = any free port; the one
+    /// chosen is printed).
+    #[arg(long = "http-port", value_name = "PORT", default_value_t = 8080)]
+    pub http_port: u16,
     /// Server cap on tokens generated per request (-1 = none but the context).
     #[arg(short = 'n', long = "n-predict", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
     pub n_predict: i64,
@@ -210,8 +215,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let server = tandem_server::start(listener, metrics).await?;
+    let http_addr = format!("{}:{}", args.host, args.http_port);
+    let http = TcpListener::bind(&http_addr).await.with_context(|| format!("listening for HTTP on {http_addr}"))?;
+    let mut server = tandem_server::start(listener, metrics).await?;
     log(&format!("gRPC on {} (health NOT_SERVING until the model is ready)", server.local_addr()));
+    let http_addr = server.serve_http(http)?;
+    log(&format!("HTTP on http://{http_addr} (OpenAI /v1/chat/completions, /v1/completions, /v1/models; llama-server /completion, /tokenize, /detokenize, /health)"));
     if let Some(m) = server.metrics_addr() {
         log(&format!("metrics on http://{m}/metrics"));
     }

@@ -33,7 +33,7 @@ impl Served {
         let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
             .arg("serve")
             .args(args)
-            .args(["--host", "127.0.0.1", "--port", "0"])
+            .args(["--host", "127.0.0.1", "--port", "0", "--http-port", "0"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

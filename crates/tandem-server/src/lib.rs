@@ -1,9 +1,12 @@
 //! gRPC front end over the engine: `tandem.v1.InferenceService` (proto/tandem/v1/inference.proto),
 //! the standard `grpc.health.v1.Health`, server reflection (v1 and v1alpha) and Prometheus metrics.
+//! Beside it, [`http`]: the OpenAI- and llama-server-compatible HTTP API over the same engine.
 //! The server only translates: the engine owns the model and does the work.
 
 mod convert;
+pub mod http;
 pub mod metrics;
+mod openai;
 mod server;
 mod service;
 

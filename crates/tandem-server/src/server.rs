@@ -32,6 +32,7 @@ pub struct RunningServer {
     stop_tx: Option<oneshot::Sender<()>>,
     grpc: Option<JoinHandle<std::result::Result<(), tonic::transport::Error>>>,
     metrics: Option<JoinHandle<()>>,
+    http: Option<JoinHandle<()>>,
 }
 
 /// How a drain ended.
@@ -73,7 +74,16 @@ pub async fn start(listener: TcpListener, metrics_listener: Option<TcpListener>)
         }
         None => (None, None),
     };
-    Ok(RunningServer { addr, metrics_addr, state, health, stop_tx: Some(stop_tx), grpc: Some(grpc), metrics })
+    Ok(RunningServer {
+        addr,
+        metrics_addr,
+        state,
+        health,
+        stop_tx: Some(stop_tx),
+        grpc: Some(grpc),
+        metrics,
+        http: None,
+    })
 }
 
 impl RunningServer {
@@ -83,6 +93,14 @@ impl RunningServer {
 
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics_addr
+    }
+
+    /// Also serves the OpenAI- and llama-server-compatible HTTP API ([`crate::http`]) on
+    /// `listener`, over the same engine, readiness and drain; returns its address.
+    pub fn serve_http(&mut self, listener: TcpListener) -> Result<SocketAddr> {
+        let addr = listener.local_addr().map_err(|e| Error::Io("reading the HTTP listener's address".into(), e))?;
+        self.http = Some(tokio::spawn(crate::http::serve(listener, self.state.clone())));
+        Ok(addr)
     }
 
     /// Starts answering with `engine`; health turns SERVING.
@@ -111,6 +129,9 @@ impl RunningServer {
         if let Some(m) = self.metrics.take() {
             m.abort();
         }
+        if let Some(h) = self.http.take() {
+            h.abort();
+        }
         if let Some(mut g) = self.grpc.take() {
             // a client watching health keeps a stream open forever: do not wait for it
             match tokio::time::timeout(STOP_GRACE, &mut g).await {
@@ -130,6 +151,9 @@ impl Drop for RunningServer {
         }
         if let Some(m) = &self.metrics {
             m.abort();
+        }
+        if let Some(h) = &self.http {
+            h.abort();
         }
     }
 }

@@ -49,7 +49,7 @@ impl State {
     }
 
     /// The engine, once the model is ready and while the server is not draining.
-    fn engine(&self) -> Result<&EngineHandle, Status> {
+    pub(crate) fn engine(&self) -> Result<&EngineHandle, Status> {
         if self.draining.load(Ordering::Acquire) {
             return Err(Status::unavailable("the server is shutting down"));
         }
@@ -73,16 +73,26 @@ impl State {
         self.draining.store(true, Ordering::Release);
     }
 
+    /// The served model's name (GetModelInfo's `name`), once it is ready.
+    pub(crate) fn model_name(&self) -> Option<&str> {
+        self.engine.get().map(|(_, info)| info.name.as_str())
+    }
+
+    /// A fresh request number, for ids the client did not choose.
+    pub(crate) fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
     pub(crate) fn streams(&self) -> watch::Receiver<usize> {
         self.streams.subscribe()
     }
 }
 
 /// Counts an open stream until the engine drops its sink.
-struct StreamGuard(Arc<State>);
+pub(crate) struct StreamGuard(Arc<State>);
 
 impl StreamGuard {
-    fn new(state: Arc<State>) -> StreamGuard {
+    pub(crate) fn new(state: Arc<State>) -> StreamGuard {
         state.streams.send_modify(|n| *n += 1);
         StreamGuard(state)
     }

@@ -1,0 +1,501 @@
+//! The HTTP API (axum) beside gRPC, over the same engine, slots and prompt cache: OpenAI's
+//! `/v1/chat/completions`, `/v1/completions` and `/v1/models`, llama-server's `/completion`,
+//! `/tokenize`, `/detokenize` and `/health`. Errors use OpenAI's shape
+//! (`{"error": {"message", "type", "code"}}`); streams are server-sent events. A client that
+//! disconnects drops the response body, which closes the request's reply channel: the engine
+//! then frees its slot, as for a gRPC cancel.
+
+use crate::openai::{self, BadParam};
+use crate::service::{State, StreamGuard};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State as AxState};
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tandem_engine::{Error as EngineError, Event, Failure, Finish, PositionLogprobs, Request, Sink};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+
+/// Largest request body, in bytes (a long prompt fits; a runaway upload does not).
+pub const MAX_BODY_BYTES: usize = 16 << 20;
+/// Most token ids a /detokenize call may send.
+const MAX_DETOKENIZE_IDS: usize = 1 << 20;
+
+/// Serves the API on `listener` until the task is aborted.
+pub(crate) async fn serve(listener: TcpListener, state: Arc<State>) {
+    let _ = axum::serve(listener, router(state)).await;
+}
+
+fn router(state: Arc<State>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/models", get(models))
+        .route("/v1/chat/completions", post(chat))
+        .route("/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/completions", post(completions))
+        .route("/completion", post(llama_completion))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// An error in OpenAI's shape.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        let kind = match status {
+            StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNSUPPORTED_MEDIA_TYPE => {
+                "invalid_request_error"
+            }
+            StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED => "not_found_error",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            StatusCode::SERVICE_UNAVAILABLE => "unavailable_error",
+            StatusCode::CONFLICT => "conflict_error",
+            _ => "server_error",
+        };
+        ApiError { status, kind, message: message.into() }
+    }
+
+    fn bad(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.status.as_u16()}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+impl From<BadParam> for ApiError {
+    fn from(e: BadParam) -> ApiError {
+        ApiError::bad(e.0)
+    }
+}
+
+impl From<&EngineError> for ApiError {
+    fn from(e: &EngineError) -> ApiError {
+        let msg = e.to_string();
+        let mut err = match e {
+            EngineError::InvalidParam(_)
+            | EngineError::InvalidRequest(_)
+            | EngineError::Tokenizer(_)
+            | EngineError::NoChatTemplate => ApiError::bad(msg),
+            EngineError::QueueFull(_) => ApiError::new(StatusCode::TOO_MANY_REQUESTS, msg),
+            EngineError::AlreadyRunning(_) => ApiError::new(StatusCode::CONFLICT, msg),
+            EngineError::Unavailable(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, msg),
+            EngineError::Model(_) | EngineError::Gguf(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg),
+        };
+        // llama-server's type for a prompt longer than the context
+        if matches!(e, EngineError::InvalidRequest(m) if m.contains("the context holds")) {
+            err.kind = "exceed_context_size_error";
+        }
+        err
+    }
+}
+
+impl From<tonic::Status> for ApiError {
+    fn from(s: tonic::Status) -> ApiError {
+        let status = match s.code() {
+            tonic::Code::InvalidArgument => StatusCode::BAD_REQUEST,
+            tonic::Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            tonic::Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, s.message())
+    }
+}
+
+fn failure(f: &Failure) -> ApiError {
+    match f {
+        Failure::DeadlineExceeded => ApiError::new(StatusCode::GATEWAY_TIMEOUT, f.to_string()),
+        Failure::Unavailable(m) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, m.clone()),
+        Failure::Internal(m) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, m.clone()),
+    }
+}
+
+/// The body as JSON of type `T`; an unreadable, oversized or malformed body is a 4xx.
+fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+    serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("invalid JSON body: {e}")))
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "no such route")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "this route does not take that method")
+}
+
+async fn health(AxState(state): AxState<Arc<State>>) -> Response {
+    match state.engine() {
+        Ok(_) => Json(json!({"status": "ok"})).into_response(),
+        Err(s) => ApiError::from(s).into_response(),
+    }
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn model_name(state: &State) -> String {
+    state.model_name().unwrap_or_default().to_string()
+}
+
+async fn models(AxState(state): AxState<Arc<State>>) -> Result<Json<Value>, ApiError> {
+    let engine = state.engine()?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": model_name(&state),
+            "object": "model",
+            "created": 0,
+            "owned_by": "tandem",
+            "meta": {"n_ctx": engine.info().n_ctx, "n_vocab": engine.info().n_vocab},
+        }],
+    })))
+}
+
+/// The engine's reply channel for one HTTP request.
+struct HttpSink {
+    tx: mpsc::UnboundedSender<Event>,
+    /// The last event was sent.
+    done: bool,
+    _guard: StreamGuard,
+}
+
+impl Drop for HttpSink {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ =
+                self.tx.send(Event::Failed(Failure::Internal("the engine stopped before the request finished".into())));
+        }
+    }
+}
+
+impl Sink for HttpSink {
+    fn send(&mut self, event: Event) -> bool {
+        self.done |= !matches!(event, Event::Token { .. });
+        self.tx.send(event).is_ok()
+    }
+
+    fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
+
+/// Submits `req` (tokenizing off the async threads) under a fresh id `PREFIX-N`.
+async fn submit(
+    state: &Arc<State>,
+    mut req: Request,
+    prefix: &str,
+) -> Result<(String, mpsc::UnboundedReceiver<Event>), ApiError> {
+    let engine = state.engine()?.clone();
+    req.id = format!("{prefix}-{}", state.next_id());
+    let id = req.id.clone();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let sink = HttpSink { tx, done: false, _guard: StreamGuard::new(state.clone()) };
+    tokio::task::spawn_blocking(move || engine.submit(req, Box::new(sink)))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("submitting the request: {e}")))?
+        .map_err(|e| ApiError::from(&e))?;
+    Ok((id, rx))
+}
+
+/// A whole generation, for the non-streaming answers.
+struct Collected {
+    text: String,
+    logprobs: Vec<PositionLogprobs>,
+    finish: Finish,
+}
+
+async fn collect(mut rx: mpsc::UnboundedReceiver<Event>) -> Result<Collected, ApiError> {
+    let mut text = String::new();
+    let mut logprobs = Vec::new();
+    loop {
+        match rx.recv().await {
+            Some(Event::Token { text: t, logprobs: lp, .. }) => {
+                text.push_str(&t);
+                logprobs.extend(lp);
+            }
+            Some(Event::Finished { text: t, finish }) => {
+                text.push_str(&t);
+                return Ok(Collected { text, logprobs, finish });
+            }
+            Some(Event::Failed(f)) => return Err(failure(&f)),
+            None => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the engine dropped the request")),
+        }
+    }
+}
+
+/// Engine events as server-sent events. Dropping it (the client went away) drops the reply
+/// channel's receiver, which tells the engine to free the slot.
+struct EventStream<F> {
+    rx: mpsc::UnboundedReceiver<Event>,
+    pending: VecDeque<String>,
+    done: bool,
+    /// Translates an event into `data:` payloads; true when it was the last.
+    translate: F,
+}
+
+impl<F: FnMut(Event) -> (Vec<String>, bool) + Send + Unpin> Stream for EventStream<F> {
+    type Item = Result<SseEvent, Infallible>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        loop {
+            if let Some(data) = this.pending.pop_front() {
+                return Poll::Ready(Some(Ok(SseEvent::default().data(data))));
+            }
+            if this.done {
+                return Poll::Ready(None);
+            }
+            match this.rx.poll_recv(cx) {
+                Poll::Ready(Some(ev)) => {
+                    let (out, last) = (this.translate)(ev);
+                    this.pending.extend(out);
+                    this.done = last;
+                }
+                Poll::Ready(None) => this.done = true,
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
+fn sse<F>(rx: mpsc::UnboundedReceiver<Event>, first: Vec<String>, translate: F) -> Response
+where
+    F: FnMut(Event) -> (Vec<String>, bool) + Send + Unpin + 'static,
+{
+    Sse::new(EventStream { rx, pending: first.into(), done: false, translate }).into_response()
+}
+
+const DONE: &str = "[DONE]";
+
+fn error_data(f: &Failure) -> Vec<String> {
+    vec![failure(f).body().to_string()]
+}
+
+async fn chat(AxState(state): AxState<Arc<State>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let openai::Parsed { req, stream, include_usage } = openai::chat_request(parse(body)?, arrived)?;
+    let top = req.logprobs as usize;
+    let want_logprobs = req.logprobs > 0;
+    let (id, rx) = submit(&state, req, "chatcmpl").await?;
+    let model = model_name(&state);
+    let created = now_secs();
+    let chunk = move |delta: Value, lp: Value, reason: Value| {
+        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
+    };
+    if !stream {
+        let c = collect(rx).await?;
+        let mut body = chunk(Value::Null, Value::Null, Value::Null);
+        body["object"] = "chat.completion".into();
+        let choice = &mut body["choices"][0];
+        choice.as_object_mut().map(|o| o.remove("delta"));
+        choice["message"] = json!({"role": "assistant", "content": c.text});
+        choice["finish_reason"] = openai::finish_reason(&c.finish).into();
+        if want_logprobs {
+            choice["logprobs"] =
+                json!({"content": c.logprobs.iter().map(|p| openai::chat_logprob(p, top)).collect::<Vec<_>>()});
+        }
+        body["usage"] = openai::usage(&c.finish.usage);
+        return Ok(Json(body).into_response());
+    }
+    let first = vec![chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null).to_string()];
+    Ok(sse(rx, first, move |ev| match ev {
+        Event::Token { text, logprobs, .. } => {
+            if text.is_empty() && logprobs.is_none() {
+                return (Vec::new(), false);
+            }
+            let lp = match (&logprobs, want_logprobs) {
+                (Some(p), true) => json!({"content": [openai::chat_logprob(p, top)]}),
+                _ => Value::Null,
+            };
+            (vec![chunk(json!({"content": text}), lp, Value::Null).to_string()], false)
+        }
+        Event::Finished { text, finish } => {
+            let mut out = Vec::new();
+            if !text.is_empty() {
+                out.push(chunk(json!({"content": text}), Value::Null, Value::Null).to_string());
+            }
+            out.push(chunk(json!({}), Value::Null, openai::finish_reason(&finish).into()).to_string());
+            if include_usage {
+                let mut u = chunk(Value::Null, Value::Null, Value::Null);
+                u["choices"] = json!([]);
+                u["usage"] = openai::usage(&finish.usage);
+                out.push(u.to_string());
+            }
+            out.push(DONE.into());
+            (out, true)
+        }
+        Event::Failed(f) => (error_data(&f), true),
+    }))
+}
+
+/// Legacy completions' `logprobs` object for a run of positions.
+fn completion_logprobs(positions: &[PositionLogprobs], offset: &mut usize) -> Value {
+    let mut tokens = Vec::new();
+    let mut lps = Vec::new();
+    let mut tops = Vec::new();
+    let mut offsets = Vec::new();
+    for p in positions {
+        tokens.push(p.sampled.text.clone());
+        lps.push(p.sampled.logprob);
+        let top: serde_json::Map<String, Value> = p.top.iter().map(|t| (t.text.clone(), json!(t.logprob))).collect();
+        tops.push(top);
+        offsets.push(*offset);
+        *offset += p.sampled.text.len();
+    }
+    json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+}
+
+async fn completions(
+    AxState(state): AxState<Arc<State>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let openai::Parsed { req, stream, include_usage } = openai::completion_request(parse(body)?, arrived)?;
+    let want_logprobs = req.logprobs > 0;
+    let (id, rx) = submit(&state, req, "cmpl").await?;
+    let model = model_name(&state);
+    let created = now_secs();
+    let chunk = move |text: &str, lp: Value, reason: Value| {
+        json!({"id": id, "object": "text_completion", "created": created, "model": model,
+               "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}]})
+    };
+    if !stream {
+        let c = collect(rx).await?;
+        let lp = if want_logprobs { completion_logprobs(&c.logprobs, &mut 0) } else { Value::Null };
+        let mut body = chunk(&c.text, lp, openai::finish_reason(&c.finish).into());
+        body["usage"] = openai::usage(&c.finish.usage);
+        return Ok(Json(body).into_response());
+    }
+    let mut offset = 0;
+    Ok(sse(rx, Vec::new(), move |ev| match ev {
+        Event::Token { text, logprobs, .. } => {
+            if text.is_empty() && logprobs.is_none() {
+                return (Vec::new(), false);
+            }
+            let lp = match logprobs {
+                Some(p) if want_logprobs => completion_logprobs(&[p], &mut offset),
+                _ => Value::Null,
+            };
+            (vec![chunk(&text, lp, Value::Null).to_string()], false)
+        }
+        Event::Finished { text, finish } => {
+            let mut out = vec![chunk(&text, Value::Null, openai::finish_reason(&finish).into()).to_string()];
+            if include_usage {
+                let mut u = chunk("", Value::Null, Value::Null);
+                u["choices"] = json!([]);
+                u["usage"] = openai::usage(&finish.usage);
+                out.push(u.to_string());
+            }
+            out.push(DONE.into());
+            (out, true)
+        }
+        Event::Failed(f) => (error_data(&f), true),
+    }))
+}
+
+async fn llama_completion(
+    AxState(state): AxState<Arc<State>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let r: openai::LlamaCompletionRequest = parse(body)?;
+    let stream = r.stream;
+    let req = openai::llama_completion_request(r, arrived)?;
+    let stops = req.stop.clone();
+    let (_, rx) = submit(&state, req, "cmpl").await?;
+    let model = model_name(&state);
+    if !stream {
+        let c = collect(rx).await?;
+        return Ok(Json(openai::llama_final(&c.text, &c.finish, &stops, &model)).into_response());
+    }
+    // llama-server streams `{"content", "stop": false}` chunks, then the stats with `stop: true`
+    Ok(sse(rx, Vec::new(), move |ev| match ev {
+        Event::Token { id, text, .. } => {
+            if text.is_empty() {
+                return (Vec::new(), false);
+            }
+            (vec![json!({"content": text, "tokens": [id], "stop": false}).to_string()], false)
+        }
+        Event::Finished { text, finish } => {
+            (vec![openai::llama_final(&text, &finish, &stops, &model).to_string()], true)
+        }
+        Event::Failed(f) => (error_data(&f), true),
+    }))
+}
+
+async fn tokenize(
+    AxState(state): AxState<Arc<State>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let r: openai::TokenizeRequest = parse(body)?;
+    let engine = state.engine()?.clone();
+    tokio::task::spawn_blocking(move || {
+        let tok = engine.tokenizer();
+        let ids = tok.encode(&r.content, r.add_special, true).map_err(|e| ApiError::bad(e.to_string()))?;
+        if !r.with_pieces {
+            return Ok(Json(json!({"tokens": ids})));
+        }
+        let pieces: Vec<Value> = ids
+            .iter()
+            .map(|&id| {
+                let piece = String::from_utf8_lossy(tok.token_to_piece(id, true).unwrap_or(&[])).into_owned();
+                json!({"id": id, "piece": piece})
+            })
+            .collect();
+        Ok(Json(json!({"tokens": pieces})))
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("tokenizing: {e}")))?
+}
+
+async fn detokenize(
+    AxState(state): AxState<Arc<State>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let r: openai::DetokenizeRequest = parse(body)?;
+    let engine = state.engine()?;
+    if r.tokens.len() > MAX_DETOKENIZE_IDS {
+        return Err(ApiError::bad(format!("{} token ids, at most {MAX_DETOKENIZE_IDS}", r.tokens.len())));
+    }
+    let n_vocab = engine.info().n_vocab;
+    if let Some((i, t)) = r.tokens.iter().enumerate().find(|(_, &t)| t as usize >= n_vocab) {
+        return Err(ApiError::bad(format!("token id {t} at index {i} is outside the vocabulary of {n_vocab} tokens")));
+    }
+    let content = engine.tokenizer().decode(&r.tokens, true).map_err(|e| ApiError::bad(e.to_string()))?;
+    Ok(Json(json!({"content": content})))
+}

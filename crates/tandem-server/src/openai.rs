@@ -1,0 +1,406 @@
+//! The JSON bodies of the HTTP API: OpenAI's `/v1/chat/completions` and `/v1/completions`
+//! (https://platform.openai.com/docs/api-reference/chat) and llama-server's `/completion`,
+//! `/tokenize`, `/detokenize` (llama.cpp tools/server/README.md), and their translation into
+//! engine [`Request`]s. Nothing here trusts the client: every field is checked or clamped.
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::time::Instant;
+use tandem_engine::{Finish, FinishReason, LengthLimit, PositionLogprobs, Prompt, Request, SamplingParams, Usage};
+
+/// Most stop strings per request, and bytes per stop string (as over gRPC).
+const MAX_STOPS: usize = 16;
+const MAX_STOP_BYTES: usize = 256;
+
+/// `stop`: one string or a list of them.
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// A prompt: text, a one-element list of texts, or token ids.
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum PromptField {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+}
+
+/// A chat message's content: text or a list of parts (`{"type": "text", "text": ...}`).
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Deserialize, Debug)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+#[derive(Deserialize, Debug)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+#[derive(Deserialize, Debug, Default)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The fields `/v1/chat/completions` and `/v1/completions` share (others are ignored).
+#[derive(Deserialize, Debug, Default)]
+pub struct Common {
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// llama-server's extensions, accepted on the OpenAI routes too.
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub stop: Option<Stop>,
+    pub seed: Option<i64>,
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+}
+
+#[derive(Deserialize, Debug)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<u32>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+#[derive(Deserialize, Debug)]
+pub struct CompletionRequest {
+    pub prompt: PromptField,
+    /// Legacy completions: the number of top log-probabilities per token.
+    pub logprobs: Option<u32>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// llama-server's `/completion`.
+#[derive(Deserialize, Debug)]
+pub struct LlamaCompletionRequest {
+    pub prompt: PromptField,
+    pub n_predict: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_k: Option<i64>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub stop: Option<Stop>,
+    pub seed: Option<i64>,
+    #[serde(default)]
+    pub stream: bool,
+    /// Always on in tandem: the prompt cache is per slot (accepted for compatibility).
+    pub cache_prompt: Option<bool>,
+    pub n_probs: Option<u32>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+}
+
+#[derive(Deserialize, Debug)]
+pub struct TokenizeRequest {
+    pub content: String,
+    #[serde(default = "yes")]
+    pub add_special: bool,
+    #[serde(default)]
+    pub with_pieces: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Deserialize, Debug)]
+pub struct DetokenizeRequest {
+    #[serde(default)]
+    pub tokens: Vec<u32>,
+}
+
+/// An OpenAI request, translated.
+pub struct Parsed {
+    pub req: Request,
+    pub stream: bool,
+    /// `stream_options.include_usage`: a last chunk carries the usage.
+    pub include_usage: bool,
+}
+
+/// A parameter the engine cannot take; the message names it.
+pub struct BadParam(pub String);
+
+fn stops(stop: Option<Stop>) -> Result<Vec<String>, BadParam> {
+    let v = match stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    if v.len() > MAX_STOPS {
+        return Err(BadParam(format!("stop: {} strings, at most {MAX_STOPS}", v.len())));
+    }
+    if let Some(s) = v.iter().find(|s| s.len() > MAX_STOP_BYTES || s.is_empty()) {
+        return Err(BadParam(format!("stop: {:?}: each must be 1 to {MAX_STOP_BYTES} bytes", truncate(s, 40))));
+    }
+    Ok(v)
+}
+
+fn truncate(s: &str, n: usize) -> &str {
+    match s.char_indices().nth(n) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
+/// A negative seed (llama-server's -1) asks for a random one.
+fn seed(s: Option<i64>, d: u64) -> u64 {
+    match s {
+        Some(s) if s >= 0 => s as u64,
+        Some(_) => {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(d, |t| t.as_nanos() as u64)
+        }
+        None => d,
+    }
+}
+
+fn prompt(p: PromptField) -> Result<Prompt, BadParam> {
+    match p {
+        PromptField::Text(t) => Ok(Prompt::Text(t)),
+        PromptField::Tokens(ids) => Ok(Prompt::Tokens(ids)),
+        PromptField::Texts(mut v) if v.len() == 1 => Ok(Prompt::Text(v.remove(0))),
+        PromptField::Texts(v) => {
+            Err(BadParam(format!("prompt: a list of {} texts; batches are not supported, send one", v.len())))
+        }
+    }
+}
+
+fn common(c: Common, p: Prompt, arrived: Instant) -> Result<Request, BadParam> {
+    if let Some(n) = c.n {
+        if n != 1 {
+            return Err(BadParam(format!("n = {n}: only 1 is supported")));
+        }
+    }
+    let d = SamplingParams::default();
+    let mut req = Request::new(p);
+    req.arrived = arrived;
+    req.sampling = SamplingParams {
+        temperature: c.temperature.unwrap_or(d.temperature),
+        top_k: c.top_k.map_or(d.top_k, |k| k as usize),
+        top_p: c.top_p.unwrap_or(d.top_p),
+        min_p: c.min_p.unwrap_or(d.min_p),
+        presence_penalty: c.presence_penalty.unwrap_or(d.presence_penalty),
+        frequency_penalty: c.frequency_penalty.unwrap_or(d.frequency_penalty),
+        seed: seed(c.seed, d.seed),
+        ..d
+    };
+    req.max_tokens = c.max_completion_tokens.or(c.max_tokens).unwrap_or(0);
+    req.stop = stops(c.stop)?;
+    req.ignore_eos = c.ignore_eos;
+    Ok(req)
+}
+
+pub fn chat_request(r: ChatRequest, arrived: Instant) -> Result<Parsed, BadParam> {
+    let mut messages = Vec::with_capacity(r.messages.len());
+    for m in r.messages {
+        let text = match m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t,
+            Some(Content::Parts(parts)) => {
+                let mut t = String::new();
+                for p in parts {
+                    if p.kind != "text" {
+                        return Err(BadParam(format!(
+                            "messages: content of type {:?}: only text is supported",
+                            p.kind
+                        )));
+                    }
+                    t.push_str(p.text.as_deref().unwrap_or(""));
+                }
+                t
+            }
+        };
+        messages.push((m.role, text));
+    }
+    let include_usage = r.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let stream = r.common.stream;
+    let mut req = common(r.common, Prompt::Chat(messages), arrived)?;
+    if r.logprobs {
+        // the engine reports the sampled token's log-probability with the top n (at least one)
+        req.logprobs = r.top_logprobs.unwrap_or(0).max(1);
+    }
+    Ok(Parsed { req, stream, include_usage })
+}
+
+pub fn completion_request(r: CompletionRequest, arrived: Instant) -> Result<Parsed, BadParam> {
+    let include_usage = r.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let stream = r.common.stream;
+    let p = prompt(r.prompt)?;
+    let mut req = common(r.common, p, arrived)?;
+    req.logprobs = r.logprobs.unwrap_or(0);
+    Ok(Parsed { req, stream, include_usage })
+}
+
+pub fn llama_completion_request(r: LlamaCompletionRequest, arrived: Instant) -> Result<Request, BadParam> {
+    let d = SamplingParams::default();
+    let mut req = Request::new(prompt(r.prompt)?);
+    req.arrived = arrived;
+    req.sampling = SamplingParams {
+        temperature: r.temperature.unwrap_or(d.temperature),
+        // llama-server: top_k <= 0 keeps every token
+        top_k: r.top_k.map_or(d.top_k, |k| k.max(0) as usize),
+        top_p: r.top_p.unwrap_or(d.top_p),
+        min_p: r.min_p.unwrap_or(d.min_p),
+        repeat_penalty: r.repeat_penalty.unwrap_or(d.repeat_penalty),
+        presence_penalty: r.presence_penalty.unwrap_or(d.presence_penalty),
+        frequency_penalty: r.frequency_penalty.unwrap_or(d.frequency_penalty),
+        penalty_last_n: r.repeat_last_n.map_or(d.penalty_last_n, |n| n.max(0) as usize),
+        seed: seed(r.seed, d.seed),
+    };
+    // n_predict -1 (or any n <= 0) = until the server's cap or the context
+    req.max_tokens = r.n_predict.map_or(0, |n| n.clamp(0, u32::MAX as i64) as u32);
+    req.stop = stops(r.stop)?;
+    req.logprobs = r.n_probs.unwrap_or(0);
+    req.ignore_eos = r.ignore_eos;
+    let _ = r.cache_prompt;
+    Ok(req)
+}
+
+/// OpenAI's `finish_reason`.
+pub fn finish_reason(f: &Finish) -> &'static str {
+    match f.reason {
+        FinishReason::Length(_) => "length",
+        FinishReason::Stop | FinishReason::Eos | FinishReason::Cancelled => "stop",
+    }
+}
+
+/// OpenAI's `usage`, with the prompt tokens the prompt cache served.
+pub fn usage(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    })
+}
+
+/// One position of a chat completion's `logprobs.content`, with `top` entries.
+pub fn chat_logprob(p: &PositionLogprobs, top: usize) -> Value {
+    let entry = |text: &str, lp: f32| json!({"token": text, "logprob": lp, "bytes": text.as_bytes()});
+    let mut v = entry(&p.sampled.text, p.sampled.logprob);
+    v["top_logprobs"] = p.top.iter().take(top).map(|t| entry(&t.text, t.logprob)).collect();
+    v
+}
+
+/// llama-server's `/completion` answer (or its last streamed chunk), `content` given.
+pub fn llama_final(content: &str, f: &Finish, stop_strings: &[String], model: &str) -> Value {
+    let u = &f.usage;
+    let t = &f.timings;
+    let computed = u.prompt_tokens.saturating_sub(u.cached_tokens);
+    let ms = |n: u32, per_s: f64| if per_s > 0.0 { n as f64 / per_s * 1000.0 } else { 0.0 };
+    let prompt_ms = ms(computed, t.prefill_tokens_per_second);
+    let predicted_ms = ms(u.completion_tokens, t.decode_tokens_per_second);
+    let stop_type = match f.reason {
+        FinishReason::Eos => "eos",
+        FinishReason::Stop => "word",
+        FinishReason::Length(_) => "limit",
+        FinishReason::Cancelled => "none",
+    };
+    // the engine does not say which stop string matched: name the only one when there is one
+    let stopping_word = match (f.reason, stop_strings) {
+        (FinishReason::Stop, [one]) => one.as_str(),
+        _ => "",
+    };
+    json!({
+        "content": content,
+        "stop": true,
+        "model": model,
+        "tokens_predicted": u.completion_tokens,
+        "tokens_evaluated": u.prompt_tokens,
+        "tokens_cached": u.cached_tokens,
+        "truncated": false,
+        "stopped_eos": f.reason == FinishReason::Eos,
+        "stopped_word": f.reason == FinishReason::Stop,
+        "stopped_limit": matches!(f.reason, FinishReason::Length(_)),
+        "stop_type": stop_type,
+        "stopping_word": stopping_word,
+        "context_full": f.reason == FinishReason::Length(LengthLimit::Context),
+        "timings": {
+            "cache_n": u.cached_tokens,
+            "prompt_n": computed,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": if computed > 0 { prompt_ms / computed as f64 } else { 0.0 },
+            "prompt_per_second": t.prefill_tokens_per_second,
+            "predicted_n": u.completion_tokens,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": if u.completion_tokens > 0 { predicted_ms / u.completion_tokens as f64 } else { 0.0 },
+            "predicted_per_second": t.decode_tokens_per_second,
+            "queue_ms": t.queue.as_secs_f64() * 1000.0,
+            "time_to_first_token_ms": t.time_to_first_token.as_secs_f64() * 1000.0,
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_fields_map_onto_the_request() {
+        let r: ChatRequest = serde_json::from_str(
+            r#"{"model":"x","messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],
+                "max_tokens":7,"temperature":0,"stop":"END","seed":3,"stream":true,
+                "stream_options":{"include_usage":true},"logprobs":true,"top_logprobs":2}"#,
+        )
+        .unwrap();
+        let Parsed { req, stream, include_usage } = chat_request(r, Instant::now()).ok().unwrap();
+        assert!(stream && include_usage);
+        assert_eq!(req.prompt, Prompt::Chat(vec![("user".into(), "hi".into())]));
+        assert_eq!((req.max_tokens, req.sampling.temperature, req.sampling.seed, req.logprobs), (7, 0.0, 3, 2));
+        assert_eq!(req.stop, ["END"]);
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_the_parameter_named() {
+        let r: CompletionRequest = serde_json::from_str(r#"{"prompt":"a","n":2}"#).unwrap();
+        assert!(completion_request(r, Instant::now()).err().unwrap().0.contains("n = 2"));
+        let r: CompletionRequest = serde_json::from_str(r#"{"prompt":["a","b"]}"#).unwrap();
+        assert!(completion_request(r, Instant::now()).err().unwrap().0.contains("prompt"));
+        let many: Vec<String> = (0..17).map(|i| i.to_string()).collect();
+        let r: LlamaCompletionRequest = serde_json::from_value(json!({"prompt": "a", "stop": many})).unwrap();
+        assert!(llama_completion_request(r, Instant::now()).err().unwrap().0.contains("stop"));
+    }
+
+    #[test]
+    fn llama_server_fields_map_onto_the_request() {
+        let r: LlamaCompletionRequest = serde_json::from_str(
+            r#"{"prompt":[1,2,3],"n_predict":-1,"top_k":0,"min_p":0.1,"cache_prompt":true,"stop":["\n"]}"#,
+        )
+        .unwrap();
+        let req = llama_completion_request(r, Instant::now()).ok().unwrap();
+        assert_eq!(req.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        assert_eq!((req.max_tokens, req.sampling.top_k, req.sampling.min_p), (0, 0, 0.1));
+    }
+}

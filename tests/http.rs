@@ -1,0 +1,408 @@
+//! The HTTP API of `tandem serve` (OpenAI and llama-server routes) end to end, in process, with a
+//! hyper client over TCP on 127.0.0.1: streaming and non-streaming answers, the prompt cache in
+//! `usage`, every error status, a client that disconnects mid-stream, and the official `openai`
+//! Python package plus an aiohttp batch client (scripts/http_client_check.py).
+
+mod serve_util;
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper::StatusCode;
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use serve_util::{start, TestServer, PROMPTS};
+use std::net::SocketAddr;
+use std::time::Duration;
+use tandem_engine::EngineConfig;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+
+struct Http {
+    t: TestServer,
+    addr: SocketAddr,
+}
+
+async fn serve(n_ctx: usize, config: EngineConfig) -> Http {
+    let mut t = start("llama-tiny.gguf", n_ctx, config).await;
+    let addr = t.server.serve_http(TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap();
+    Http { t, addr }
+}
+
+/// Sends a request and returns the response with its body still unread.
+async fn send(addr: SocketAddr, method: &str, path: &str, body: Vec<u8>) -> hyper::Response<hyper::body::Incoming> {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    tokio::spawn(conn);
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    sender.send_request(req).await.unwrap()
+}
+
+async fn call(addr: SocketAddr, method: &str, path: &str, body: &str) -> (StatusCode, String) {
+    let resp = send(addr, method, path, body.as_bytes().to_vec()).await;
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8(bytes.to_vec()).unwrap())
+}
+
+async fn post_json(addr: SocketAddr, path: &str, body: Value) -> (StatusCode, Value) {
+    let (status, text) = call(addr, "POST", path, &body.to_string()).await;
+    let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"));
+    (status, v)
+}
+
+/// The `data:` payloads of a server-sent event stream.
+fn sse_data(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+        .map(String::from)
+        .collect()
+}
+
+fn assert_error(status: StatusCode, body: &Value, want: StatusCode, text: &str) {
+    assert_eq!(status, want, "{body}");
+    let msg = body["error"]["message"].as_str().unwrap_or_else(|| panic!("no error.message: {body}"));
+    assert!(msg.contains(text), "{msg:?} does not say {text:?}");
+    assert!(body["error"]["type"].is_string(), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_streams_the_same_text_it_returns_whole() {
+    let s = serve(512, EngineConfig::default()).await;
+    let req = json!({"model": "any", "messages": [{"role": "user", "content": "Hello"}],
+                     "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+    let (status, whole) = post_json(s.addr, "/v1/chat/completions", req.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{whole}");
+    assert_eq!(whole["object"], "chat.completion");
+    assert_eq!(whole["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(whole["choices"][0]["finish_reason"], "length");
+    assert_eq!(whole["usage"]["completion_tokens"], 8);
+    assert!(whole["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64(), "{whole}");
+
+    let mut streamed = req;
+    streamed["stream"] = true.into();
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (status, text) = call(s.addr, "POST", "/v1/chat/completions", &streamed.to_string()).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let data = sse_data(&text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0).and_then(|ch| ch["delta"]["content"].as_str()).map(String::from))
+        .collect();
+    assert_eq!(content, whole["choices"][0]["message"]["content"].as_str().unwrap());
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]), "{usage}");
+    assert_eq!(usage["usage"]["completion_tokens"], 8);
+    // the same chat again: its prompt comes from the cache
+    assert!(usage["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0, "{usage}");
+    let reason = &chunks[chunks.len() - 2]["choices"][0]["finish_reason"];
+    assert_eq!(reason, "length");
+
+    let lp = json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "temperature": 0,
+                    "ignore_eos": true, "logprobs": true, "top_logprobs": 2});
+    let (status, v) = post_json(s.addr, "/v1/chat/completions", lp).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 3, "{v}");
+    let first = &content[0];
+    assert!(first["logprob"].as_f64().unwrap() <= 0.0 && first["token"].is_string(), "{first}");
+    assert_eq!(first["top_logprobs"].as_array().unwrap().len(), 2, "{first}");
+    // greedy: the sampled token is the most likely one
+    assert_eq!(first["top_logprobs"][0]["token"], first["token"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_stop_strings_seeds_and_logprobs() {
+    let s = serve(512, EngineConfig::default()).await;
+    let req = json!({"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0.9, "seed": 42, "ignore_eos": true});
+    let (status, a) = post_json(s.addr, "/v1/completions", req.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{a}");
+    assert_eq!(a["object"], "text_completion");
+    let (_, b) = post_json(s.addr, "/v1/completions", req).await;
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"], "the same seed, the same text");
+    assert!(b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0, "{b}");
+
+    let (_, lp) = post_json(
+        s.addr,
+        "/v1/completions",
+        json!({"prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0, "logprobs": 2, "ignore_eos": true}),
+    )
+    .await;
+    let l = &lp["choices"][0]["logprobs"];
+    assert_eq!(l["tokens"].as_array().unwrap().len(), 3, "{lp}");
+    assert_eq!(l["top_logprobs"][0].as_object().unwrap().len(), 2, "{lp}");
+
+    // a stop string taken from a greedy run ends the text before it
+    let greedy = json!({"prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+    let (_, g) = post_json(s.addr, "/v1/completions", greedy.clone()).await;
+    let full = g["choices"][0]["text"].as_str().unwrap().to_string();
+    let chars: Vec<(usize, char)> = full.char_indices().collect();
+    let pairs: Vec<usize> = (1..chars.len().saturating_sub(1))
+        .filter(|&k| chars[k].1.is_ascii_alphanumeric() && chars[k + 1].1.is_ascii_alphanumeric())
+        .map(|k| chars[k].0)
+        .collect();
+    let at = *pairs.get(pairs.len() / 2).unwrap_or_else(|| panic!("no ASCII pair to stop at in {full:?}"));
+    let stop = &full[at..at + 2];
+    let before = &full[..full.find(stop).unwrap()];
+    let mut with_stop = greedy;
+    with_stop["stop"] = json!([stop]);
+    let (_, st) = post_json(s.addr, "/v1/completions", with_stop).await;
+    assert_eq!(st["choices"][0]["text"].as_str().unwrap(), before, "stop {stop:?} in {full:?}: {st}");
+    assert_eq!(st["choices"][0]["finish_reason"], "stop");
+
+    let (status, text) = call(
+        s.addr,
+        "POST",
+        "/v1/completions",
+        &json!({"prompt": PROMPTS[0], "max_tokens": 4, "stream": true}).to_string(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let data = sse_data(&text);
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let fin: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert!(fin["choices"][0]["finish_reason"].is_string(), "{fin}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llama_server_completion_tokenize_and_detokenize() {
+    let s = serve(512, EngineConfig::default()).await;
+    let req = json!({"prompt": PROMPTS[0], "n_predict": 5, "temperature": 0, "top_k": 40, "top_p": 0.9,
+                     "min_p": 0.05, "cache_prompt": true, "ignore_eos": true});
+    let (status, r) = post_json(s.addr, "/completion", req.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{r}");
+    assert_eq!(r["stop"], true);
+    assert_eq!(r["tokens_predicted"], 5);
+    assert_eq!(r["stop_type"], "limit");
+    assert_eq!(r["timings"]["predicted_n"], 5);
+    assert!(r["timings"]["predicted_per_second"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(r["content"].is_string());
+
+    let (status, tok) = post_json(s.addr, "/tokenize", json!({"content": PROMPTS[0]})).await;
+    assert_eq!(status, StatusCode::OK);
+    let ids = tok["tokens"].as_array().unwrap().clone();
+    assert_eq!(r["tokens_evaluated"].as_u64().unwrap() as usize, ids.len(), "{r} {tok}");
+    let (_, pieces) = post_json(s.addr, "/tokenize", json!({"content": "fox", "with_pieces": true})).await;
+    assert!(pieces["tokens"][0]["piece"].is_string(), "{pieces}");
+    let (_, de) = post_json(s.addr, "/detokenize", json!({"tokens": ids})).await;
+    assert!(de["content"].as_str().unwrap().ends_with(PROMPTS[0]), "{de}");
+
+    let mut streamed = req;
+    streamed["stream"] = true.into();
+    let (status, text) = call(s.addr, "POST", "/completion", &streamed.to_string()).await;
+    assert_eq!(status, StatusCode::OK);
+    let chunks: Vec<Value> = sse_data(&text).iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    let last = chunks.last().unwrap();
+    assert_eq!(last["stop"], true, "{text}");
+    let content: String = chunks.iter().map(|c| c["content"].as_str().unwrap_or("")).collect();
+    assert_eq!(content, r["content"].as_str().unwrap());
+    assert!(last["tokens_cached"].as_u64().unwrap() > 0, "the second run reads the prompt from the cache: {last}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors() {
+    let s = serve(64, EngineConfig::default()).await;
+    let (status, body) = call(s.addr, "GET", "/health", "").await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, r#"{"status":"ok"}"#));
+    let (status, models) = call(s.addr, "GET", "/v1/models", "").await;
+    assert_eq!(status, StatusCode::OK);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["object"], "list");
+    assert!(models["data"][0]["id"].is_string(), "{models}");
+
+    let chat = "/v1/chat/completions";
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let cases: Vec<(&str, Value, StatusCode, &str)> = vec![
+        (chat, json!({"messages": msgs, "n": 2}), StatusCode::BAD_REQUEST, "n = 2"),
+        (chat, json!({"messages": msgs, "temperature": -1}), StatusCode::BAD_REQUEST, "temperature"),
+        (chat, json!({"messages": msgs, "top_p": 0}), StatusCode::BAD_REQUEST, "top_p"),
+        (chat, json!({"messages": msgs, "max_tokens": -3}), StatusCode::BAD_REQUEST, "invalid JSON body"),
+        (chat, json!({"messages": []}), StatusCode::BAD_REQUEST, "no messages"),
+        (chat, json!({"nothing": 1}), StatusCode::BAD_REQUEST, "messages"),
+        ("/v1/completions", json!({"prompt": ""}), StatusCode::BAD_REQUEST, "empty"),
+        ("/v1/completions", json!({"prompt": PROMPTS[3].repeat(8)}), StatusCode::BAD_REQUEST, "the context holds 64"),
+        ("/completion", json!({"prompt": [1, 2, 99999999]}), StatusCode::BAD_REQUEST, "outside the vocabulary"),
+        ("/completion", json!({"prompt": "a", "stop": [""]}), StatusCode::BAD_REQUEST, "stop"),
+        ("/detokenize", json!({"tokens": [4000000]}), StatusCode::BAD_REQUEST, "outside the vocabulary"),
+        ("/tokenize", json!({"text": "a"}), StatusCode::BAD_REQUEST, "content"),
+        (chat, json!([]), StatusCode::BAD_REQUEST, "invalid JSON body"),
+        (chat, json!(null), StatusCode::BAD_REQUEST, "invalid JSON body"),
+        (chat, json!({"messages": "hi"}), StatusCode::BAD_REQUEST, "invalid JSON body"),
+        (
+            chat,
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+            StatusCode::BAD_REQUEST,
+            "only text",
+        ),
+        (chat, json!({"messages": msgs, "max_tokens": 4294967296u64}), StatusCode::BAD_REQUEST, "invalid JSON body"),
+        (chat, json!({"messages": msgs, "temperature": 1e40}), StatusCode::BAD_REQUEST, "temperature"),
+        (chat, json!({"messages": msgs, "logprobs": true, "top_logprobs": 100}), StatusCode::BAD_REQUEST, "logprobs"),
+        ("/v1/completions", json!({"prompt": {"a": 1}}), StatusCode::BAD_REQUEST, "invalid JSON body"),
+        ("/v1/completions", json!({"prompt": ["a", "b"]}), StatusCode::BAD_REQUEST, "batches"),
+        ("/completion", json!({"prompt": "a", "n_predict": 1.5}), StatusCode::BAD_REQUEST, "invalid JSON body"),
+    ];
+    for (path, body, want, text) in cases {
+        let (status, v) = post_json(s.addr, path, body.clone()).await;
+        assert_error(status, &v, want, text);
+    }
+    let (status, v) = post_json(s.addr, "/v1/completions", json!({"prompt": PROMPTS[3].repeat(8)})).await;
+    assert_eq!((status, v["error"]["type"].as_str()), (StatusCode::BAD_REQUEST, Some("exceed_context_size_error")));
+    let (status, text) = call(s.addr, "POST", chat, "{not json").await;
+    assert_error(status, &serde_json::from_str(&text).unwrap(), StatusCode::BAD_REQUEST, "invalid JSON body");
+    let (status, text) = call(s.addr, "GET", "/v2/nothing", "").await;
+    assert_error(status, &serde_json::from_str(&text).unwrap(), StatusCode::NOT_FOUND, "no such route");
+    let (status, text) = call(s.addr, "GET", chat, "").await;
+    assert_error(status, &serde_json::from_str(&text).unwrap(), StatusCode::METHOD_NOT_ALLOWED, "method");
+    let huge = vec![b' '; tandem_server::http::MAX_BODY_BYTES + 1];
+    let resp = send(s.addr, "POST", chat, huge).await;
+    assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    // the server is still fine
+    let (status, _) = call(s.addr, "GET", "/health", "").await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_is_429_a_draining_server_503() {
+    let config = EngineConfig { n_parallel: 1, queue_size: 0, ..EngineConfig::default() };
+    let s = serve(4096, config).await;
+    let endless = json!({"prompt": PROMPTS[1], "ignore_eos": true, "temperature": 0, "stream": true});
+    let resp = send(s.addr, "POST", "/completion", endless.to_string().into_bytes()).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    body.frame().await.unwrap().unwrap();
+    let (status, v) = post_json(s.addr, "/completion", json!({"prompt": "a", "n_predict": 1})).await;
+    assert_error(status, &v, StatusCode::TOO_MANY_REQUESTS, "queue is full");
+    drop(body);
+    let drained = s.t.server.drain(Duration::from_secs(30)).await;
+    assert_eq!(drained.abandoned, 0);
+    let (status, v) = post_json(s.addr, "/completion", json!({"prompt": "a", "n_predict": 1})).await;
+    assert_error(status, &v, StatusCode::SERVICE_UNAVAILABLE, "shutting down");
+    let (status, _) = call(s.addr, "GET", "/health", "").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_mid_stream_frees_its_slot() {
+    let config = EngineConfig { n_parallel: 1, queue_size: 4, ..EngineConfig::default() };
+    let s = serve(2048, config).await;
+    let endless = json!({"messages": [{"role": "user", "content": PROMPTS[1]}], "ignore_eos": true,
+                         "temperature": 0, "stream": true});
+    let resp = send(s.addr, "POST", "/v1/chat/completions", endless.to_string().into_bytes()).await;
+    let mut body = resp.into_body();
+    body.frame().await.unwrap().unwrap();
+    body.frame().await.unwrap().unwrap();
+    drop(body); // the client goes away mid-stream
+    let (status, r) =
+        post_json(s.addr, "/completion", json!({"prompt": PROMPTS[0], "n_predict": 3, "ignore_eos": true})).await;
+    assert_eq!(status, StatusCode::OK, "{r}");
+    assert_eq!(r["tokens_predicted"], 3);
+    let stats = s.t.engine.handle().stats().clone();
+    assert_eq!(stats.requests_cancelled.get(), 1);
+    assert!(stats.generated_tokens.get() < 1500, "{}", stats.generated_tokens.get());
+
+    // a client of a non-streaming request that closes its connection frees the slot too
+    let endless = json!({"prompt": PROMPTS[2], "ignore_eos": true, "temperature": 0});
+    let body = endless.to_string();
+    let mut tcp = TcpStream::connect(s.addr).await.unwrap();
+    let head = format!("POST /completion HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n", body.len());
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    tcp.write_all(body.as_bytes()).await.unwrap();
+    let before = stats.generated_tokens.get();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while stats.generated_tokens.get() < before + 5 {
+        assert!(std::time::Instant::now() < deadline, "the non-streaming request never generated");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(tcp); // the client goes away before the answer
+    let (status, r) =
+        post_json(s.addr, "/completion", json!({"prompt": PROMPTS[0], "n_predict": 3, "ignore_eos": true})).await;
+    assert_eq!((status, r["tokens_predicted"].as_u64()), (StatusCode::OK, Some(3)), "{r}");
+    assert_eq!(stats.requests_cancelled.get(), 2);
+    assert!(stats.generated_tokens.get() < 3000, "{}", stats.generated_tokens.get());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unready_server_answers_503() {
+    let mut server = serve_util::start_unready().await;
+    let addr = server.serve_http(TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap();
+    let (status, text) = call(addr, "GET", "/health", "").await;
+    assert_error(status, &serde_json::from_str(&text).unwrap(), StatusCode::SERVICE_UNAVAILABLE, "loading");
+    let (status, v) = post_json(addr, "/completion", json!({"prompt": "a"})).await;
+    assert_error(status, &v, StatusCode::SERVICE_UNAVAILABLE, "loading");
+}
+
+/// The official `openai` package (chat streaming and not, completions, models) and 50
+/// concurrent aiohttp `/completion` requests, all succeeding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_openai_and_aiohttp_clients_work() {
+    let python = std::env::var("TANDEM_HTTP_PYTHON").expect(
+        "TANDEM_HTTP_PYTHON is not set: run scripts/test.sh, which installs openai and aiohttp into .test-venv and sets it",
+    );
+    let config = EngineConfig { n_parallel: 4, queue_size: 64, ..EngineConfig::default() };
+    let s = serve(1024, config).await;
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/http_client_check.py");
+    let base = format!("http://{}", s.addr);
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .arg(script)
+            .args(["--base-url", &base, "--concurrent", "50"])
+            .output()
+            .expect("running scripts/http_client_check.py")
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "http_client_check.py failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("50/50 /completion requests succeeded"), "{stdout}");
+    println!("{stdout}");
+}
+
+/// `tandem serve --http-port 0` prints where HTTP listens, answers there beside gRPC, and still
+/// exits 0 on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_serve_binary_answers_http_beside_grpc() {
+    use std::io::{BufRead, BufReader};
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "-c", "256", "-t", "1"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting tandem serve");
+    let stderr = child.stderr.take().unwrap();
+    let (tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut log = Vec::new();
+    let mut wait_for = |what: &str| loop {
+        let l = lines.recv_timeout(Duration::from_secs(120)).unwrap_or_else(|_| panic!("no {what:?}: {log:?}"));
+        log.push(l.clone());
+        if l.contains(what) {
+            return l;
+        }
+    };
+    let on = wait_for("HTTP on http://");
+    let addr: SocketAddr = on.split("http://").nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
+    wait_for("SERVING");
+    let (status, body) = call(addr, "GET", "/health", "").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, r) =
+        post_json(addr, "/completion", json!({"prompt": "Hello", "n_predict": 4, "ignore_eos": true})).await;
+    assert_eq!((status, r["tokens_predicted"].as_u64()), (StatusCode::OK, Some(4)), "{r}");
+    // SAFETY: kill(2) with the pid of a child this test started and still owns.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap()).await.unwrap();
+    assert!(status.success(), "{status:?}");
+}
