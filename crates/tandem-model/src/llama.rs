@@ -6,6 +6,7 @@ use crate::common::{attend, AttnShape, Ffn, Qkv, Ubatch};
 use crate::config::{Arch, Keys, RopeConfig};
 use crate::context::Layers;
 use crate::kv_cache::{KvCache, KvLayout};
+use crate::moe::Moe;
 use crate::weights::{Weight, WeightLoader};
 use crate::Result;
 use tandem_cpu::RopeStyle;
@@ -90,19 +91,51 @@ impl Gqa {
     }
 }
 
-struct Layer {
-    attn: GqaWeights,
-    ffn_norm: Vec<f32>,
-    ffn: Ffn,
+/// The feed-forward part of a grouped-query-attention layer.
+pub(crate) enum GqaFfn {
+    Dense(Box<Ffn>),
+    Moe(Box<Moe>),
 }
 
-pub(crate) struct Llama {
-    layers: Vec<Layer>,
-    gqa: Gqa,
+pub(crate) struct GqaLayer {
+    pub attn: GqaWeights,
+    pub ffn_norm: Vec<f32>,
+    pub ffn: GqaFfn,
 }
+
+/// A stack of `attention + FFN` layers: llama (dense FFN) and qwen3moe (routed experts).
+pub(crate) struct GqaLayers {
+    pub layers: Vec<GqaLayer>,
+    pub gqa: Gqa,
+}
+
+impl Layers for GqaLayers {
+    fn layout(&self) -> KvLayout {
+        self.gqa.layout(self.layers.len())
+    }
+
+    fn forward_layer(&self, il: usize, b: &dyn Backend, cache: &mut KvCache, ub: &Ubatch, x: &mut [f32]) -> Result<()> {
+        let ly = &self.layers[il];
+        self.gqa.residual(&ly.attn, il, b, cache, ub, x)?;
+        let mut h = x.to_vec();
+        b.rmsnorm(&mut h, self.gqa.n_embd, Some(&ly.ffn_norm), self.gqa.eps);
+        let out = match &ly.ffn {
+            GqaFfn::Dense(f) => f.forward(b, &h, ub.len())?,
+            GqaFfn::Moe(m) => m.forward(b, &h, ub.len())?,
+        };
+        b.add(x, &out);
+        Ok(())
+    }
+
+    fn eps(&self) -> f32 {
+        self.gqa.eps
+    }
+}
+
+pub(crate) struct Llama;
 
 impl Llama {
-    pub fn load(keys: &Keys, l: &WeightLoader, n_embd: usize) -> Result<Llama> {
+    pub fn load(keys: &Keys, l: &WeightLoader, n_embd: usize) -> Result<GqaLayers> {
         let n_layer = keys.u32("block_count")?;
         let n_head = keys.u32("attention.head_count")?;
         let n_head_kv = keys.uniform_u32("attention.head_count_kv")?.unwrap_or(n_head);
@@ -123,32 +156,12 @@ impl Llama {
         };
         let mut layers = Vec::with_capacity(n_layer);
         for il in 0..n_layer {
-            layers.push(Layer {
+            layers.push(GqaLayer {
                 attn: GqaWeights::load(l, il, n_embd, shape, false)?,
                 ffn_norm: l.vec(&format!("blk.{il}.ffn_norm.weight"), n_embd)?,
-                ffn: Ffn::load(l, il, "", n_embd, n_ff)?,
+                ffn: GqaFfn::Dense(Box::new(Ffn::load(l, il, "", n_embd, n_ff)?)),
             });
         }
-        Ok(Llama { layers, gqa: Gqa { n_embd, shape, eps, rope } })
-    }
-}
-
-impl Layers for Llama {
-    fn layout(&self) -> KvLayout {
-        self.gqa.layout(self.layers.len())
-    }
-
-    fn forward_layer(&self, il: usize, b: &dyn Backend, cache: &mut KvCache, ub: &Ubatch, x: &mut [f32]) -> Result<()> {
-        let ly = &self.layers[il];
-        self.gqa.residual(&ly.attn, il, b, cache, ub, x)?;
-        let mut h = x.to_vec();
-        b.rmsnorm(&mut h, self.gqa.n_embd, Some(&ly.ffn_norm), self.gqa.eps);
-        let ffn = ly.ffn.forward(b, &h, ub.len())?;
-        b.add(x, &ffn);
-        Ok(())
-    }
-
-    fn eps(&self) -> f32 {
-        self.gqa.eps
+        Ok(GqaLayers { layers, gqa: Gqa { n_embd, shape, eps, rope } })
     }
 }

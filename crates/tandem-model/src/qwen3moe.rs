@@ -2,30 +2,18 @@
 //! embeddings, and softmax-routed experts with normalized weights and no shared expert
 //! (llama.cpp src/models/qwen3moe.cpp).
 
-use crate::backend::Backend;
-use crate::common::{AttnShape, Ubatch};
+use crate::common::AttnShape;
 use crate::config::{Arch, Keys, RopeConfig};
-use crate::context::Layers;
-use crate::kv_cache::{KvCache, KvLayout};
-use crate::llama::{Gqa, GqaWeights};
+use crate::llama::{Gqa, GqaFfn, GqaLayer, GqaLayers, GqaWeights};
 use crate::moe::{Gating, Moe, Routing};
 use crate::weights::WeightLoader;
 use crate::Result;
 use tandem_cpu::RopeStyle;
 
-struct Layer {
-    attn: GqaWeights,
-    ffn_norm: Vec<f32>,
-    moe: Moe,
-}
-
-pub(crate) struct Qwen3Moe {
-    layers: Vec<Layer>,
-    gqa: Gqa,
-}
+pub(crate) struct Qwen3Moe;
 
 impl Qwen3Moe {
-    pub fn load(keys: &Keys, l: &WeightLoader, n_embd: usize) -> Result<Qwen3Moe> {
+    pub fn load(keys: &Keys, l: &WeightLoader, n_embd: usize) -> Result<GqaLayers> {
         let n_layer = keys.u32("block_count")?;
         let n_head = keys.u32("attention.head_count")?;
         let n_head_kv = keys.uniform_u32("attention.head_count_kv")?.unwrap_or(n_head);
@@ -48,32 +36,12 @@ impl Qwen3Moe {
         let shape = AttnShape { n_head, n_head_kv, dk: head_dim, dv: head_dim, scale: 1.0 / (head_dim as f32).sqrt() };
         let mut layers = Vec::with_capacity(n_layer);
         for il in 0..n_layer {
-            layers.push(Layer {
+            layers.push(GqaLayer {
                 attn: GqaWeights::load(l, il, n_embd, shape, true)?,
                 ffn_norm: l.vec(&format!("blk.{il}.ffn_norm.weight"), n_embd)?,
-                moe: Moe::load(l, il, n_embd, n_ff_exp, routing)?,
+                ffn: GqaFfn::Moe(Box::new(Moe::load(l, il, n_embd, n_ff_exp, routing)?)),
             });
         }
-        Ok(Qwen3Moe { layers, gqa: Gqa { n_embd, shape, eps, rope } })
-    }
-}
-
-impl Layers for Qwen3Moe {
-    fn layout(&self) -> KvLayout {
-        self.gqa.layout(self.layers.len())
-    }
-
-    fn forward_layer(&self, il: usize, b: &dyn Backend, cache: &mut KvCache, ub: &Ubatch, x: &mut [f32]) -> Result<()> {
-        let ly = &self.layers[il];
-        self.gqa.residual(&ly.attn, il, b, cache, ub, x)?;
-        let mut h = x.to_vec();
-        b.rmsnorm(&mut h, self.gqa.n_embd, Some(&ly.ffn_norm), self.gqa.eps);
-        let out = ly.moe.forward(b, &h, ub.len())?;
-        b.add(x, &out);
-        Ok(())
-    }
-
-    fn eps(&self) -> f32 {
-        self.gqa.eps
+        Ok(GqaLayers { layers, gqa: Gqa { n_embd, shape, eps, rope } })
     }
 }
