@@ -5,12 +5,14 @@
 //! These kernels are the scalar reference path; the performance issue adds run-time-selected SIMD
 //! kernels that are tested against them.
 
+pub mod kernels;
 mod matmul;
 mod ops;
 mod pool;
 
 pub use matmul::{matmul, matmul_quantized, quantize_activations, QuantizedActs, WeightRef};
 pub use ops::{add_assign, rmsnorm, rope, silu_mul, softmax_in_place, RopeParams, RopeStyle};
+pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY};
 pub use pool::Threads;
 
 #[derive(Debug, thiserror::Error)]

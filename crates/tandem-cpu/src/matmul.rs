@@ -4,7 +4,8 @@
 
 use crate::{Error, Result};
 use rayon::prelude::*;
-use tandem_quant::{quantize_row, row_size, vec_dot, vec_dot_type, GgmlType};
+use crate::kernels::MAX_NY;
+use tandem_quant::{quantize_row, row_size, vec_dot_type, GgmlType};
 
 /// A weight matrix of `rows` rows of `cols` elements of type `ty` (ggml: ne0 = cols, ne1 = rows).
 #[derive(Clone, Copy, Debug)]
@@ -128,23 +129,38 @@ pub fn matmul_quantized(pool: &rayon::ThreadPool, w: &WeightRef, acts: &Quantize
     if n == 0 || w.rows == 0 {
         return Ok(());
     }
-    // Validates the type and lengths once, so the loop below cannot fail.
-    vec_dot(w.ty, w.cols, &w.data[..w.row_bytes()], acts.row(0))?;
+    let kernel = crate::kernels::best_kernel(w.ty).ok_or_else(|| {
+        Error::Quant(tandem_quant::Error::UnsupportedType { ty: w.ty, op: "vec_dot" })
+    })?;
     let rb = w.row_bytes();
+    let yb = acts.row_bytes;
+    let cols = w.cols;
     let threads = pool.current_num_threads().max(1);
     let rows_per_task = w.rows.div_ceil(threads * 4).max(1);
-    // Computed transposed ([row][token]) so each task owns a contiguous slice.
-    let mut yt = vec![0f32; n * w.rows];
-    pool.install(|| {
-        yt.par_chunks_mut(rows_per_task * n).enumerate().for_each(|(chunk, out)| {
-            let r0 = chunk * rows_per_task;
-            for (i, out_row) in out.chunks_exact_mut(n).enumerate() {
-                let wrow = &w.data[(r0 + i) * rb..(r0 + i + 1) * rb];
-                for (t, o) in out_row.iter_mut().enumerate() {
-                    *o = vec_dot(w.ty, w.cols, wrow, acts.row(t)).unwrap_or(f32::NAN);
+    // Rows in tiles of ROW_TILE against tokens in groups of MAX_NY: a tile of weight rows stays in
+    // cache while every token group passes over it, and each unpacked weight block serves the
+    // whole group. Computed transposed ([row][token]) so each task owns a contiguous slice.
+    const ROW_TILE: usize = 16;
+    let tiles = |r0: usize, out: &mut [f32]| {
+        let nr = out.len() / n;
+        for tile in (0..nr).step_by(ROW_TILE) {
+            for t0 in (0..n).step_by(MAX_NY) {
+                let nt = MAX_NY.min(n - t0);
+                for r in tile..(tile + ROW_TILE).min(nr) {
+                    let wrow = &w.data[(r0 + r) * rb..(r0 + r + 1) * rb];
+                    kernel.run(cols, wrow, &acts.data[t0 * yb..(t0 + nt) * yb], &mut out[r * n + t0..r * n + t0 + nt]);
                 }
             }
-        })
+        }
+    };
+    if n == 1 {
+        // One token: [row][token] is already y's layout.
+        pool.install(|| y.par_chunks_mut(rows_per_task).enumerate().for_each(|(c, out)| tiles(c * rows_per_task, out)));
+        return Ok(());
+    }
+    let mut yt = vec![0f32; n * w.rows];
+    pool.install(|| {
+        yt.par_chunks_mut(rows_per_task * n).enumerate().for_each(|(c, out)| tiles(c * rows_per_task, out))
     });
     for (r, col) in yt.chunks_exact(n).enumerate() {
         for (t, v) in col.iter().enumerate() {

@@ -1,0 +1,171 @@
+//! Dot-product kernels chosen at run time: one weight row against up to [`MAX_NY`] activation rows
+//! (quantized to the weight type's `vec_dot_type`), so a weight block unpacked once serves several
+//! tokens of a batch. Every type has the scalar reference of tandem-quant; SIMD versions exist per
+//! type and instruction set, and [`kernel`] picks the best one the machine can run, never above the
+//! level `TANDEM_CPU_ISA` allows (`scalar`, `avx2`, `avx512`, `avx512vnni`, `avx512bf16`).
+//!
+//! SIMD kernels sum the same integer products exactly but combine per-block float terms in another
+//! order (with FMA), as ggml's own SIMD kernels do, so they agree with the scalar reference within a
+//! few ulp of the accumulated magnitude, not bit for bit.
+
+mod kquants;
+mod legacy;
+
+use std::sync::OnceLock;
+use tandem_quant::{row_size, vec_dot, vec_dot_type, GgmlType};
+
+/// Most activation rows one kernel call takes.
+pub const MAX_NY: usize = 8;
+
+/// Instruction-set levels, each including the ones below it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Isa {
+    Scalar,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// AVX-512 F/BW/VL/DQ.
+    Avx512,
+    /// AVX-512 with VNNI (`vpdpbusd`).
+    Avx512Vnni,
+    /// AVX-512 VNNI with BF16 (`vdpbf16ps`).
+    Avx512Bf16,
+}
+
+impl Isa {
+    pub const ALL: [Isa; 5] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni, Isa::Avx512Bf16];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+            Isa::Avx512Vnni => "avx512vnni",
+            Isa::Avx512Bf16 => "avx512bf16",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Isa> {
+        Isa::ALL.into_iter().find(|i| i.name().eq_ignore_ascii_case(s.trim()))
+    }
+
+    /// Whether this machine can run code of this level.
+    pub fn supported(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+            let avx512 = avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq");
+            match self {
+                Isa::Scalar => true,
+                Isa::Avx2 => avx2,
+                Isa::Avx512 => avx512,
+                Isa::Avx512Vnni => avx512 && has!("avx512vnni"),
+                Isa::Avx512Bf16 => avx512 && has!("avx512vnni") && has!("avx512bf16"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Scalar
+        }
+    }
+
+    /// The best level this machine runs, capped by `TANDEM_CPU_ISA` when set (read once).
+    pub fn detected() -> Isa {
+        static DETECTED: OnceLock<Isa> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            let best = Isa::ALL.into_iter().rev().find(|i| i.supported()).unwrap_or(Isa::Scalar);
+            match std::env::var("TANDEM_CPU_ISA").ok().and_then(|s| Isa::parse(&s)) {
+                Some(cap) => best.min(cap),
+                None => best,
+            }
+        })
+    }
+}
+
+impl std::fmt::Display for Isa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `out[j] = dot(w, y_j)` for the `ny` activation rows laid out back to back in `ys`.
+///
+/// # Safety
+/// The caller has checked what [`Kernel::run`] checks, and the machine supports the kernel's [`Isa`].
+pub type KernelFn = unsafe fn(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]);
+
+/// A dot-product kernel for one weight type.
+#[derive(Clone, Copy)]
+pub struct Kernel {
+    pub ty: GgmlType,
+    /// The level of the code that runs (may be below the level asked for).
+    pub isa: Isa,
+    /// None: the scalar reference of tandem-quant.
+    f: Option<KernelFn>,
+}
+
+impl std::fmt::Debug for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Kernel({} {})", self.ty, self.isa)
+    }
+}
+
+impl Kernel {
+    /// `out[j] = dot(w, ys[j])` for `out.len()` activation rows of `n` elements.
+    ///
+    /// Panics when the lengths do not match `n` (callers validate shapes once per matrix).
+    #[inline]
+    pub fn run(&self, n: usize, w: &[u8], ys: &[u8], out: &mut [f32]) {
+        let ny = out.len();
+        let wb = row_size(self.ty, n).unwrap_or(usize::MAX);
+        let yb = row_size(vec_dot_type(self.ty), n).unwrap_or(usize::MAX);
+        assert!(
+            (1..=MAX_NY).contains(&ny) && w.len() == wb && Some(ys.len()) == yb.checked_mul(ny),
+            "kernel {} {}: {n} elements, {} weight bytes, {} activation bytes for {ny} rows",
+            self.ty,
+            self.isa,
+            w.len(),
+            ys.len()
+        );
+        match self.f {
+            // SAFETY: lengths checked above; `kernel` only hands out code the machine supports.
+            Some(f) => unsafe { f(n, w, ys, ny, out) },
+            None => {
+                for (o, y) in out.iter_mut().zip(ys.chunks_exact(yb)) {
+                    *o = vec_dot(self.ty, n, w, y).unwrap_or(f32::NAN);
+                }
+            }
+        }
+    }
+}
+
+/// The best kernel for `ty` at or below `isa` that this machine runs; None when tandem-quant has no
+/// dot product for `ty`.
+pub fn kernel(ty: GgmlType, isa: Isa) -> Option<Kernel> {
+    if !tandem_quant::VEC_DOT_TYPES.contains(&ty) {
+        return None;
+    }
+    for level in Isa::ALL.into_iter().rev().filter(|l| *l <= isa && l.supported()) {
+        if level == Isa::Scalar {
+            break;
+        }
+        if let Some(f) = kquants::lookup(ty, level).or_else(|| legacy::lookup(ty, level)) {
+            return Some(Kernel { ty, isa: level, f: Some(f) });
+        }
+    }
+    Some(Kernel { ty, isa: Isa::Scalar, f: None })
+}
+
+/// The kernel [`Isa::detected`] selects for `ty`, cached per type.
+pub fn best_kernel(ty: GgmlType) -> Option<Kernel> {
+    static TABLE: OnceLock<Vec<(GgmlType, Kernel)>> = OnceLock::new();
+    let table = TABLE.get_or_init(|| {
+        tandem_quant::VEC_DOT_TYPES.iter().filter_map(|&t| kernel(t, Isa::detected()).map(|k| (t, k))).collect()
+    });
+    table.iter().find(|(t, _)| *t == ty).map(|(_, k)| *k)
+}
+
+/// The levels at which `ty` has its own SIMD code (whether or not this machine runs them).
+pub fn simd_levels(ty: GgmlType) -> Vec<Isa> {
+    Isa::ALL[1..].iter().copied().filter(|&l| kquants::lookup(ty, l).or_else(|| legacy::lookup(ty, l)).is_some()).collect()
+}
