@@ -2,6 +2,9 @@
 //! every build without that feature) this crate is the stand-in that says why there is no GPU, so
 //! callers never write `#[cfg(feature = "cuda")]`.
 
+mod image;
+pub use image::{Image, ImageKind};
+
 /// Why the CUDA backend cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
