@@ -5,6 +5,7 @@
 //! These kernels are the scalar reference path; the performance issue adds run-time-selected SIMD
 //! kernels that are tested against them.
 
+mod attention;
 pub mod kernels;
 mod matmul;
 mod ops;
@@ -12,6 +13,7 @@ mod pool;
 
 pub use matmul::{matmul, matmul_quantized, quantize_activations, QuantizedActs, WeightRef};
 pub use ops::{add_assign, rmsnorm, rope, silu_mul, softmax_in_place, RopeParams, RopeStyle};
+pub use attention::{attention_f16, attention_f16_many, AttnF16};
 pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY};
 pub use pool::Threads;
 

@@ -39,6 +39,14 @@ pub trait Backend: Send + Sync {
     fn rope(&self, x: &mut [f32], cache: &[f32], style: RopeStyle);
     /// Attention of one token; `out` is `[n_head][dv]`.
     fn attention(&self, a: &AttnInput, out: &mut [f32]) -> Result<()>;
+    /// Attention of several tokens; `out` is `[n][n_head][dv]`.
+    fn attention_batch(&self, items: &[AttnInput], out: &mut [f32]) -> Result<()> {
+        let per = out.len() / items.len().max(1);
+        for (a, o) in items.iter().zip(out.chunks_exact_mut(per.max(1))) {
+            self.attention(a, o)?;
+        }
+        Ok(())
+    }
     /// `gate = silu(gate) * up`.
     fn swiglu(&self, gate: &mut [f32], up: &[f32]);
     /// `x += y`.
@@ -90,7 +98,27 @@ impl Backend for CpuBackend {
     }
 
     fn attention(&self, a: &AttnInput, out: &mut [f32]) -> Result<()> {
-        attention_cpu(self.threads.for_tokens(1), a, out)
+        match f16_view(a) {
+            Some(f) => Ok(tandem_cpu::attention_f16(self.threads.for_tokens(1), &f, out)?),
+            None => attention_cpu(self.threads.for_tokens(1), a, out),
+        }
+    }
+
+    fn attention_batch(&self, items: &[AttnInput], out: &mut [f32]) -> Result<()> {
+        let per = out.len() / items.len().max(1);
+        let views: Option<Vec<tandem_cpu::AttnF16>> = items.iter().map(f16_view).collect();
+        match views {
+            Some(views) if per > 0 && out.len() == per * items.len() => {
+                let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(per).collect();
+                Ok(tandem_cpu::attention_f16_many(self.threads.for_tokens(items.len()), &views, &mut outs)?)
+            }
+            _ => {
+                for (a, o) in items.iter().zip(out.chunks_exact_mut(per.max(1))) {
+                    self.attention(a, o)?;
+                }
+                Ok(())
+            }
+        }
     }
 
     fn swiglu(&self, gate: &mut [f32], up: &[f32]) {
@@ -102,9 +130,27 @@ impl Backend for CpuBackend {
     }
 }
 
+/// An f16 cache (K, and V when separate) takes the fast path of tandem-cpu.
+fn f16_view<'a>(a: &AttnInput<'a>) -> Option<tandem_cpu::AttnF16<'a>> {
+    let v_ok = a.v.is_none() || a.v_type == GgmlType::F16;
+    (a.k_type == GgmlType::F16 && v_ok).then(|| tandem_cpu::AttnF16 {
+        q: a.q,
+        n_head: a.n_head,
+        n_head_kv: a.n_head_kv,
+        dk: a.dk,
+        dv: a.dv,
+        k: a.k,
+        k_row: a.n_head_kv * a.dk,
+        v: a.v,
+        v_row: a.n_head_kv * a.dv,
+        n_kv: a.n_kv,
+        scale: a.scale,
+    })
+}
+
 /// ggml's non-flash attention: `softmax(scale * K q) V`, with q converted to the K cache's dot
 /// type and the probabilities to the V cache's (f16 for an f16 cache), as `ggml_mul_mat` does.
-fn attention_cpu(pool: &rayon::ThreadPool, a: &AttnInput, out: &mut [f32]) -> Result<()> {
+pub(crate) fn attention_cpu(pool: &rayon::ThreadPool, a: &AttnInput, out: &mut [f32]) -> Result<()> {
     let group = a.n_head / a.n_head_kv.max(1);
     let k_row = row_size(a.k_type, a.n_head_kv * a.dk)?;
     let k_head = row_size(a.k_type, a.dk)?;
@@ -148,5 +194,93 @@ fn round_to(ty: GgmlType, x: &mut [f32]) {
         GgmlType::F16 => x.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
         GgmlType::BF16 => x.iter_mut().for_each(|v| *v = tandem_quant::bf16_to_f32(tandem_quant::f32_to_bf16(*v))),
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rand(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale
+            })
+            .collect()
+    }
+
+    fn f16_bytes(x: &[f32]) -> Vec<u8> {
+        x.iter().flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes()).collect()
+    }
+
+    /// The f16 fast path (chunked, SIMD, one pass per row for all heads) against the reference
+    /// that follows ggml's order, for MLA, GQA and MHA shapes, with and without a thread split.
+    #[test]
+    fn fast_f16_attention_matches_the_reference() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        // (n_head, n_head_kv, dk, dv, separate V, n_kv)
+        for &(nh, nkv, dk, dv, sep, n_kv) in
+            &[(16, 1, 576, 512, false, 700), (8, 2, 64, 64, true, 300), (4, 4, 192, 128, true, 1), (16, 1, 576, 512, false, 33), (6, 3, 40, 24, true, 600)]
+        {
+            let q = rand(1, nh * dk, 1.0);
+            let k = f16_bytes(&rand(2, n_kv * nkv * dk, 1.0));
+            let v = f16_bytes(&rand(3, n_kv * nkv * dv, 1.0));
+            let a = AttnInput {
+                q: &q,
+                n_head: nh,
+                n_head_kv: nkv,
+                dk,
+                dv,
+                k: &k,
+                k_type: GgmlType::F16,
+                v: sep.then_some(&v[..]),
+                v_type: GgmlType::F16,
+                n_kv,
+                scale: 1.0 / (dk as f32).sqrt(),
+            };
+            let mut want = vec![0f32; nh * dv];
+            attention_cpu(&pool, &a, &mut want).unwrap();
+            for p in [&pool, &one] {
+                let mut got = vec![0f32; nh * dv];
+                tandem_cpu::attention_f16(p, &f16_view(&a).unwrap(), &mut got).unwrap();
+                let max = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!((g - w).abs() <= 2e-3 * max + 1e-6, "shape {nh}/{nkv}/{dk}/{dv} n_kv {n_kv} [{i}]: {g} vs {w}");
+                }
+            }
+            let mut outs = vec![0f32; 5 * nh * dv];
+            let items: Vec<AttnInput> = (0..5).map(|_| AttnInput { ..a }).collect();
+            CpuBackend::new(Threads::new(2, 2).unwrap()).attention_batch(&items, &mut outs).unwrap();
+            for o in outs.chunks_exact(nh * dv) {
+                let max = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert!(o.iter().zip(&want).all(|(g, w)| (g - w).abs() <= 2e-3 * max + 1e-6));
+            }
+        }
+    }
+
+    #[test]
+    fn short_caches_are_refused() {
+        let q = vec![0f32; 64];
+        let k = vec![0u8; 10];
+        let a = AttnInput {
+            q: &q,
+            n_head: 1,
+            n_head_kv: 1,
+            dk: 64,
+            dv: 64,
+            k: &k,
+            k_type: GgmlType::F16,
+            v: None,
+            v_type: GgmlType::F16,
+            n_kv: 3,
+            scale: 1.0,
+        };
+        let mut out = vec![0f32; 64];
+        assert!(CpuBackend::new(Threads::new(1, 1).unwrap()).attention(&a, &mut out).is_err());
     }
 }

@@ -123,22 +123,24 @@ pub(crate) fn attend(
     let (k_type, v_type) = (cache.k_type(), cache.v_type());
     let q_len = s.n_head * s.dk;
     let mut out = vec![0f32; n * s.n_head * s.dv];
-    for t in 0..n {
-        let (kb, vb) = cache.rows(ub.seq[t], il);
-        let a = AttnInput {
-            q: &q[t * q_len..(t + 1) * q_len],
-            n_head: s.n_head,
-            n_head_kv: s.n_head_kv,
-            dk: s.dk,
-            dv: s.dv,
-            k: kb,
-            k_type,
-            v: v.map(|_| vb),
-            v_type,
-            n_kv: ub.pos[t] as usize + 1,
-            scale: s.scale,
-        };
-        b.attention(&a, &mut out[t * s.n_head * s.dv..(t + 1) * s.n_head * s.dv])?;
-    }
+    let items: Vec<AttnInput> = (0..n)
+        .map(|t| {
+            let (kb, vb) = cache.rows(ub.seq[t], il);
+            AttnInput {
+                q: &q[t * q_len..(t + 1) * q_len],
+                n_head: s.n_head,
+                n_head_kv: s.n_head_kv,
+                dk: s.dk,
+                dv: s.dv,
+                k: kb,
+                k_type,
+                v: v.map(|_| vb),
+                v_type,
+                n_kv: ub.pos[t] as usize + 1,
+                scale: s.scale,
+            }
+        })
+        .collect();
+    b.attention_batch(&items, &mut out)?;
     Ok(out)
 }
