@@ -161,7 +161,8 @@ fn smollm2_greedy_continuations_match_llama_cpp() {
     let j: Value = serde_json::from_slice(&std::fs::read(dir().join("smollm2-greedy.json")).unwrap()).unwrap();
     let (mut matched, mut total) = (0, 0);
     for run in j["runs"].as_array().unwrap() {
-        let ids = |k: &str| -> Vec<u32> { run[k].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect() };
+        let ids =
+            |k: &str| -> Vec<u32> { run[k].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect() };
         let (prompt, want) = (ids("prompt_ids"), ids("generated_ids"));
         let noise = run["one_batch_vs_incremental_max_top2_margin_change"].as_f64().unwrap();
         let mut ctx = context(&model, 2, 512, "f16", "f16");
@@ -190,7 +191,10 @@ fn smollm2_greedy_continuations_match_llama_cpp() {
             got[same],
             want[same]
         );
-        assert!(margin < noise, "'{key}': diverged from llama.cpp at step {same} although llama.cpp's margin was {margin}");
+        assert!(
+            margin < noise,
+            "'{key}': diverged from llama.cpp at step {same} although llama.cpp's margin was {margin}"
+        );
     }
     println!("smollm2: {matched} of {total} greedy tokens identical to llama.cpp");
 }
@@ -204,7 +208,11 @@ fn threads_ubatch_and_token_by_token_give_the_same_logits() {
         let base = context(&model, 1, 64, "f16", "f16").decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
         for (threads, ub) in [(2, 64), (1, 1), (2, 7)] {
             let got = context(&model, threads, ub, "f16", "f16").decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
-            assert_eq!(compare(&got, &base, f.n_vocab).0, 0.0, "{name}: -t {threads} -ub {ub} differs from -t 1 -ub 64");
+            assert_eq!(
+                compare(&got, &base, f.n_vocab).0,
+                0.0,
+                "{name}: -t {threads} -ub {ub} differs from -t 1 -ub 64"
+            );
         }
         let mut ctx = context(&model, 2, 64, "f16", "f16");
         let mut one_by_one = Vec::new();
@@ -239,7 +247,11 @@ fn several_sequences_in_one_batch_match_each_alone() {
     let nv = f.n_vocab;
     let (mut ga, mut gb) = (Vec::new(), Vec::new());
     for (i, row) in both.chunks_exact(nv).enumerate() {
-        if batch.seq[i] == 3 { ga.extend_from_slice(row) } else { gb.extend_from_slice(row) }
+        if batch.seq[i] == 3 {
+            ga.extend_from_slice(row)
+        } else {
+            gb.extend_from_slice(row)
+        }
     }
     assert_eq!(compare(&ga, &alone_a, nv).0, 0.0);
     assert_eq!(compare(&gb, &alone_b, nv).0, 0.0);
@@ -292,8 +304,11 @@ fn load_edited(
 ) -> Result<Model, String> {
     let f = tandem_gguf::GgufFile::open(dir().join(name)).unwrap();
     let mut kv: Vec<_> = f.metadata().entries().to_vec();
-    let mut tensors: Vec<_> =
-        f.tensors().iter().map(|t| (t.name.clone(), t.ty, t.dims.clone(), f.tensor_data(&t.name).unwrap().to_vec())).collect();
+    let mut tensors: Vec<_> = f
+        .tensors()
+        .iter()
+        .map(|t| (t.name.clone(), t.ty, t.dims.clone(), f.tensor_data(&t.name).unwrap().to_vec()))
+        .collect();
     edit(&mut kv, &mut tensors);
     let mut w = tandem_gguf::GgufWriter::new();
     for (k, v) in kv {

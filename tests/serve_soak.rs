@@ -138,7 +138,21 @@ async fn two_thousand_mixed_requests_leave_the_server_serving_without_growing() 
     let n: usize = std::env::var("TANDEM_SOAK_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
     let model = serve_util::fixture("llama-tiny.gguf").display().to_string();
     let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["serve", "-m", &model, "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "-np", "4", "-c", "1024"])
+        .args([
+            "serve",
+            "-m",
+            &model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "-np",
+            "4",
+            "-c",
+            "1024",
+        ])
         .args(["--queue-size", "64", "-t", "1"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())

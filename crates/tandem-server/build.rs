@@ -5,8 +5,8 @@ use prost::Message;
 use std::path::PathBuf;
 
 fn main() {
-    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"))
-        .join("../../proto");
+    let root =
+        PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR")).join("../../proto");
     let file = root.join("tandem/v1/inference.proto");
     println!("cargo:rerun-if-changed={}", file.display());
     let fds = match protox::compile([&file], [&root]) {

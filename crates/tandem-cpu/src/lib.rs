@@ -6,15 +6,17 @@
 //! kernels that are tested against them.
 
 mod attention;
+mod jobs;
 pub mod kernels;
 mod matmul;
 mod ops;
 mod pool;
 
+pub use attention::{attention_f16, attention_f16_many, AttnF16};
+pub use jobs::{ffn_jobs, matmul_jobs, transpose, FfnJob, MatJob};
+pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY};
 pub use matmul::{matmul, matmul_quantized, quantize_activations, QuantizedActs, WeightRef};
 pub use ops::{add_assign, rmsnorm, rope, silu_mul, softmax_in_place, RopeParams, RopeStyle};
-pub use attention::{attention_f16, attention_f16_many, AttnF16};
-pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY};
 pub use pool::Threads;
 
 #[derive(Debug, thiserror::Error)]

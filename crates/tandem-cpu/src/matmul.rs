@@ -2,9 +2,8 @@
 //! from the memory map. As ggml's `mul_mat`, each activation row is first quantized to the weight
 //! type's `vec_dot_type` (Q8_0, Q8_1, Q8_K, F16, BF16 or F32), then dotted with each weight row.
 
+use crate::jobs::{matmul_jobs, transpose, MatJob};
 use crate::{Error, Result};
-use rayon::prelude::*;
-use crate::kernels::MAX_NY;
 use tandem_quant::{quantize_row, row_size, vec_dot_type, GgmlType};
 
 /// A weight matrix of `rows` rows of `cols` elements of type `ty` (ggml: ne0 = cols, ne1 = rows).
@@ -115,57 +114,15 @@ pub fn matmul(pool: &rayon::ThreadPool, w: &WeightRef, x: &[f32], y: &mut [f32])
 /// [`matmul`] with activations already quantized (reused across weights of the same type).
 pub fn matmul_quantized(pool: &rayon::ThreadPool, w: &WeightRef, acts: &QuantizedActs, y: &mut [f32]) -> Result<()> {
     let n = acts.n_rows();
-    if acts.cols != w.cols || acts.ty != vec_dot_type(w.ty) || y.len() != n * w.rows {
-        return Err(Error::Shape(format!(
-            "matmul of a {} x {} {} weight with {n} rows of {} {} into {} outputs",
-            w.rows,
-            w.cols,
-            w.ty,
-            acts.cols,
-            acts.ty,
-            y.len()
-        )));
+    if y.len() != n * w.rows {
+        return Err(Error::Shape(format!("matmul of {} rows for {n} tokens into {} outputs", w.rows, y.len())));
     }
-    if n == 0 || w.rows == 0 {
-        return Ok(());
-    }
-    let kernel = crate::kernels::best_kernel(w.ty).ok_or_else(|| {
-        Error::Quant(tandem_quant::Error::UnsupportedType { ty: w.ty, op: "vec_dot" })
-    })?;
-    let rb = w.row_bytes();
-    let yb = acts.row_bytes;
-    let cols = w.cols;
-    let threads = pool.current_num_threads().max(1);
-    let rows_per_task = w.rows.div_ceil(threads * 4).max(1);
-    // Rows in tiles of ROW_TILE against tokens in groups of MAX_NY: a tile of weight rows stays in
-    // cache while every token group passes over it, and each unpacked weight block serves the
-    // whole group. Computed transposed ([row][token]) so each task owns a contiguous slice.
-    const ROW_TILE: usize = 16;
-    let tiles = |r0: usize, out: &mut [f32]| {
-        let nr = out.len() / n;
-        for tile in (0..nr).step_by(ROW_TILE) {
-            for t0 in (0..n).step_by(MAX_NY) {
-                let nt = MAX_NY.min(n - t0);
-                for r in tile..(tile + ROW_TILE).min(nr) {
-                    let wrow = &w.data[(r0 + r) * rb..(r0 + r + 1) * rb];
-                    kernel.run(cols, wrow, &acts.data[t0 * yb..(t0 + nt) * yb], &mut out[r * n + t0..r * n + t0 + nt]);
-                }
-            }
-        }
-    };
-    if n == 1 {
+    if n <= 1 {
         // One token: [row][token] is already y's layout.
-        pool.install(|| y.par_chunks_mut(rows_per_task).enumerate().for_each(|(c, out)| tiles(c * rows_per_task, out)));
-        return Ok(());
+        return matmul_jobs(pool, vec![MatJob { w: *w, acts, out: y }]);
     }
     let mut yt = vec![0f32; n * w.rows];
-    pool.install(|| {
-        yt.par_chunks_mut(rows_per_task * n).enumerate().for_each(|(c, out)| tiles(c * rows_per_task, out))
-    });
-    for (r, col) in yt.chunks_exact(n).enumerate() {
-        for (t, v) in col.iter().enumerate() {
-            y[t * w.rows + r] = *v;
-        }
-    }
+    matmul_jobs(pool, vec![MatJob { w: *w, acts, out: &mut yt }])?;
+    transpose(&yt, w.rows, n, y);
     Ok(())
 }

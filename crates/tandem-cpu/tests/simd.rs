@@ -70,7 +70,10 @@ fn every_simd_kernel_matches_the_scalar_reference() {
         }
     }
     println!("SIMD kernels checked against scalar on this machine: {}", ran.join(" "));
-    println!("SIMD kernels this machine cannot run (not checked here): {}", if skipped.is_empty() { "none".to_string() } else { skipped.join(" ") });
+    println!(
+        "SIMD kernels this machine cannot run (not checked here): {}",
+        if skipped.is_empty() { "none".to_string() } else { skipped.join(" ") }
+    );
     println!("detected level: {}", Isa::detected());
 }
 

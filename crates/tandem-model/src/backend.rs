@@ -28,6 +28,19 @@ pub struct AttnInput<'a> {
     pub scale: f32,
 }
 
+/// A SwiGLU FFN on some of a batch's tokens: expert `expert` of 3-D expert tensors (rows
+/// `expert * n_ff ..` of gate and up, `expert * n_out ..` of down), or a 2-D FFN with `expert` 0.
+pub struct FfnSpec<'a> {
+    pub gate: &'a Weight,
+    pub up: &'a Weight,
+    pub down: &'a Weight,
+    pub expert: usize,
+    pub n_ff: usize,
+    pub n_out: usize,
+    /// Rows of the input it runs on.
+    pub tokens: Vec<usize>,
+}
+
 /// The operations of the forward pass. Activations are row-major `[n_tokens][n]` f32.
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
@@ -51,6 +64,42 @@ pub trait Backend: Send + Sync {
     fn swiglu(&self, gate: &mut [f32], up: &[f32]);
     /// `x += y`.
     fn add(&self, x: &mut [f32], y: &[f32]);
+
+    /// `down(silu(gate x_t) * up x_t)` for each spec and each of its tokens (`x` is `[n][cols]`):
+    /// per spec `[tokens.len()][n_out]`. Backends run them together where that pays.
+    fn ffn_batch(&self, x: &[f32], cols: usize, specs: &[FfnSpec]) -> Result<Vec<Vec<f32>>> {
+        specs
+            .iter()
+            .map(|s| {
+                let xs: Vec<f32> = s.tokens.iter().flat_map(|&t| x[t * cols..(t + 1) * cols].iter().copied()).collect();
+                let m = s.tokens.len();
+                let (mut gate, mut up) = (vec![0f32; m * s.n_ff], vec![0f32; m * s.n_ff]);
+                self.matmul_rows(s.gate, s.expert * s.n_ff, s.n_ff, &xs, &mut gate)?;
+                self.matmul_rows(s.up, s.expert * s.n_ff, s.n_ff, &xs, &mut up)?;
+                self.swiglu(&mut gate, &up);
+                let mut out = vec![0f32; m * s.n_out];
+                self.matmul_rows(s.down, s.expert * s.n_out, s.n_out, &gate, &mut out)?;
+                Ok(out)
+            })
+            .collect()
+    }
+
+    /// `ys[g] = W[rows of group g] xs[g]` for groups `(first_row, n_rows)` of one weight (e.g. the
+    /// per-head matrices of MLA).
+    fn matmul_groups(&self, w: &Weight, groups: &[(usize, usize)], xs: &[&[f32]], ys: &mut [Vec<f32>]) -> Result<()> {
+        for ((&(first, n), x), y) in groups.iter().zip(xs).zip(ys.iter_mut()) {
+            self.matmul_rows(w, first, n, x, y)?;
+        }
+        Ok(())
+    }
+
+    /// Runs `f` (the forward pass of a micro-batch of `n_tokens`) where this backend's parallel
+    /// ops are cheapest to start: the CPU backend runs it on a thread of its pool, so each op's
+    /// fork and join is between spinning workers instead of a wake-up from outside.
+    fn in_pool(&self, n_tokens: usize, f: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
+        let _ = n_tokens;
+        f()
+    }
 
     /// `y[t] = W x[t]` over all rows of `w`.
     fn matmul(&self, w: &Weight, x: &[f32], y: &mut [f32]) -> Result<()> {
@@ -85,6 +134,56 @@ impl Backend for CpuBackend {
             tandem_cpu::Error::Shape(s) => Error::Model(format!("{}: {s}", w.name)),
             other => other.into(),
         })
+    }
+
+    fn ffn_batch(&self, x: &[f32], cols: usize, specs: &[FfnSpec]) -> Result<Vec<Vec<f32>>> {
+        let n = x.len() / cols.max(1);
+        let mut jobs = Vec::with_capacity(specs.len());
+        for s in specs {
+            jobs.push(tandem_cpu::FfnJob {
+                gate: s.gate.matrix()?.rows(s.expert * s.n_ff, s.n_ff)?,
+                up: s.up.matrix()?.rows(s.expert * s.n_ff, s.n_ff)?,
+                down: s.down.matrix()?.rows(s.expert * s.n_out, s.n_out)?,
+                tokens: s.tokens.clone(),
+            });
+        }
+        tandem_cpu::ffn_jobs(self.threads.for_tokens(n), x, cols, &jobs).map_err(|e| match e {
+            tandem_cpu::Error::Shape(m) => {
+                Error::Model(format!("{}: {m}", specs.first().map_or("", |s| s.gate.name.as_str())))
+            }
+            other => other.into(),
+        })
+    }
+
+    fn matmul_groups(&self, w: &Weight, groups: &[(usize, usize)], xs: &[&[f32]], ys: &mut [Vec<f32>]) -> Result<()> {
+        let m = w.matrix()?;
+        let mut acts = Vec::with_capacity(groups.len());
+        for x in xs {
+            acts.push(quantize_activations(w.ty, x, m.cols)?);
+        }
+        let n = acts.iter().map(|a| a.n_rows()).max().unwrap_or(0);
+        let mut outs: Vec<Vec<f32>> = groups.iter().zip(&acts).map(|(g, a)| vec![0f32; g.1 * a.n_rows()]).collect();
+        let mut jobs = Vec::with_capacity(groups.len());
+        for ((&(first, rows), a), out) in groups.iter().zip(&acts).zip(&mut outs) {
+            jobs.push(tandem_cpu::MatJob { w: m.rows(first, rows)?, acts: a, out });
+        }
+        tandem_cpu::matmul_jobs(self.threads.for_tokens(n), jobs)?;
+        for (((_, rows), a), (out, y)) in groups.iter().zip(&acts).zip(outs.iter().zip(ys.iter_mut())) {
+            if y.len() != rows * a.n_rows() {
+                return Err(Error::Model(format!(
+                    "{}: grouped matmul output of {} for {} rows",
+                    w.name,
+                    y.len(),
+                    rows
+                )));
+            }
+            tandem_cpu::transpose(out, *rows, a.n_rows(), y);
+        }
+        Ok(())
+    }
+
+    fn in_pool(&self, n_tokens: usize, f: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
+        self.threads.for_tokens(n_tokens).install(f)
     }
 
     fn rmsnorm(&self, x: &mut [f32], dim: usize, weight: Option<&[f32]>, eps: f32) {
@@ -224,9 +323,13 @@ mod tests {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         // (n_head, n_head_kv, dk, dv, separate V, n_kv)
-        for &(nh, nkv, dk, dv, sep, n_kv) in
-            &[(16, 1, 576, 512, false, 700), (8, 2, 64, 64, true, 300), (4, 4, 192, 128, true, 1), (16, 1, 576, 512, false, 33), (6, 3, 40, 24, true, 600)]
-        {
+        for &(nh, nkv, dk, dv, sep, n_kv) in &[
+            (16, 1, 576, 512, false, 700),
+            (8, 2, 64, 64, true, 300),
+            (4, 4, 192, 128, true, 1),
+            (16, 1, 576, 512, false, 33),
+            (6, 3, 40, 24, true, 600),
+        ] {
             let q = rand(1, nh * dk, 1.0);
             let k = f16_bytes(&rand(2, n_kv * nkv * dk, 1.0));
             let v = f16_bytes(&rand(3, n_kv * nkv * dv, 1.0));
@@ -250,7 +353,10 @@ mod tests {
                 tandem_cpu::attention_f16(p, &f16_view(&a).unwrap(), &mut got).unwrap();
                 let max = want.iter().fold(0f32, |m, v| m.max(v.abs()));
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert!((g - w).abs() <= 2e-3 * max + 1e-6, "shape {nh}/{nkv}/{dk}/{dv} n_kv {n_kv} [{i}]: {g} vs {w}");
+                    assert!(
+                        (g - w).abs() <= 2e-3 * max + 1e-6,
+                        "shape {nh}/{nkv}/{dk}/{dv} n_kv {n_kv} [{i}]: {g} vs {w}"
+                    );
                 }
             }
             let mut outs = vec![0f32; 5 * nh * dv];

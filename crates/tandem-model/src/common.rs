@@ -1,7 +1,7 @@
 //! Pieces every architecture shares: embeddings and output head, the SwiGLU FFN, and attention
 //! over the KV cache.
 
-use crate::backend::{AttnInput, Backend};
+use crate::backend::{AttnInput, Backend, FfnSpec};
 use crate::kv_cache::KvCache;
 use crate::weights::{Weight, WeightLoader};
 use crate::Result;
@@ -73,15 +73,21 @@ impl Ffn {
     }
 
     pub fn forward(&self, b: &dyn Backend, h: &[f32], n_tokens: usize) -> Result<Vec<f32>> {
-        let n_ff = self.gate.rows();
-        let mut gate = vec![0f32; n_tokens * n_ff];
-        let mut up = vec![0f32; n_tokens * n_ff];
-        b.matmul(&self.gate, h, &mut gate)?;
-        b.matmul(&self.up, h, &mut up)?;
-        b.swiglu(&mut gate, &up);
-        let mut out = vec![0f32; n_tokens * self.down.rows()];
-        b.matmul(&self.down, &gate, &mut out)?;
-        Ok(out)
+        let spec = self.spec((0..n_tokens).collect());
+        Ok(b.ffn_batch(h, self.gate.cols(), &[spec])?.swap_remove(0))
+    }
+
+    /// This FFN on the given tokens, for [`Backend::ffn_batch`].
+    pub fn spec(&self, tokens: Vec<usize>) -> FfnSpec<'_> {
+        FfnSpec {
+            gate: &self.gate,
+            up: &self.up,
+            down: &self.down,
+            expert: 0,
+            n_ff: self.gate.rows(),
+            n_out: self.down.rows(),
+            tokens,
+        }
     }
 }
 

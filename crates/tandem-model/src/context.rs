@@ -225,9 +225,13 @@ impl Context {
             let ub =
                 Ubatch { tokens: &batch.tokens[start..end], pos: &batch.pos[start..end], seq: &batch.seq[start..end] };
             let mut x = m.head.embed(ub.tokens)?;
-            for il in 0..m.layers.layout().n_layer {
-                m.layers.forward_layer(il, self.backend.as_ref(), &mut self.cache, &ub, &mut x)?;
-            }
+            let (backend, cache) = (self.backend.as_ref(), &mut self.cache);
+            backend.in_pool(ub.len(), &mut || {
+                for il in 0..m.layers.layout().n_layer {
+                    m.layers.forward_layer(il, backend, cache, &ub, &mut x)?;
+                }
+                Ok(())
+            })?;
             let wanted: Vec<usize> = (start..end).filter(|&i| batch.logits[i]).map(|i| i - start).collect();
             if !wanted.is_empty() {
                 let mut h: Vec<f32> = wanted.iter().flat_map(|&i| x[i * n_embd..(i + 1) * n_embd].to_vec()).collect();

@@ -186,11 +186,16 @@ impl Deepseek2 {
                 // Absorbed: q_h' = [W_kb,h q_nope,h ; q_pe,h] against cached [latent ; k_pe].
                 let dq = kl + nr;
                 let mut qcur = vec![0f32; n * nh * dq];
-                for hd in 0..nh {
-                    let q_nope: Vec<f32> =
-                        (0..n).flat_map(|t| q[(t * nh + hd) * dk..(t * nh + hd) * dk + nope].iter().copied()).collect();
-                    let mut absorbed = vec![0f32; n * kl];
-                    b.matmul_rows(k_b, hd * kl, kl, &q_nope, &mut absorbed)?;
+                let q_nope: Vec<Vec<f32>> = (0..nh)
+                    .map(|hd| {
+                        (0..n).flat_map(|t| q[(t * nh + hd) * dk..(t * nh + hd) * dk + nope].iter().copied()).collect()
+                    })
+                    .collect();
+                let xs: Vec<&[f32]> = q_nope.iter().map(|v| &v[..]).collect();
+                let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * kl, kl)).collect();
+                let mut absorbed = vec![vec![0f32; n * kl]; nh];
+                b.matmul_groups(k_b, &groups, &xs, &mut absorbed)?;
+                for (hd, absorbed) in absorbed.iter().enumerate() {
                     for t in 0..n {
                         let dst = &mut qcur[(t * nh + hd) * dq..(t * nh + hd + 1) * dq];
                         dst[..kl].copy_from_slice(&absorbed[t * kl..(t + 1) * kl]);
@@ -200,12 +205,17 @@ impl Deepseek2 {
                 let shape = AttnShape { n_head: nh, n_head_kv: 1, dk: dq, dv: kl, scale: self.kq_scale };
                 let lat = attend(b, cache, il, ub, Qkv { q: &qcur, k: &kv, v: None }, shape)?;
                 // Decompress each head's latent output with W_vb,h.
+                let lat_h: Vec<Vec<f32>> = (0..nh)
+                    .map(|hd| {
+                        (0..n).flat_map(|t| lat[(t * nh + hd) * kl..(t * nh + hd + 1) * kl].iter().copied()).collect()
+                    })
+                    .collect();
+                let xs: Vec<&[f32]> = lat_h.iter().map(|v| &v[..]).collect();
+                let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * dv, dv)).collect();
+                let mut ys = vec![vec![0f32; n * dv]; nh];
+                b.matmul_groups(v_b, &groups, &xs, &mut ys)?;
                 let mut o = vec![0f32; n * nh * dv];
-                for hd in 0..nh {
-                    let x: Vec<f32> =
-                        (0..n).flat_map(|t| lat[(t * nh + hd) * kl..(t * nh + hd + 1) * kl].iter().copied()).collect();
-                    let mut y = vec![0f32; n * dv];
-                    b.matmul_rows(v_b, hd * dv, dv, &x, &mut y)?;
+                for (hd, y) in ys.iter().enumerate() {
                     for t in 0..n {
                         o[(t * nh + hd) * dv..(t * nh + hd + 1) * dv].copy_from_slice(&y[t * dv..(t + 1) * dv]);
                     }
@@ -266,13 +276,7 @@ impl Layers for Deepseek2 {
         b.rmsnorm(&mut h, self.n_embd, Some(&ly.ffn_norm), self.eps);
         let out = match &ly.ffn {
             Ffw::Dense(f) => f.forward(b, &h, n)?,
-            Ffw::Moe { moe, shared } => {
-                let mut out = moe.forward(b, &h, n)?;
-                if let Some(s) = shared {
-                    b.add(&mut out, &s.forward(b, &h, n)?);
-                }
-                out
-            }
+            Ffw::Moe { moe, shared } => moe.forward(b, &h, n, shared.as_ref())?,
         };
         b.add(x, &out);
         Ok(())

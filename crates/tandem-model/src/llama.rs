@@ -121,7 +121,7 @@ impl Layers for GqaLayers {
         b.rmsnorm(&mut h, self.gqa.n_embd, Some(&ly.ffn_norm), self.gqa.eps);
         let out = match &ly.ffn {
             GqaFfn::Dense(f) => f.forward(b, &h, ub.len())?,
-            GqaFfn::Moe(m) => m.forward(b, &h, ub.len())?,
+            GqaFfn::Moe(m) => m.forward(b, &h, ub.len(), None)?,
         };
         b.add(x, &out);
         Ok(())

@@ -2,7 +2,8 @@
 //! selection bias `exp_probs_b` (selection only), group-limited routing, top-k, weights from the
 //! unbiased scores, optional normalization and scale, then `sum_k w_k * down_k(silu(gate_k x) * up_k x)`.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, FfnSpec};
+use crate::common::Ffn;
 use crate::weights::{Weight, WeightLoader};
 use crate::{model_err, Result};
 
@@ -112,35 +113,41 @@ impl Moe {
         chosen.into_iter().zip(w).collect()
     }
 
-    /// The routed-expert output for `n` tokens of `h` (`[n][n_embd]`).
-    pub fn forward(&self, b: &dyn Backend, h: &[f32], n: usize) -> Result<Vec<f32>> {
+    /// The routed-expert output for `n` tokens of `h` (`[n][n_embd]`), plus the shared expert's
+    /// when there is one: every expert runs once on all the tokens routed to it, and all of them
+    /// (with the shared expert) in one [`Backend::ffn_batch`].
+    pub fn forward(&self, b: &dyn Backend, h: &[f32], n: usize, shared: Option<&Ffn>) -> Result<Vec<f32>> {
         let (ne, nf) = (self.n_embd, self.n_ff);
         let mut logits = vec![0f32; n * self.r.n_expert];
         b.matmul(&self.gate_inp, h, &mut logits)?;
         let routes: Vec<Vec<(usize, f32)>> = logits.chunks_exact(self.r.n_expert).map(|l| self.route(l)).collect();
-        // Each expert runs once on all the tokens routed to it.
         let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); self.r.n_expert];
         for (t, route) in routes.iter().enumerate() {
             for (slot, &(e, _)) in route.iter().enumerate() {
                 by_expert[e].push((t, slot));
             }
         }
+        let used: Vec<usize> = (0..self.r.n_expert).filter(|&e| !by_expert[e].is_empty()).collect();
+        let mut specs: Vec<FfnSpec> = used
+            .iter()
+            .map(|&e| FfnSpec {
+                gate: &self.gate_exps,
+                up: &self.up_exps,
+                down: &self.down_exps,
+                expert: e,
+                n_ff: nf,
+                n_out: ne,
+                tokens: by_expert[e].iter().map(|&(t, _)| t).collect(),
+            })
+            .collect();
+        if let Some(s) = shared {
+            specs.push(s.spec((0..n).collect()));
+        }
+        let outs = b.ffn_batch(h, ne, &specs)?;
         let n_used = self.r.n_used;
         let mut slots = vec![0f32; n * n_used * ne];
-        for (e, users) in by_expert.iter().enumerate() {
-            if users.is_empty() {
-                continue;
-            }
-            let m = users.len();
-            let x: Vec<f32> = users.iter().flat_map(|&(t, _)| h[t * ne..(t + 1) * ne].iter().copied()).collect();
-            let mut gate = vec![0f32; m * nf];
-            let mut up = vec![0f32; m * nf];
-            b.matmul_rows(&self.gate_exps, e * nf, nf, &x, &mut gate)?;
-            b.matmul_rows(&self.up_exps, e * nf, nf, &x, &mut up)?;
-            b.swiglu(&mut gate, &up);
-            let mut down = vec![0f32; m * ne];
-            b.matmul_rows(&self.down_exps, e * ne, ne, &gate, &mut down)?;
-            for (i, &(t, slot)) in users.iter().enumerate() {
+        for (&e, down) in used.iter().zip(&outs) {
+            for (i, &(t, slot)) in by_expert[e].iter().enumerate() {
                 let w = routes[t][slot].1;
                 let dst = &mut slots[(t * n_used + slot) * ne..(t * n_used + slot + 1) * ne];
                 for (d, s) in dst.iter_mut().zip(&down[i * ne..(i + 1) * ne]) {
@@ -148,13 +155,18 @@ impl Moe {
                 }
             }
         }
-        // Summed in selection order, as llama.cpp adds the expert views.
+        // Summed in selection order, as llama.cpp adds the expert views, then the shared expert.
         let mut out = vec![0f32; n * ne];
         for t in 0..n {
             let o = &mut out[t * ne..(t + 1) * ne];
             o.copy_from_slice(&slots[t * n_used * ne..(t * n_used + 1) * ne]);
             for slot in 1..n_used {
                 b.add(o, &slots[(t * n_used + slot) * ne..(t * n_used + slot + 1) * ne]);
+            }
+        }
+        if shared.is_some() {
+            if let Some(s) = outs.last() {
+                b.add(&mut out, s);
             }
         }
         Ok(out)

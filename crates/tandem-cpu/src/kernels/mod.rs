@@ -167,5 +167,9 @@ pub fn best_kernel(ty: GgmlType) -> Option<Kernel> {
 
 /// The levels at which `ty` has its own SIMD code (whether or not this machine runs them).
 pub fn simd_levels(ty: GgmlType) -> Vec<Isa> {
-    Isa::ALL[1..].iter().copied().filter(|&l| kquants::lookup(ty, l).or_else(|| legacy::lookup(ty, l)).is_some()).collect()
+    Isa::ALL[1..]
+        .iter()
+        .copied()
+        .filter(|&l| kquants::lookup(ty, l).or_else(|| legacy::lookup(ty, l)).is_some())
+        .collect()
 }

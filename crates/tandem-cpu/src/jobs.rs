@@ -1,0 +1,194 @@
+//! Several matrix products in one parallel step. A decode step of a MoE layer multiplies many
+//! small matrices (six experts' gate and up, then their down, a shared expert, per-head MLA
+//! projections); running each as its own parallel op costs a thread synchronization apiece and
+//! leaves threads idle at every tail. Here the products of a step are cut into row blocks and
+//! handed to the pool together: one synchronization per step.
+
+use crate::kernels::{best_kernel, MAX_NY};
+use crate::matmul::{quantize_activations, QuantizedActs, WeightRef};
+use crate::{Error, Result};
+use rayon::prelude::*;
+use tandem_quant::vec_dot_type;
+
+/// `out[r][t] = dot(w[r], acts[t])`: note the transposed (`[row][token]`) output.
+pub struct MatJob<'a> {
+    pub w: WeightRef<'a>,
+    pub acts: &'a QuantizedActs,
+    /// `[w.rows][acts.n_rows()]`
+    pub out: &'a mut [f32],
+}
+
+/// One row block of a job.
+struct Piece<'a> {
+    w: WeightRef<'a>,
+    acts: &'a QuantizedActs,
+    out: &'a mut [f32],
+}
+
+/// Runs every job in one parallel step over `pool`.
+pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
+    let mut total_rows = 0usize;
+    for j in &jobs {
+        let n = j.acts.n_rows();
+        if j.acts.cols != j.w.cols || j.acts.ty != vec_dot_type(j.w.ty) || j.out.len() != n * j.w.rows {
+            return Err(Error::Shape(format!(
+                "matmul of a {} x {} {} weight with {n} rows of {} {} into {} outputs",
+                j.w.rows,
+                j.w.cols,
+                j.w.ty,
+                j.acts.cols,
+                j.acts.ty,
+                j.out.len()
+            )));
+        }
+        if best_kernel(j.w.ty).is_none() {
+            return Err(Error::Quant(tandem_quant::Error::UnsupportedType { ty: j.w.ty, op: "vec_dot" }));
+        }
+        total_rows += j.w.rows;
+    }
+    let threads = pool.current_num_threads().max(1);
+    let block = (total_rows / (threads * 4)).clamp(4, 512);
+    let mut pieces = Vec::new();
+    for j in jobs {
+        let n = j.acts.n_rows();
+        if n == 0 {
+            continue;
+        }
+        let mut out = j.out;
+        let mut r0 = 0;
+        while r0 < j.w.rows {
+            let nr = block.min(j.w.rows - r0);
+            let (head, rest) = out.split_at_mut(nr * n);
+            out = rest;
+            pieces.push(Piece { w: j.w.rows(r0, nr)?, acts: j.acts, out: head });
+            r0 += nr;
+        }
+    }
+    if pieces.len() == 1 || threads == 1 {
+        pieces.into_iter().for_each(run_piece);
+    } else {
+        pool.install(|| pieces.into_par_iter().with_max_len(1).for_each(run_piece));
+    }
+    Ok(())
+}
+
+/// Rows in tiles of `ROW_TILE` against tokens in groups of [`MAX_NY`]: a tile of weight rows
+/// stays in cache while every token group passes over it, and each unpacked weight block serves a
+/// whole group.
+fn run_piece(p: Piece) {
+    const ROW_TILE: usize = 16;
+    let Some(kernel) = best_kernel(p.w.ty) else { return };
+    let n = p.acts.n_rows();
+    let yb = p.acts.row_bytes;
+    let rb = p.w.data.len() / p.w.rows.max(1);
+    for tile in (0..p.w.rows).step_by(ROW_TILE) {
+        for t0 in (0..n).step_by(MAX_NY) {
+            let nt = MAX_NY.min(n - t0);
+            for r in tile..(tile + ROW_TILE).min(p.w.rows) {
+                let wrow = &p.w.data[r * rb..(r + 1) * rb];
+                kernel.run(
+                    p.w.cols,
+                    wrow,
+                    &p.acts.data[t0 * yb..(t0 + nt) * yb],
+                    &mut p.out[r * n + t0..r * n + t0 + nt],
+                );
+            }
+        }
+    }
+}
+
+/// `[rows][n]` to `[n][rows]`.
+pub fn transpose(src: &[f32], rows: usize, n: usize, dst: &mut [f32]) {
+    for (r, col) in src.chunks_exact(n.max(1)).enumerate().take(rows) {
+        for (t, v) in col.iter().enumerate() {
+            dst[t * rows + r] = *v;
+        }
+    }
+}
+
+/// A SwiGLU feed-forward network applied to some of the tokens: one expert, a shared expert or a
+/// dense FFN.
+pub struct FfnJob<'a> {
+    pub gate: WeightRef<'a>,
+    pub up: WeightRef<'a>,
+    pub down: WeightRef<'a>,
+    /// Indices of the tokens (rows of `x`) it runs on.
+    pub tokens: Vec<usize>,
+}
+
+/// `down(silu(gate x_t) * up x_t)` for every job and each of its tokens: returns per job
+/// `[tokens.len()][down.rows]`. Two parallel steps in all (gate and up of every job, then down of
+/// every job); activations are quantized once per weight type.
+pub fn ffn_jobs(pool: &rayon::ThreadPool, x: &[f32], cols: usize, jobs: &[FfnJob]) -> Result<Vec<Vec<f32>>> {
+    if cols == 0 || !x.len().is_multiple_of(cols) {
+        return Err(Error::Shape(format!("{} activations are not rows of {cols}", x.len())));
+    }
+    let n = x.len() / cols;
+    for j in jobs {
+        if j.gate.cols != cols || j.up.cols != cols || j.up.rows != j.gate.rows || j.down.cols != j.gate.rows {
+            return Err(Error::Shape(format!(
+                "FFN of gate {}x{}, up {}x{}, down {}x{} on rows of {cols}",
+                j.gate.rows, j.gate.cols, j.up.rows, j.up.cols, j.down.rows, j.down.cols
+            )));
+        }
+        if let Some(&t) = j.tokens.iter().find(|&&t| t >= n) {
+            return Err(Error::Shape(format!("FFN job for token {t} of {n}")));
+        }
+    }
+    // All tokens quantized once per activation type, then gathered per job.
+    let mut quantized: Vec<QuantizedActs> = Vec::new();
+    for j in jobs {
+        for ty in [j.gate.ty, j.up.ty] {
+            if !quantized.iter().any(|q| q.ty == vec_dot_type(ty)) {
+                quantized.push(quantize_activations(ty, x, cols)?);
+            }
+        }
+    }
+    let acts_for = |ty, tokens: &[usize]| -> QuantizedActs {
+        let all = quantized.iter().find(|q| q.ty == vec_dot_type(ty)).expect("quantized above");
+        let mut data = Vec::with_capacity(tokens.len() * all.row_bytes);
+        for &t in tokens {
+            data.extend_from_slice(all.row(t));
+        }
+        QuantizedActs { ty: all.ty, cols, row_bytes: all.row_bytes, data }
+    };
+    let gate_acts: Vec<QuantizedActs> = jobs.iter().map(|j| acts_for(j.gate.ty, &j.tokens)).collect();
+    let up_acts: Vec<Option<QuantizedActs>> = jobs
+        .iter()
+        .map(|j| (vec_dot_type(j.up.ty) != vec_dot_type(j.gate.ty)).then(|| acts_for(j.up.ty, &j.tokens)))
+        .collect();
+    let mut gate: Vec<Vec<f32>> = jobs.iter().map(|j| vec![0f32; j.gate.rows * j.tokens.len()]).collect();
+    let mut up: Vec<Vec<f32>> = jobs.iter().map(|j| vec![0f32; j.up.rows * j.tokens.len()]).collect();
+    let mut step = Vec::new();
+    for (((j, g), u), (ga, ua)) in jobs.iter().zip(&mut gate).zip(&mut up).zip(gate_acts.iter().zip(&up_acts)) {
+        step.push(MatJob { w: j.gate, acts: ga, out: g });
+        step.push(MatJob { w: j.up, acts: ua.as_ref().unwrap_or(ga), out: u });
+    }
+    matmul_jobs(pool, step)?;
+    // silu(gate) * up, back to [token][n_ff], quantized for down.
+    let mut down_acts = Vec::with_capacity(jobs.len());
+    for ((j, g), u) in jobs.iter().zip(&mut gate).zip(&up) {
+        crate::silu_mul(g, u);
+        let m = j.tokens.len();
+        let mut h = vec![0f32; g.len()];
+        transpose(g, j.gate.rows, m, &mut h);
+        down_acts.push(if m == 0 {
+            QuantizedActs { ty: vec_dot_type(j.down.ty), cols: j.down.cols, row_bytes: 0, data: Vec::new() }
+        } else {
+            quantize_activations(j.down.ty, &h, j.down.cols)?
+        });
+    }
+    let mut down_t: Vec<Vec<f32>> = jobs.iter().map(|j| vec![0f32; j.down.rows * j.tokens.len()]).collect();
+    let step: Vec<MatJob> =
+        jobs.iter().zip(&down_acts).zip(&mut down_t).map(|((j, a), out)| MatJob { w: j.down, acts: a, out }).collect();
+    matmul_jobs(pool, step)?;
+    Ok(jobs
+        .iter()
+        .zip(down_t)
+        .map(|(j, d)| {
+            let mut out = vec![0f32; d.len()];
+            transpose(&d, j.down.rows, j.tokens.len(), &mut out);
+            out
+        })
+        .collect())
+}

@@ -1,0 +1,104 @@
+//! Batched products (`matmul_jobs`, `ffn_jobs`) against one `matmul` per product.
+
+use tandem_cpu::{ffn_jobs, matmul, silu_mul, FfnJob, WeightRef};
+use tandem_quant::{quantize_row, row_size, GgmlType};
+
+fn data(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn weight(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let rb = row_size(ty, cols).unwrap();
+    let mut w = vec![0u8; rows * rb];
+    for (r, dst) in w.chunks_exact_mut(rb).enumerate() {
+        quantize_row(ty, &data(seed * 1000 + r as u64, cols), dst).unwrap();
+    }
+    w
+}
+
+fn close(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    let max = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= 1e-5 * max + 1e-7, "{what} [{i}]: {x} vs {y}");
+    }
+}
+
+#[test]
+fn ffn_jobs_equal_separate_matmuls() {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    let (cols, n_ff, n) = (512, 256, 13);
+    let x = data(7, n * cols);
+    // Three experts in one 3-D tensor (Q4_K gate/up, Q6_K down) and a Q8_0 "shared" FFN.
+    let (ge, ue, de) = (
+        weight(GgmlType::Q4_K, 3 * n_ff, cols, 1),
+        weight(GgmlType::Q4_K, 3 * n_ff, cols, 2),
+        weight(GgmlType::Q6_K, 3 * cols, n_ff, 3),
+    );
+    let (gs, us, ds) = (
+        weight(GgmlType::Q8_0, n_ff, cols, 4),
+        weight(GgmlType::Q8_0, n_ff, cols, 5),
+        weight(GgmlType::Q8_0, cols, n_ff, 6),
+    );
+    let gate_all = WeightRef::new(GgmlType::Q4_K, 3 * n_ff, cols, &ge).unwrap();
+    let up_all = WeightRef::new(GgmlType::Q4_K, 3 * n_ff, cols, &ue).unwrap();
+    let down_all = WeightRef::new(GgmlType::Q6_K, 3 * cols, n_ff, &de).unwrap();
+    let token_sets = [vec![0, 3, 4, 12], vec![], vec![1, 2, 5, 6, 7, 8, 9, 10, 11, 0]];
+    let mut jobs: Vec<FfnJob> = token_sets
+        .iter()
+        .enumerate()
+        .map(|(e, t)| FfnJob {
+            gate: gate_all.rows(e * n_ff, n_ff).unwrap(),
+            up: up_all.rows(e * n_ff, n_ff).unwrap(),
+            down: down_all.rows(e * cols, cols).unwrap(),
+            tokens: t.clone(),
+        })
+        .collect();
+    jobs.push(FfnJob {
+        gate: WeightRef::new(GgmlType::Q8_0, n_ff, cols, &gs).unwrap(),
+        up: WeightRef::new(GgmlType::Q8_0, n_ff, cols, &us).unwrap(),
+        down: WeightRef::new(GgmlType::Q8_0, cols, n_ff, &ds).unwrap(),
+        tokens: (0..n).collect(),
+    });
+    let got = ffn_jobs(&pool, &x, cols, &jobs).unwrap();
+    for (j, out) in jobs.iter().zip(&got) {
+        let xs: Vec<f32> = j.tokens.iter().flat_map(|&t| x[t * cols..(t + 1) * cols].to_vec()).collect();
+        let m = j.tokens.len();
+        if m == 0 {
+            assert!(out.is_empty());
+            continue;
+        }
+        let (mut g, mut u, mut d) = (vec![0f32; m * n_ff], vec![0f32; m * n_ff], vec![0f32; m * cols]);
+        matmul(&pool, &j.gate, &xs, &mut g).unwrap();
+        matmul(&pool, &j.up, &xs, &mut u).unwrap();
+        silu_mul(&mut g, &u);
+        matmul(&pool, &j.down, &g, &mut d).unwrap();
+        close(out, &d, "ffn job");
+    }
+}
+
+#[test]
+fn bad_shapes_and_tokens_are_errors() {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let w = weight(GgmlType::Q8_0, 32, 64, 1);
+    let d = weight(GgmlType::Q8_0, 64, 32, 2);
+    let job = |tokens| FfnJob {
+        gate: WeightRef::new(GgmlType::Q8_0, 32, 64, &w).unwrap(),
+        up: WeightRef::new(GgmlType::Q8_0, 32, 64, &w).unwrap(),
+        down: WeightRef::new(GgmlType::Q8_0, 64, 32, &d).unwrap(),
+        tokens,
+    };
+    let x = data(1, 2 * 64);
+    assert!(ffn_jobs(&pool, &x, 64, &[job(vec![2])]).is_err());
+    assert!(ffn_jobs(&pool, &x[..100], 64, &[job(vec![0])]).is_err());
+    assert!(ffn_jobs(&pool, &x, 32, &[job(vec![0])]).is_err());
+    assert_eq!(ffn_jobs(&pool, &x, 64, &[job(vec![1, 0])]).unwrap()[0].len(), 2 * 64);
+}
