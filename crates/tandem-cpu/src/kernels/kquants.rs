@@ -1,10 +1,224 @@
-//! SIMD kernels (see `lookup`).
+//! SIMD kernels of the k-quants (Q2_K..Q6_K against Q8_K activations) for x86: AVX2, AVX-512 and
+//! AVX-512 VNNI. Each weight block is unpacked once into registers (levels, group scales, min
+//! terms; see `unpack`) and dotted with all `ny` activation rows, as ik_llama.cpp's iqk_mul_mat does
+//! for batched prefill. Integer sums are exact; per-block float terms are combined with FMA.
+
+#[cfg(target_arch = "x86_64")]
+mod dot;
+#[cfg(target_arch = "x86_64")]
+mod unpack;
 
 use super::{Isa, KernelFn};
 use tandem_quant::GgmlType;
 
 /// The kernel for `ty` written for exactly `isa`, if any.
 pub(super) fn lookup(ty: GgmlType, isa: Isa) -> Option<KernelFn> {
-    let _ = (ty, isa);
-    None
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::lookup(ty, isa)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (ty, isa);
+        None
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::dot::{dot_avx2, dot_avx512, dot_avx512vnni};
+    use super::unpack::{KQuant, Q2K, Q3K, Q4K, Q5K, Q6K};
+    use crate::kernels::{Isa, KernelFn};
+    use tandem_quant::GgmlType;
+
+    /// A `KernelFn` from a dot loop generic over `NY`: picks the instance for `ny`.
+    macro_rules! entry {
+        ($name:ident, $dot:ident) => {
+            /// # Safety
+            /// As [`KernelFn`]: lengths checked by `Kernel::run`, the machine runs this level.
+            unsafe fn $name<T: KQuant>(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
+                let (w, ys, o) = (w.as_ptr(), ys.as_ptr(), out.as_mut_ptr());
+                // SAFETY: `Kernel::run` checked w, ys and out against n and ny (1..=8).
+                unsafe {
+                    match ny {
+                        1 => $dot::<T, 1>(n, w, ys, o),
+                        2 => $dot::<T, 2>(n, w, ys, o),
+                        3 => $dot::<T, 3>(n, w, ys, o),
+                        4 => $dot::<T, 4>(n, w, ys, o),
+                        5 => $dot::<T, 5>(n, w, ys, o),
+                        6 => $dot::<T, 6>(n, w, ys, o),
+                        7 => $dot::<T, 7>(n, w, ys, o),
+                        8 => $dot::<T, 8>(n, w, ys, o),
+                        _ => out.fill(f32::NAN),
+                    }
+                }
+            }
+        };
+    }
+    entry!(avx2, dot_avx2);
+    entry!(avx512, dot_avx512);
+    entry!(avx512vnni, dot_avx512vnni);
+
+    fn for_type<T: KQuant>(isa: Isa) -> Option<KernelFn> {
+        match isa {
+            Isa::Avx2 => Some(avx2::<T>),
+            Isa::Avx512 => Some(avx512::<T>),
+            Isa::Avx512Vnni => Some(avx512vnni::<T>),
+            Isa::Scalar | Isa::Avx512Bf16 => None,
+        }
+    }
+
+    pub(super) fn lookup(ty: GgmlType, isa: Isa) -> Option<KernelFn> {
+        match ty {
+            GgmlType::Q2_K => for_type::<Q2K>(isa),
+            GgmlType::Q3_K => for_type::<Q3K>(isa),
+            GgmlType::Q4_K => for_type::<Q4K>(isa),
+            GgmlType::Q5_K => for_type::<Q5K>(isa),
+            GgmlType::Q6_K => for_type::<Q6K>(isa),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::kernels::{kernel, simd_levels, Isa, MAX_NY};
+    use tandem_quant::{row_size, vec_dot, GgmlType};
+
+    const TYPES: [GgmlType; 5] = [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K];
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+    }
+
+    /// Offsets of the fp16 factors (d, and dmin where present) in each block.
+    fn f16_offsets(ty: GgmlType) -> Vec<usize> {
+        use std::mem::offset_of;
+        use tandem_quant::blocks::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K};
+        match ty {
+            GgmlType::Q2_K => vec![offset_of!(BlockQ2K, d), offset_of!(BlockQ2K, dmin)],
+            GgmlType::Q3_K => vec![offset_of!(BlockQ3K, d)],
+            GgmlType::Q4_K => vec![offset_of!(BlockQ4K, d), offset_of!(BlockQ4K, dmin)],
+            GgmlType::Q5_K => vec![offset_of!(BlockQ5K, d), offset_of!(BlockQ5K, dmin)],
+            _ => vec![offset_of!(BlockQ6K, d)],
+        }
+    }
+
+    /// Random bit patterns for every level, scale and mask bit; finite fp16 factors in [2^-10, 2^-9).
+    fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
+        let bytes = row_size(ty, n).unwrap();
+        let mut w: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
+        let block = bytes / (n / 256);
+        for b in w.chunks_exact_mut(block) {
+            for o in f16_offsets(ty) {
+                let bits = 0x1400u16 | (rng.next() as u16 & 0x03FF) | (rng.next() as u16 & 0x8000);
+                b[o..o + 2].copy_from_slice(&bits.to_le_bytes());
+            }
+        }
+        w
+    }
+
+    /// Q8_K rows with every quant value including -128 (extremes of `vpmaddubsw`), consistent bsums.
+    fn random_q8k(n: usize, rows: usize, rng: &mut Rng) -> Vec<u8> {
+        let mut out = Vec::new();
+        for _ in 0..rows * (n / 256) {
+            let d = 0.001 + (rng.next() % 1000) as f32 * 1e-5;
+            let qs: Vec<i8> =
+                (0..256).map(|_| if rng.next().is_multiple_of(5) { -128 } else { rng.next() as i8 }).collect();
+            out.extend_from_slice(&d.to_le_bytes());
+            out.extend(qs.iter().map(|&q| q as u8));
+            for g in qs.chunks_exact(16) {
+                out.extend_from_slice(&g.iter().map(|&q| q as i16).sum::<i16>().to_le_bytes());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn random_bit_patterns_match_the_scalar_reference() {
+        let mut rng = Rng(0x1234_5678_9ABC_DEF1);
+        for ty in TYPES {
+            for isa in simd_levels(ty).into_iter().filter(|l| l.supported()) {
+                let k = kernel(ty, isa).unwrap();
+                assert_eq!(k.isa, isa);
+                for n in [256, 1024] {
+                    let w = random_weights(ty, n, &mut rng);
+                    let ys = random_q8k(n, MAX_NY, &mut rng);
+                    let yb = ys.len() / MAX_NY;
+                    for ny in 1..=MAX_NY {
+                        let mut out = vec![0f32; ny];
+                        k.run(n, &w, &ys[..ny * yb], &mut out);
+                        for (j, got) in out.iter().enumerate() {
+                            let want = vec_dot(ty, n, &w, &ys[j * yb..(j + 1) * yb]).unwrap();
+                            // Integer sums are exact; only the float combination of blocks differs.
+                            let tol = 1e-5 * want.abs().max(1.0);
+                            assert!((got - want).abs() <= tol, "{ty} {isa} n={n} ny={ny} row {j}: {got} vs {want}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn empty_rows_give_zero() {
+        for ty in TYPES {
+            for isa in simd_levels(ty).into_iter().filter(|l| l.supported()) {
+                let mut out = [f32::NAN; 3];
+                kernel(ty, isa).unwrap().run(0, &[], &[], &mut out);
+                assert_eq!(out, [0.0; 3], "{ty} {isa}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_k_quant_has_all_x86_levels() {
+        for ty in TYPES {
+            let want: Vec<Isa> =
+                if cfg!(target_arch = "x86_64") { vec![Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni] } else { vec![] };
+            assert_eq!(simd_levels(ty), want, "{ty}");
+        }
+    }
+
+    /// Throughput of weight bytes from L2 (`cargo test -p tandem-cpu --release kquant_throughput -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn kquant_throughput() {
+        let mut rng = Rng(42);
+        for ty in TYPES {
+            for n in [2048usize, 7168] {
+                let rows = (512 * 1024 / row_size(ty, n).unwrap()).max(1);
+                let ws: Vec<Vec<u8>> = (0..rows).map(|_| random_weights(ty, n, &mut rng)).collect();
+                let ys = random_q8k(n, MAX_NY, &mut rng);
+                let yb = ys.len() / MAX_NY;
+                let bytes = (rows * row_size(ty, n).unwrap()) as f64;
+                let mut line = format!("{ty} n={n:5}:");
+                for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni].into_iter().filter(|l| l.supported())
+                {
+                    let k = kernel(ty, isa).unwrap();
+                    for ny in [1usize, 2, 4, 8] {
+                        let mut out = vec![0f32; ny];
+                        let reps = if isa == Isa::Scalar { 5 } else { 40 };
+                        let mut best = f64::MAX;
+                        for _ in 0..reps {
+                            let t = std::time::Instant::now();
+                            for w in &ws {
+                                k.run(n, w, &ys[..ny * yb], &mut out);
+                            }
+                            best = best.min(t.elapsed().as_secs_f64());
+                            std::hint::black_box(&out);
+                        }
+                        line += &format!(" {isa} ny={ny} {:6.2} GB/s", bytes / best / 1e9);
+                    }
+                }
+                println!("{line}");
+            }
+        }
+    }
 }

@@ -1,0 +1,217 @@
+//! The dot loops over unpacked blocks ([`super::unpack`]), one per x86 level, generic over the weight
+//! type and the number of activation rows `NY` (a weight block is unpacked once for all `NY` rows).
+
+use super::unpack::{KQuant, Unpacked};
+use std::arch::x86_64::*;
+use std::mem::{offset_of, size_of};
+use tandem_quant::blocks::BlockQ8K;
+
+/// ggml block_q8_K: f32 d, i8 qs[256], i16 bsums[16] (292 bytes).
+const Q8K_BYTES: usize = size_of::<BlockQ8K>();
+const Q8K_QS: usize = offset_of!(BlockQ8K, qs);
+const Q8K_BSUMS: usize = offset_of!(BlockQ8K, bsums);
+const _: () = assert!(Q8K_BYTES == 292 && Q8K_QS == 4 && Q8K_BSUMS == 260 && offset_of!(BlockQ8K, d) == 0);
+
+#[inline(always)]
+unsafe fn ld(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 32 readable bytes.
+    unsafe { _mm256_loadu_si256(p as *const __m256i) }
+}
+
+#[inline(always)]
+unsafe fn yd(y: *const u8) -> f32 {
+    // SAFETY: the caller guarantees a whole Q8_K block at `y`.
+    unsafe { (y as *const f32).read_unaligned() }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum256(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// Per-32-element i16 scale vectors for `vpmaddubsw` output: low half group 2k, high half 2k+1.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scales_256(sc: __m256i) -> [__m256i; 8] {
+    let lo = _mm256_permute2x128_si256(sc, sc, 0x00);
+    let hi = _mm256_permute2x128_si256(sc, sc, 0x11);
+    let mut s = [_mm256_setzero_si256(); 8];
+    for (k, v) in s.iter_mut().enumerate() {
+        // Bytes of i16 `2m` (group 2k) in the low half, of i16 `2m+1` (group 2k+1) in the high half.
+        let m = (k % 4) as i8;
+        let pat: [i8; 32] = std::array::from_fn(|i| 4 * m + 2 * (i / 16) as i8 + (i % 2) as i8);
+        // SAFETY: 32 bytes read from a 32-byte array.
+        let pat = unsafe { _mm256_loadu_si256(pat.as_ptr() as *const __m256i) };
+        *v = _mm256_shuffle_epi8(if k < 4 { lo } else { hi }, pat);
+    }
+    s
+}
+
+/// AVX2: `out[j] = dot(w, y_j)` for `NY` rows.
+///
+/// # Safety
+/// `w` holds `n / 256` blocks of `T`, `ys` holds `NY` rows of `n / 256` Q8_K blocks, `out` has `NY`
+/// elements; the machine has AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_avx2<T: KQuant, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: *mut f32) {
+    let nb = n / tandem_quant::QK_K;
+    let row = nb * Q8K_BYTES;
+    let mut acc = [_mm256_setzero_ps(); NY];
+    for i in 0..nb {
+        // SAFETY: block `i` of the weight row and of each of the NY activation rows is in bounds.
+        unsafe {
+            let Unpacked { w: wb, f } = T::unpack(w.add(i * T::BYTES));
+            let s = scales_256(f.sc);
+            let (dv, dmv) = (_mm256_set1_ps(f.d), _mm256_set1_ps(f.dmin));
+            // k outer, rows inner: the NY integer sums stay in registers (16 ymm), each weight and
+            // scale vector is loaded once per block.
+            let y: [*const u8; NY] = std::array::from_fn(|j| ys.add(j * row + i * Q8K_BYTES));
+            let mut t = [_mm256_setzero_si256(); NY];
+            for (k, (wk, sk)) in wb.iter().zip(&s).enumerate() {
+                if NY > 4 {
+                    // Scheduling barrier: without it LLVM puts rows outermost and reloads all weight
+                    // and scale vectors from the stack for every row (measured ~5-10% slower at
+                    // NY=8; at NY<=4 the barrier was not better).
+                    std::arch::asm!("", options(nostack, preserves_flags));
+                }
+                for (tt, yy) in t.iter_mut().zip(y) {
+                    let q = ld(yy.add(Q8K_QS + 32 * k));
+                    *tt = _mm256_add_epi32(*tt, _mm256_madd_epi16(_mm256_maddubs_epi16(*wk, q), *sk));
+                }
+            }
+            for ((a, tt), yy) in acc.iter_mut().zip(t).zip(y) {
+                let mi = _mm256_madd_epi16(ld(yy.add(Q8K_BSUMS)), f.m);
+                let v = if T::FOLD {
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(tt, mi)), dv)
+                } else {
+                    _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi), dmv, _mm256_mul_ps(_mm256_cvtepi32_ps(tt), dv))
+                };
+                *a = _mm256_fmadd_ps(v, _mm256_set1_ps(yd(yy)), *a);
+            }
+        }
+    }
+    for (j, a) in acc.iter().enumerate() {
+        // SAFETY: `out` has NY elements.
+        unsafe { *out.add(j) = hsum256(*a) };
+    }
+}
+
+/// vpermw indices spreading 16 group scales over the 32 i16 lanes of `vpmaddubsw` on 64 elements.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+fn scales_512(sc: __m256i) -> [__m512i; 4] {
+    let sc = _mm512_zextsi256_si512(sc);
+    let mut s = [_mm512_setzero_si512(); 4];
+    for (k, v) in s.iter_mut().enumerate() {
+        // i16 lane i of the `vpmaddubsw` output covers elements 64k + 2i, 64k + 2i + 1: group 4k + i/8.
+        let idx: [i16; 32] = std::array::from_fn(|i| (4 * k + i / 8) as i16);
+        // SAFETY: 64 bytes read from a 32 x i16 array.
+        *v = _mm512_permutexvar_epi16(unsafe { _mm512_loadu_si512(idx.as_ptr() as *const __m512i) }, sc);
+    }
+    s
+}
+
+/// AVX-512 integer sum of one row block: `vpmaddubsw` pairs, `vpmaddwd` by the group scales.
+///
+/// # Safety
+/// `y` points at a whole Q8_K block.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn row_madd(wz: &[__m512i; 4], s: &[__m512i; 4], y: *const u8) -> __m512i {
+    let mut t = _mm512_setzero_si512();
+    for k in 0..4 {
+        // SAFETY: 64 of the 256 quants of the block.
+        let q = unsafe { _mm512_loadu_si512(y.add(Q8K_QS + 64 * k) as *const __m512i) };
+        t = _mm512_add_epi32(t, _mm512_madd_epi16(_mm512_maddubs_epi16(wz[k], q), s[k]));
+    }
+    t
+}
+
+/// Scale vectors for `vpdpwssd` on `vpackssdw(dp[2h], dp[2h+1])` of the per-4-element `vpdpbusd` sums
+/// of zmm `k = 2h, 2h+1`: in 128-bit lane `L`, i16 0..4 come from group `4k+L`, 4..8 from `4k+4+L`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+fn scales_packed(sc: __m256i) -> [__m512i; 2] {
+    let sc = _mm512_zextsi256_si512(sc);
+    let mut s = [_mm512_setzero_si512(); 2];
+    for (h, v) in s.iter_mut().enumerate() {
+        let mut idx = [0i16; 32];
+        for (i, x) in idx.iter_mut().enumerate() {
+            let (l, p) = (i / 8, i % 8);
+            *x = (8 * h + l + if p < 4 { 0 } else { 4 }) as i16;
+        }
+        // SAFETY: 64 bytes read from a 32 x i16 array.
+        *v = _mm512_permutexvar_epi16(unsafe { _mm512_loadu_si512(idx.as_ptr() as *const __m512i) }, sc);
+    }
+    s
+}
+
+/// AVX-512 VNNI integer sum of one row block: `vpdpbusd` sums of 4 products (at most 4 * 63 * 128
+/// < 2^15, so they pack to i16 exactly), then `vpdpwssd` by the group scales: 6 multiplies per
+/// 256 elements instead of 8.
+///
+/// # Safety
+/// `y` points at a whole Q8_K block.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn row_vnni(wz: &[__m512i; 4], s: &[__m512i; 2], y: *const u8) -> __m512i {
+    let mut dp = [_mm512_setzero_si512(); 4];
+    for (k, d) in dp.iter_mut().enumerate() {
+        // SAFETY: 64 of the 256 quants of the block.
+        let q = unsafe { _mm512_loadu_si512(y.add(Q8K_QS + 64 * k) as *const __m512i) };
+        *d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[k], q);
+    }
+    let t = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(dp[0], dp[1]), s[0]);
+    _mm512_dpwssd_epi32(t, _mm512_packs_epi32(dp[2], dp[3]), s[1])
+}
+
+/// The zmm kernels differ only in how one row block's integer sum is formed (`$scales`, `$row`).
+macro_rules! dot_512 {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $scales:ident, $row:ident) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// As [`dot_avx2`], and the machine has the features named.
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn $name<T: KQuant, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: *mut f32) {
+            let nb = n / tandem_quant::QK_K;
+            let row = nb * Q8K_BYTES;
+            let mut acc = [_mm512_setzero_ps(); NY];
+            for i in 0..nb {
+                // SAFETY: block `i` of the weight row and of each of the NY activation rows is in bounds.
+                unsafe {
+                    let (wz, f) = T::unpack512(w.add(i * T::BYTES));
+                    let s = $scales(f.sc);
+                    let (dv, dmv) = (_mm512_set1_ps(f.d), _mm512_set1_ps(f.dmin));
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        let y = ys.add(j * row + i * Q8K_BYTES);
+                        let t = $row(&wz, &s, y);
+                        let mi = _mm512_zextsi256_si512(_mm256_madd_epi16(ld(y.add(Q8K_BSUMS)), f.m));
+                        let v = if T::FOLD {
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t, mi)), dv)
+                        } else {
+                            _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mi), dmv, _mm512_mul_ps(_mm512_cvtepi32_ps(t), dv))
+                        };
+                        *a = _mm512_fmadd_ps(v, _mm512_set1_ps(yd(y)), *a);
+                    }
+                }
+            }
+            for (j, a) in acc.iter().enumerate() {
+                // SAFETY: `out` has NY elements.
+                unsafe { *out.add(j) = _mm512_reduce_add_ps(*a) };
+            }
+        }
+    };
+}
+
+dot_512!(
+    /// AVX-512 (zmm): `out[j] = dot(w, y_j)` for `NY` rows.
+    dot_avx512, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", scales_512, row_madd
+);
+dot_512!(
+    /// AVX-512 VNNI (zmm): `out[j] = dot(w, y_j)` for `NY` rows.
+    dot_avx512vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", scales_packed, row_vnni
+);
