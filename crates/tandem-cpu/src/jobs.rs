@@ -81,6 +81,10 @@ fn run_piece(p: Piece) {
     let n = p.acts.n_rows();
     let yb = p.acts.row_bytes;
     let rb = p.w.data.len() / p.w.rows.max(1);
+    // Checked once here for every kernel call below.
+    let rows_ok = tandem_quant::row_size(p.w.ty, p.w.cols).is_ok_and(|b| b == rb && rb * p.w.rows == p.w.data.len());
+    let acts_ok = tandem_quant::row_size(p.acts.ty, p.w.cols).is_ok_and(|b| b == yb && yb * n == p.acts.data.len());
+    assert!(rows_ok && acts_ok && p.acts.ty == vec_dot_type(p.w.ty) && p.out.len() == n * p.w.rows);
     for tile in (0..p.w.rows).step_by(ROW_TILE) {
         for t0 in (0..n).step_by(MAX_NY) {
             let nt = MAX_NY.min(n - t0);

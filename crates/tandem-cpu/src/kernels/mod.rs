@@ -127,11 +127,24 @@ impl Kernel {
             w.len(),
             ys.len()
         );
+        // SAFETY: lengths checked above.
+        unsafe { self.run_unchecked(n, w, ys, out) }
+    }
+
+    /// [`Kernel::run`] without the length checks, for callers that checked a whole matrix once.
+    ///
+    /// # Safety
+    /// `w.len() == row_size(ty, n)`, `ys.len() == out.len() * row_size(vec_dot_type(ty), n)` and
+    /// `1 <= out.len() <= MAX_NY`.
+    #[inline]
+    pub unsafe fn run_unchecked(&self, n: usize, w: &[u8], ys: &[u8], out: &mut [f32]) {
+        let ny = out.len();
         match self.f {
-            // SAFETY: lengths checked above; `kernel` only hands out code the machine supports.
+            // SAFETY: the caller checked the lengths; `kernel` only hands out code the machine supports.
             Some(f) => unsafe { f(n, w, ys, ny, out) },
             None => {
-                for (o, y) in out.iter_mut().zip(ys.chunks_exact(yb)) {
+                let yb = ys.len() / ny.max(1);
+                for (o, y) in out.iter_mut().zip(ys.chunks_exact(yb.max(1))) {
                     *o = vec_dot(self.ty, n, w, y).unwrap_or(f32::NAN);
                 }
             }
