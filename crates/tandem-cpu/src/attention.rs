@@ -133,6 +133,10 @@ fn softmax_rows(a: &AttnF16, s: &mut [f32], n_chunks: usize) {
     let nh = a.n_head;
     let stride = s.len() / (n_chunks * nh).max(1);
     let len = |c: usize| (a.n_kv - c * stride).min(stride);
+    #[cfg(target_arch = "x86_64")]
+    let simd = Isa::detected() >= Isa::Avx512;
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = false;
     for h in 0..nh {
         let mut max = f32::NEG_INFINITY;
         for c in 0..n_chunks {
@@ -142,6 +146,12 @@ fn softmax_rows(a: &AttnF16, s: &mut [f32], n_chunks: usize) {
         let mut sum = 0f64;
         for c in 0..n_chunks {
             let r = &mut s[(c * nh + h) * stride..][..len(c)];
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: AVX-512 is present.
+                sum += unsafe { x86::exp_sub(r, max) };
+                continue;
+            }
             for v in r.iter_mut() {
                 *v = (*v - max).exp();
                 sum += *v as f64;
@@ -149,7 +159,14 @@ fn softmax_rows(a: &AttnF16, s: &mut [f32], n_chunks: usize) {
         }
         let inv = (1.0 / sum) as f32;
         for c in 0..n_chunks {
-            for v in s[(c * nh + h) * stride..][..len(c)].iter_mut() {
+            let r = &mut s[(c * nh + h) * stride..][..len(c)];
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: AVX-512 is present.
+                unsafe { x86::scale_round_f16(r, inv) };
+                continue;
+            }
+            for v in r.iter_mut() {
                 *v = f16::from_f32(*v * inv).to_f32();
             }
         }
@@ -234,6 +251,80 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod x86 {
     use super::AttnF16;
     use std::arch::x86_64::*;
+
+    /// ggml's `ggml_v_expf` (ggml-cpu/vec.h, AVX-512): e^x to about 1 ulp, with the same
+    /// polynomial llama.cpp's softmax uses.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    unsafe fn expf(x: __m512) -> __m512 {
+        let r = _mm512_set1_ps(f32::from_bits(0x4B40_0000)); // 0x1.8p23
+        let z = _mm512_fmadd_ps(x, _mm512_set1_ps(f32::from_bits(0x3FB8_AA3B)), r); // 0x1.715476p+0
+        let n = _mm512_sub_ps(z, r);
+        let b = _mm512_fnmadd_ps(
+            n,
+            _mm512_set1_ps(f32::from_bits(0x35BF_BE8E)), // 0x1.7f7d1cp-20
+            _mm512_fnmadd_ps(n, _mm512_set1_ps(f32::from_bits(0x3F31_7200)), x), // 0x1.62e4p-1
+        );
+        let d = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_abs_ps(n), _mm512_set1_ps(192.0));
+        let u = _mm512_mul_ps(b, b);
+        let j = _mm512_fmadd_ps(
+            _mm512_fmadd_ps(
+                _mm512_fmadd_ps(
+                    _mm512_set1_ps(f32::from_bits(0x3C07_2010)),
+                    b,
+                    _mm512_set1_ps(f32::from_bits(0x3D2B_9F17)),
+                ),
+                u,
+                _mm512_fmadd_ps(
+                    _mm512_set1_ps(f32::from_bits(0x3E2A_AF33)),
+                    b,
+                    _mm512_set1_ps(f32::from_bits(0x3EFF_FEDB)),
+                ),
+            ),
+            u,
+            _mm512_fmadd_ps(_mm512_set1_ps(f32::from_bits(0x3F7F_FFF6)), b, _mm512_set1_ps(1.0)),
+        );
+        let res = _mm512_scalef_ps(j, n);
+        if d == 0 {
+            return res;
+        }
+        let zero = _mm512_setzero_ps();
+        let alt = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, zero), _mm512_set1_ps(f32::INFINITY), zero);
+        _mm512_mask_blend_ps(d, res, alt)
+    }
+
+    /// `x = e^(x - max)` in place; returns the sum, as `ggml_vec_soft_max_f32` (AVX-512).
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub(super) unsafe fn exp_sub(x: &mut [f32], max: f32) -> f64 {
+        let mut sum = 0f64;
+        let m = _mm512_set1_ps(max);
+        let mut chunks = x.chunks_exact_mut(16);
+        for c in &mut chunks {
+            let v = expf(_mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), m));
+            _mm512_storeu_ps(c.as_mut_ptr(), v);
+            sum += _mm512_reduce_add_ps(v) as f64;
+        }
+        for v in chunks.into_remainder() {
+            *v = (*v - max).exp();
+            sum += *v as f64;
+        }
+        sum
+    }
+
+    /// `x = f16(x * s)` as f32, rounding to nearest even.
+    #[target_feature(enable = "avx512f,avx512dq,f16c")]
+    pub(super) unsafe fn scale_round_f16(x: &mut [f32], s: f32) {
+        let sv = _mm512_set1_ps(s);
+        let mut chunks = x.chunks_exact_mut(16);
+        for c in &mut chunks {
+            let v = _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), sv);
+            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+            _mm512_storeu_ps(c.as_mut_ptr(), _mm512_cvtph_ps(h));
+        }
+        for v in chunks.into_remainder() {
+            *v = half::f16::from_f32(*v * s).to_f32();
+        }
+    }
 
     /// Scores of `g` heads (q rows of `a.dk`) against K head `kvh` of each row: two rows at a time
     /// against up to eight heads, every K chunk converted once for all of them.
@@ -325,5 +416,28 @@ mod x86 {
             }
             h0 += hb;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_exp_matches_libm_to_a_few_ulp() {
+        if !super::Isa::Avx512.supported() {
+            println!("AVX-512 not on this machine: vector exp not checked");
+            return;
+        }
+        let xs: Vec<f32> =
+            (0..40_000).map(|i| -150.0 + i as f32 * 0.00397).chain([0.0, -0.0, -1e-30, -200.0, -90.0]).collect();
+        let mut got = xs.clone();
+        // SAFETY: AVX-512 checked above.
+        let sum = unsafe { super::x86::exp_sub(&mut got, 0.0) };
+        let want: Vec<f32> = xs.iter().map(|x| x.exp()).collect();
+        for ((x, g), w) in xs.iter().zip(&got).zip(&want) {
+            assert!((g - w).abs() <= 4.0 * f32::EPSILON * w.abs() + f32::MIN_POSITIVE, "exp({x}) = {g}, libm {w}");
+        }
+        let want_sum: f64 = want.iter().map(|&v| v as f64).sum();
+        assert!((sum - want_sum).abs() <= 1e-5 * want_sum);
     }
 }
