@@ -10,20 +10,34 @@ use crate::{Error, Result};
 use rayon::prelude::*;
 use tandem_quant::vec_dot_type;
 
-/// `out[r][t] = dot(w[r], acts[t])`: note the transposed (`[row][token]`) output.
+/// `out[t][r] = dot(w[r], acts[t])`.
 pub struct MatJob<'a> {
     pub w: WeightRef<'a>,
     pub acts: &'a QuantizedActs,
-    /// `[w.rows][acts.n_rows()]`
+    /// `[acts.n_rows()][w.rows]`
     pub out: &'a mut [f32],
 }
 
-/// One row block of a job.
+/// One row block of a job: rows `r0..r0 + w.rows` of the job's weight, writing column `r0 + r` of
+/// every token's output row.
 struct Piece<'a> {
     w: WeightRef<'a>,
     acts: &'a QuantizedActs,
-    out: &'a mut [f32],
+    out: OutPtr,
+    /// Output row length (the job's weight rows).
+    stride: usize,
+    r0: usize,
 }
+
+/// The output of a job, written by several pieces at once. Each piece writes only its own columns
+/// (`r0 .. r0 + rows` of every token row), so the writes never overlap.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: pieces write disjoint elements (see `OutPtr`), and `matmul_jobs` keeps the borrowed
+// output alive until every piece has finished.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
 
 /// Runs every job in one parallel step over `pool`.
 pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
@@ -54,13 +68,11 @@ pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
         if n == 0 {
             continue;
         }
-        let mut out = j.out;
+        let out = OutPtr(j.out.as_mut_ptr());
         let mut r0 = 0;
         while r0 < j.w.rows {
             let nr = block.min(j.w.rows - r0);
-            let (head, rest) = out.split_at_mut(nr * n);
-            out = rest;
-            pieces.push(Piece { w: j.w.rows(r0, nr)?, acts: j.acts, out: head });
+            pieces.push(Piece { w: j.w.rows(r0, nr)?, acts: j.acts, out, stride: j.w.rows, r0 });
             r0 += nr;
         }
     }
@@ -84,28 +96,22 @@ fn run_piece(p: Piece) {
     // Checked once here for every kernel call below.
     let rows_ok = tandem_quant::row_size(p.w.ty, p.w.cols).is_ok_and(|b| b == rb && rb * p.w.rows == p.w.data.len());
     let acts_ok = tandem_quant::row_size(p.acts.ty, p.w.cols).is_ok_and(|b| b == yb && yb * n == p.acts.data.len());
-    assert!(rows_ok && acts_ok && p.acts.ty == vec_dot_type(p.w.ty) && p.out.len() == n * p.w.rows);
+    assert!(rows_ok && acts_ok && p.acts.ty == vec_dot_type(p.w.ty) && p.r0 + p.w.rows <= p.stride);
+    let mut tmp = [0f32; MAX_NY];
     for tile in (0..p.w.rows).step_by(ROW_TILE) {
         for t0 in (0..n).step_by(MAX_NY) {
             let nt = MAX_NY.min(n - t0);
             for r in tile..(tile + ROW_TILE).min(p.w.rows) {
                 let wrow = &p.w.data[r * rb..(r + 1) * rb];
-                kernel.run(
-                    p.w.cols,
-                    wrow,
-                    &p.acts.data[t0 * yb..(t0 + nt) * yb],
-                    &mut p.out[r * n + t0..r * n + t0 + nt],
-                );
+                let ys = &p.acts.data[t0 * yb..(t0 + nt) * yb];
+                // SAFETY: the lengths were checked for the whole piece above.
+                unsafe { kernel.run_unchecked(p.w.cols, wrow, ys, &mut tmp[..nt]) };
+                for (i, v) in tmp[..nt].iter().enumerate() {
+                    // SAFETY: `matmul_jobs` checked that the output holds n rows of `stride`;
+                    // this piece alone writes column `r0 + r` (see `OutPtr`).
+                    unsafe { *p.out.0.add((t0 + i) * p.stride + p.r0 + r) = *v };
+                }
             }
-        }
-    }
-}
-
-/// `[rows][n]` to `[n][rows]`.
-pub fn transpose(src: &[f32], rows: usize, n: usize, dst: &mut [f32]) {
-    for (r, col) in src.chunks_exact(n.max(1)).enumerate().take(rows) {
-        for (t, v) in col.iter().enumerate() {
-            dst[t * rows + r] = *v;
         }
     }
 }
@@ -169,30 +175,19 @@ pub fn ffn_jobs(pool: &rayon::ThreadPool, x: &[f32], cols: usize, jobs: &[FfnJob
         step.push(MatJob { w: j.up, acts: ua.as_ref().unwrap_or(ga), out: u });
     }
     matmul_jobs(pool, step)?;
-    // silu(gate) * up, back to [token][n_ff], quantized for down.
+    // silu(gate) * up, quantized for down.
     let mut down_acts = Vec::with_capacity(jobs.len());
     for ((j, g), u) in jobs.iter().zip(&mut gate).zip(&up) {
         crate::silu_mul(g, u);
-        let m = j.tokens.len();
-        let mut h = vec![0f32; g.len()];
-        transpose(g, j.gate.rows, m, &mut h);
-        down_acts.push(if m == 0 {
+        down_acts.push(if j.tokens.is_empty() {
             QuantizedActs { ty: vec_dot_type(j.down.ty), cols: j.down.cols, row_bytes: 0, data: Vec::new() }
         } else {
-            quantize_activations(j.down.ty, &h, j.down.cols)?
+            quantize_activations(j.down.ty, g, j.down.cols)?
         });
     }
-    let mut down_t: Vec<Vec<f32>> = jobs.iter().map(|j| vec![0f32; j.down.rows * j.tokens.len()]).collect();
+    let mut down: Vec<Vec<f32>> = jobs.iter().map(|j| vec![0f32; j.down.rows * j.tokens.len()]).collect();
     let step: Vec<MatJob> =
-        jobs.iter().zip(&down_acts).zip(&mut down_t).map(|((j, a), out)| MatJob { w: j.down, acts: a, out }).collect();
+        jobs.iter().zip(&down_acts).zip(&mut down).map(|((j, a), out)| MatJob { w: j.down, acts: a, out }).collect();
     matmul_jobs(pool, step)?;
-    Ok(jobs
-        .iter()
-        .zip(down_t)
-        .map(|(j, d)| {
-            let mut out = vec![0f32; d.len()];
-            transpose(&d, j.down.rows, j.tokens.len(), &mut out);
-            out
-        })
-        .collect())
+    Ok(down)
 }

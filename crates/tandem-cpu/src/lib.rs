@@ -13,7 +13,7 @@ mod ops;
 mod pool;
 
 pub use attention::{attention_f16, attention_f16_many, AttnF16};
-pub use jobs::{ffn_jobs, matmul_jobs, transpose, FfnJob, MatJob};
+pub use jobs::{ffn_jobs, matmul_jobs, FfnJob, MatJob};
 pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY};
 pub use matmul::{matmul, matmul_quantized, quantize_activations, QuantizedActs, WeightRef};
 pub use ops::{add_assign, rmsnorm, rope, silu_mul, softmax_in_place, RopeParams, RopeStyle};

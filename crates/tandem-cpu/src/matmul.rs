@@ -2,7 +2,7 @@
 //! from the memory map. As ggml's `mul_mat`, each activation row is first quantized to the weight
 //! type's `vec_dot_type` (Q8_0, Q8_1, Q8_K, F16, BF16 or F32), then dotted with each weight row.
 
-use crate::jobs::{matmul_jobs, transpose, MatJob};
+use crate::jobs::{matmul_jobs, MatJob};
 use crate::{Error, Result};
 use tandem_quant::{quantize_row, row_size, vec_dot_type, GgmlType};
 
@@ -117,12 +117,6 @@ pub fn matmul_quantized(pool: &rayon::ThreadPool, w: &WeightRef, acts: &Quantize
     if y.len() != n * w.rows {
         return Err(Error::Shape(format!("matmul of {} rows for {n} tokens into {} outputs", w.rows, y.len())));
     }
-    if n <= 1 {
-        // One token: [row][token] is already y's layout.
-        return matmul_jobs(pool, vec![MatJob { w: *w, acts, out: y }]);
-    }
-    let mut yt = vec![0f32; n * w.rows];
-    matmul_jobs(pool, vec![MatJob { w: *w, acts, out: &mut yt }])?;
-    transpose(&yt, w.rows, n, y);
+    matmul_jobs(pool, vec![MatJob { w: *w, acts, out: y }])?;
     Ok(())
 }

@@ -162,23 +162,16 @@ impl Backend for CpuBackend {
             acts.push(quantize_activations(w.ty, x, m.cols)?);
         }
         let n = acts.iter().map(|a| a.n_rows()).max().unwrap_or(0);
-        let mut outs: Vec<Vec<f32>> = groups.iter().zip(&acts).map(|(g, a)| vec![0f32; g.1 * a.n_rows()]).collect();
+        if ys.len() != groups.len()
+            || groups.iter().zip(&acts).zip(ys.iter()).any(|((g, a), y)| y.len() != g.1 * a.n_rows())
+        {
+            return Err(Error::Model(format!("{}: grouped matmul outputs do not match the groups", w.name)));
+        }
         let mut jobs = Vec::with_capacity(groups.len());
-        for ((&(first, rows), a), out) in groups.iter().zip(&acts).zip(&mut outs) {
+        for ((&(first, rows), a), out) in groups.iter().zip(&acts).zip(ys.iter_mut()) {
             jobs.push(tandem_cpu::MatJob { w: m.rows(first, rows)?, acts: a, out });
         }
         tandem_cpu::matmul_jobs(self.threads.for_tokens(n), jobs)?;
-        for (((_, rows), a), (out, y)) in groups.iter().zip(&acts).zip(outs.iter().zip(ys.iter_mut())) {
-            if y.len() != rows * a.n_rows() {
-                return Err(Error::Model(format!(
-                    "{}: grouped matmul output of {} for {} rows",
-                    w.name,
-                    y.len(),
-                    rows
-                )));
-            }
-            tandem_cpu::transpose(out, *rows, a.n_rows(), y);
-        }
         Ok(())
     }
 
