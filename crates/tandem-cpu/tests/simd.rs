@@ -43,7 +43,10 @@ fn every_simd_kernel_matches_the_scalar_reference() {
             }
             let k = kernel(ty, isa).unwrap();
             assert_eq!(k.isa, isa, "{ty}: asked for {isa}");
-            for (case, &n) in [256usize, 512, 2048, 7168].iter().enumerate() {
+            for (case, &n) in [32usize, 64, 96, 128, 160, 192, 256, 320, 512, 576, 2048, 7168].iter().enumerate() {
+                if row_size(ty, n).is_err() {
+                    continue;
+                }
                 let w = weight_row(ty, n, 1 + case as u64);
                 let wf = {
                     let mut f = vec![0f32; n];
@@ -95,4 +98,71 @@ fn a_kernel_refuses_mismatched_lengths() {
     let k = kernel(GgmlType::Q8_0, Isa::detected()).unwrap();
     let w = weight_row(GgmlType::Q8_0, 64, 1);
     k.run(64, &w, &[0u8; 10], &mut [0f32; 1]);
+}
+
+/// A token's result must not depend on which other tokens share its kernel call: a sequence
+/// decoded alone and inside a batch gives the same logits.
+#[test]
+fn results_do_not_depend_on_the_number_of_rows_per_call() {
+    let mut bad = Vec::new();
+    for &ty in VEC_DOT_TYPES.iter() {
+        for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
+            let k = kernel(ty, isa).unwrap();
+            let n = 2048;
+            let w = weight_row(ty, n, 3);
+            let x = data(9, n * MAX_NY);
+            let acts = quantize_activations(ty, &x, n).unwrap();
+            let mut alone = vec![0f32; MAX_NY];
+            for j in 0..MAX_NY {
+                k.run(n, &w, acts.row(j), &mut alone[j..j + 1]);
+            }
+            for ny in 2..=MAX_NY {
+                for start in 0..=(MAX_NY - ny) {
+                    let mut out = vec![0f32; ny];
+                    k.run(n, &w, &acts.data[start * acts.row_bytes..(start + ny) * acts.row_bytes], &mut out);
+                    if out.iter().zip(&alone[start..start + ny]).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                        bad.push(format!("{ty}/{} ny={ny}", k.isa));
+                    }
+                }
+            }
+        }
+    }
+    bad.dedup();
+    assert!(bad.is_empty(), "results change with the rows per call: {bad:?}");
+}
+
+/// Kernels read only their own rows: garbage right after a weight row or an activation row must
+/// not change the result (rows of a matrix are adjacent in memory).
+#[test]
+fn kernels_never_read_past_their_rows() {
+    let mut bad = Vec::new();
+    for &ty in VEC_DOT_TYPES.iter() {
+        for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
+            let k = kernel(ty, isa).unwrap();
+            for n in (1..=24).map(|i| i * 32).chain([1024, 2048]) {
+                let (Ok(wb), Ok(yb)) = (row_size(ty, n), row_size(vec_dot_type(ty), n)) else { continue };
+                let w = weight_row(ty, n, 5);
+                let x = data(11, n * 2);
+                let acts = quantize_activations(ty, &x, n).unwrap();
+                let mut clean = [0f32; 2];
+                k.run(n, &w, &acts.data, &mut clean);
+                // The same bytes followed by garbage.
+                let mut wg = w.clone();
+                wg.extend(std::iter::repeat_n(0x7Bu8, 256));
+                let mut yg = acts.data.clone();
+                yg.extend(std::iter::repeat_n(0x7Bu8, 256));
+                let mut dirty = [0f32; 2];
+                k.run(n, &wg[..wb], &yg[..2 * yb], &mut dirty);
+                if clean.iter().zip(&dirty).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                    bad.push(format!("{ty}/{} n={n}", k.isa));
+                }
+                let want = vec_dot(ty, n, &w, acts.row(0)).unwrap();
+                let mag: f32 = want.abs().max(1.0);
+                if (clean[0] - want).abs() > 1e-3 * mag {
+                    bad.push(format!("{ty}/{} n={n}: {} vs scalar {want}", k.isa, clean[0]));
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{bad:?}");
 }

@@ -205,8 +205,9 @@ unsafe fn dot_bf16<const NY: usize, const U: usize>(n: usize, w: *const u8, ys: 
     }
 }
 
-/// Defines a [`super::KernelFn`] running `$body` with `ny` as a constant and the number of
-/// accumulators per row chosen so all fit in registers with enough of them to hide FMA latency.
+/// Defines a [`super::KernelFn`] running `$body` with `ny` as a constant. The number of
+/// accumulators per row is the same for every `ny`, so a row's sum is added in the same order
+/// whichever other rows share the call (batch invariance; see tests/simd.rs).
 macro_rules! entry {
     ($name:ident, $feat:literal, $body:ident $(::<$($g:ty),*>)?, [$u1:literal, $u2:literal, $u3:literal, $u4:literal]) => {
         /// # Safety
@@ -222,10 +223,10 @@ macro_rules! entry {
                     2 => $body::<$($($g,)*)? 2, $u2>(n, w, ys, out),
                     3 => $body::<$($($g,)*)? 3, $u3>(n, w, ys, out),
                     4 => $body::<$($($g,)*)? 4, $u4>(n, w, ys, out),
-                    5 => $body::<$($($g,)*)? 5, 1>(n, w, ys, out),
-                    6 => $body::<$($($g,)*)? 6, 1>(n, w, ys, out),
-                    7 => $body::<$($($g,)*)? 7, 1>(n, w, ys, out),
-                    8 => $body::<$($($g,)*)? 8, 1>(n, w, ys, out),
+                    5 => $body::<$($($g,)*)? 5, $u4>(n, w, ys, out),
+                    6 => $body::<$($($g,)*)? 6, $u4>(n, w, ys, out),
+                    7 => $body::<$($($g,)*)? 7, $u4>(n, w, ys, out),
+                    8 => $body::<$($($g,)*)? 8, $u4>(n, w, ys, out),
                     _ => {}
                 }
             }
@@ -233,15 +234,15 @@ macro_rules! entry {
     };
 }
 
-entry!(f32_avx2, "avx2,fma,f16c", dot8::<F32>, [4, 4, 2, 2]);
-entry!(f16_avx2, "avx2,fma,f16c", dot8::<F16>, [4, 4, 2, 2]);
-entry!(bf16_avx2, "avx2,fma,f16c", dot8::<BF16>, [4, 4, 2, 2]);
-entry!(f32_avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq", dot16::<F32>, [8, 4, 2, 2]);
-entry!(f16_avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq", dot16::<F16>, [8, 4, 2, 2]);
-entry!(bf16_avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq", dot16::<BF16>, [8, 4, 2, 2]);
+entry!(f32_avx2, "avx2,fma,f16c", dot8::<F32>, [1, 1, 1, 1]);
+entry!(f16_avx2, "avx2,fma,f16c", dot8::<F16>, [1, 1, 1, 1]);
+entry!(bf16_avx2, "avx2,fma,f16c", dot8::<BF16>, [1, 1, 1, 1]);
+entry!(f32_avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq", dot16::<F32>, [2, 2, 2, 2]);
+entry!(f16_avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq", dot16::<F16>, [2, 2, 2, 2]);
+entry!(bf16_avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq", dot16::<BF16>, [2, 2, 2, 2]);
 entry!(
     bf16_avx512bf16,
     "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16",
     dot_bf16,
-    [4, 4, 2, 2]
+    [2, 2, 2, 2]
 );
