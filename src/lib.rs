@@ -1,7 +1,7 @@
 //! The `tandem` binary's library: wires the crates into the commands of the CLI.
 
-pub mod cli;
 pub mod inspect;
+pub mod cli;
 pub mod logits;
 pub mod plan;
 pub mod run;
