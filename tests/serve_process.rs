@@ -174,15 +174,26 @@ async fn smollm2_chat_streams_llama_cpp_greedy_text_concurrently() {
     let model = smollm2();
     let s = Served::start(&["-m", &model, "-np", "2", "-c", "1024", "-t", "2"]);
     let client = s.client().await;
-    let runs: Vec<(String, String)> = doc["runs"].as_array().unwrap()[..3]
+    // As in tests/run.rs: llama.cpp's text is binding up to its first step whose top-2 margin is
+    // within its own numerical noise (all of it when every step is beyond that noise).
+    let noise = doc["one_batch_vs_incremental_max_top2_margin_change"].as_f64().unwrap();
+    let runs: Vec<(String, String, bool)> = doc["runs"].as_array().unwrap()[..3]
         .iter()
-        .map(|r| (r["prompt"].as_str().unwrap().to_string(), r["text"].as_str().unwrap().to_string()))
+        .map(|r| {
+            let margins = r["margins"].as_array().unwrap();
+            let sure = margins.iter().take_while(|m| m.as_f64().unwrap() > noise).count();
+            let pieces: Vec<&str> = r["pieces"].as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect();
+            let whole = sure == margins.len();
+            let text = if whole { r["text"].as_str().unwrap().to_string() } else { pieces[..sure.min(pieces.len())].concat() };
+            (r["prompt"].as_str().unwrap().to_string(), text, whole)
+        })
         .collect();
+    assert!(runs.iter().any(|r| !r.1.is_empty()), "some text must be pinned");
     let n = doc["n_predict"].as_u64().unwrap() as u32;
     // three conversations on two slots at once
     let tasks: Vec<_> = runs
         .iter()
-        .map(|(prompt, _)| {
+        .map(|(prompt, _, _)| {
             let mut c = client.clone();
             let req = pb::ChatRequest {
                 messages: vec![pb::ChatMessage { role: "user".into(), content: prompt.clone() }],
@@ -195,9 +206,13 @@ async fn smollm2_chat_streams_llama_cpp_greedy_text_concurrently() {
             )
         })
         .collect();
-    for (task, (prompt, text)) in tasks.into_iter().zip(&runs) {
+    for (task, (prompt, text, whole)) in tasks.into_iter().zip(&runs) {
         let out = task.await.unwrap();
-        assert_eq!(&out.text, text, "{prompt:?}");
+        if *whole {
+            assert_eq!(&out.text, text, "{prompt:?}");
+        } else {
+            assert!(out.text.starts_with(text.as_str()), "{prompt:?}: {:?} does not start with {text:?}", out.text);
+        }
     }
     s.signal(libc::SIGTERM);
     assert_eq!(s.exit_code(), 0);
