@@ -29,6 +29,8 @@ enum Command {
     Tokenize(tandem::tokenize::TokenizeArgs),
     /// Serve the model over gRPC (continuous batching, prompt cache, health, metrics); no -m: a demo model.
     Serve(Box<tandem::serve::ServeArgs>),
+    /// Measure prefill and decode speed as llama-bench (-p -n -d -r) or llama-sweep-bench (--sweep) does, with the decode roofline.
+    Bench(Box<tandem::bench::BenchArgs>),
 }
 
 #[derive(Args)]
@@ -90,6 +92,7 @@ fn main() -> ExitCode {
         Command::Run(args) => tandem::run::run(args),
         Command::Tokenize(args) => tandem::tokenize::run(args),
         Command::Serve(args) => tandem::serve::run(args),
+        Command::Bench(args) => tandem::bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

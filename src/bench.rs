@@ -1,0 +1,733 @@
+//! `tandem bench`: prefill and decode speed measured as llama.cpp's llama-bench does (`-p -n -d -r`),
+//! or as llama-sweep-bench does (`--sweep -c -ub -n`), with the decode roofline: the weight bytes one
+//! decoded token reads, over the memory read bandwidth measured on this machine.
+//!
+//! Every timed step runs on random tokens (seeded, uniform in the vocabulary) through
+//! [`Context::decode`]; the KV cache is filled to the depth untimed and truncated back between steps.
+
+use crate::cli::ModelArgs;
+use anyhow::{bail, Context as _};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+use tandem_gguf::{GgufModel, TensorRef};
+use tandem_model::{Batch, CacheType, Context, ContextParams, CpuBackend, Model};
+
+/// The KV-cache sequence the benchmark uses.
+const SEQ: usize = 0;
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+/// Timed passes over the bandwidth buffer per thread count; the best one counts.
+const BANDWIDTH_RUNS: usize = 3;
+/// The bandwidth buffer is at least this many times the machine's total L3 cache.
+const L3_FACTOR: u64 = 4;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Thread counts to test, comma-separated; each is used for decode and batches alike [default: all cores].
+    #[arg(short = 't', long = "threads", value_name = "N,...", value_delimiter = ',', allow_negative_numbers = true)]
+    pub threads: Vec<i64>,
+    /// Prompt tokens timed as one batch (0 = no prefill test) [default: 512; not with --sweep].
+    #[arg(short = 'p', long = "n-prompt", value_name = "N", allow_negative_numbers = true)]
+    pub n_prompt: Option<i64>,
+    /// Tokens decoded one at a time (0 = no decode test) [default: 128; with --sweep: -ub / 4].
+    #[arg(short = 'n', long = "n-gen", value_name = "N", allow_negative_numbers = true)]
+    pub n_gen: Option<i64>,
+    /// Tokens already in the KV cache before each test, comma-separated [default: 0; not with --sweep].
+    #[arg(short = 'd', long = "n-depth", value_name = "N,...", value_delimiter = ',', allow_negative_numbers = true)]
+    pub depth: Vec<i64>,
+    /// Repetitions of each test; the median time is reported [default: 3; with --sweep: 1].
+    #[arg(short = 'r', long = "repetitions", value_name = "N", allow_negative_numbers = true)]
+    pub repetitions: Option<i64>,
+    /// Context size in tokens (0 = the model's training context) [default: what the tests need; required with --sweep].
+    #[arg(short = 'c', long = "ctx-size", value_name = "N", allow_negative_numbers = true)]
+    pub ctx_size: Option<i64>,
+    /// Logical batch size: the most prompt tokens submitted to one decode call.
+    #[arg(short = 'b', long = "batch-size", value_name = "N", default_value_t = 2048, allow_negative_numbers = true)]
+    pub batch_size: i64,
+    /// Physical micro-batch size: the most tokens computed in one forward pass (also -ub).
+    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 512, allow_negative_numbers = true)]
+    pub ubatch_size: i64,
+    /// KV cache type for K: f32, f16, bf16, q8_0 (also -ctk).
+    #[arg(long = "cache-type-k", value_name = "TYPE", default_value = "f16")]
+    pub cache_type_k: String,
+    /// KV cache type for V: f32, f16, bf16, q8_0 (also -ctv).
+    #[arg(long = "cache-type-v", value_name = "TYPE", default_value = "f16")]
+    pub cache_type_v: String,
+    /// llama-sweep-bench's method: prefill -ub tokens, then decode -n, at N_KV = 0, UB, 2 UB, ... up to -c.
+    #[arg(long)]
+    pub sweep: bool,
+    /// Print one JSON object to stdout (the table goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+    /// Also draw S_PP and S_TG against N_KV, one line per thread count, into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+    /// No progress bar (it is hidden anyway when stderr is not a terminal).
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Skip the untimed warm-up prefill and decode step.
+    #[arg(long)]
+    pub no_warmup: bool,
+    /// Seed of the random tokens.
+    #[arg(long, value_name = "N", default_value_t = 42)]
+    pub seed: u64,
+    /// Size of the read-bandwidth buffer in MiB (0 = do not measure) [default: 1 GiB or 4 x L3, capped by free RAM].
+    #[arg(long = "bandwidth-mib", value_name = "MiB", allow_negative_numbers = true)]
+    pub bandwidth_mib: Option<i64>,
+}
+
+/// One result row: medians over the repetitions. `None` where that part was skipped (`-p 0`, `-n 0`).
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    pub threads: usize,
+    pub n_kv: usize,
+    pub pp: usize,
+    pub tg: usize,
+    pub t_pp_s: Option<f64>,
+    pub s_pp_tps: Option<f64>,
+    pub t_tg_s: Option<f64>,
+    pub s_tg_tps: Option<f64>,
+    pub roofline_pct: Option<f64>,
+}
+
+/// What `--json` prints.
+#[derive(Debug, Serialize)]
+struct Report<'a> {
+    model: String,
+    threads: &'a [usize],
+    active_bytes_per_token: u64,
+    read_bandwidth_gbs: BTreeMap<String, f64>,
+    rows: &'a [Row],
+}
+
+/// The validated flags.
+#[derive(Debug)]
+struct Plan {
+    threads: Vec<usize>,
+    sweep: bool,
+    pp: usize,
+    tg: usize,
+    depths: Vec<usize>,
+    reps: usize,
+    /// `None`: as large as the tests need.
+    ctx: Option<usize>,
+    batch: usize,
+    ubatch: usize,
+    cache_type_k: CacheType,
+    cache_type_v: CacheType,
+}
+
+fn count(flag: &str, v: i64) -> anyhow::Result<usize> {
+    usize::try_from(v).map_err(|_| anyhow::anyhow!("{flag} {v}: must be 0 or more"))
+}
+
+fn positive(flag: &str, v: i64) -> anyhow::Result<usize> {
+    match count(flag, v)? {
+        0 => bail!("{flag} 0: must be 1 or more"),
+        n => Ok(n),
+    }
+}
+
+impl Plan {
+    fn new(a: &BenchArgs) -> anyhow::Result<Plan> {
+        let threads = if a.threads.is_empty() {
+            vec![std::thread::available_parallelism().map_or(1, |n| n.get())]
+        } else {
+            a.threads.iter().map(|&t| positive("-t", t)).collect::<anyhow::Result<_>>()?
+        };
+        let batch = positive("-b", a.batch_size)?;
+        // As llama.cpp: a micro-batch is never larger than the batch.
+        let ubatch = positive("-ub", a.ubatch_size)?.min(batch);
+        let ctx = a.ctx_size.map(|c| count("-c", c)).transpose()?;
+        let cache_type_k = CacheType::from_name(&a.cache_type_k).with_context(|| format!("-ctk {}", a.cache_type_k))?;
+        let cache_type_v = CacheType::from_name(&a.cache_type_v).with_context(|| format!("-ctv {}", a.cache_type_v))?;
+        let tg = a.n_gen.map(|n| count("-n", n)).transpose()?;
+        let reps = a.repetitions.map(|r| positive("-r", r)).transpose()?;
+        let depths: Vec<usize> = a.depth.iter().map(|&d| count("-d", d)).collect::<anyhow::Result<_>>()?;
+        let (pp, tg, depths, reps) = if a.sweep {
+            if a.n_prompt.is_some() {
+                bail!("-p does not apply to --sweep: each row prefills -ub tokens");
+            }
+            if !depths.is_empty() {
+                bail!("-d does not apply to --sweep: the rows run at N_KV = 0, -ub, 2 x -ub, ... up to -c");
+            }
+            if ctx.is_none() {
+                bail!("--sweep needs -c: the context the sweep fills");
+            }
+            // llama-sweep-bench's default: a quarter of a micro-batch of decode steps per row.
+            (ubatch, tg.unwrap_or((ubatch / 4).max(1)), vec![], reps.unwrap_or(1))
+        } else {
+            let pp = a.n_prompt.map(|p| count("-p", p)).transpose()?.unwrap_or(512);
+            let tg = tg.unwrap_or(128);
+            if pp == 0 && tg == 0 {
+                bail!("-p 0 and -n 0: nothing to measure");
+            }
+            (pp, tg, if depths.is_empty() { vec![0] } else { depths }, reps.unwrap_or(3))
+        };
+        Ok(Plan { threads, sweep: a.sweep, pp, tg, depths, reps, ctx, batch, ubatch, cache_type_k, cache_type_v })
+    }
+
+    /// The context to allocate, given the model's training context (for `-c 0`).
+    fn n_ctx(&self, n_ctx_train: usize) -> anyhow::Result<usize> {
+        let ctx = self.ctx.map(|c| if c == 0 { n_ctx_train } else { c });
+        if self.sweep {
+            let c = ctx.unwrap_or(n_ctx_train);
+            if self.ubatch > c {
+                bail!("-ub {} is larger than -c {c}", self.ubatch);
+            }
+            if self.ubatch + self.tg > c {
+                bail!(
+                    "-ub {} + -n {} = {} tokens do not fit in -c {c}: no sweep row",
+                    self.ubatch,
+                    self.tg,
+                    self.ubatch + self.tg
+                );
+            }
+            return Ok(c);
+        }
+        let need = self.depths.iter().max().copied().unwrap_or(0) + self.pp.max(self.tg);
+        match ctx {
+            Some(c) if c < need => bail!(
+                "-c {c} is too small: -d {} + max(-p {}, -n {}) = {need} positions are needed",
+                self.depths.iter().max().copied().unwrap_or(0),
+                self.pp,
+                self.tg
+            ),
+            Some(c) => Ok(c),
+            None => Ok(need.max(1)),
+        }
+    }
+
+    /// The N_KV of each sweep row.
+    fn sweep_depths(&self, n_ctx: usize) -> Vec<usize> {
+        (0..).map(|i| i * self.ubatch).take_while(|&d| d + self.ubatch + self.tg <= n_ctx).collect()
+    }
+}
+
+/// SplitMix64: a small, seeded generator for the random tokens (quality is not a concern here).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (Lemire's multiply-shift; the bias is below 2^-32 for any vocabulary).
+    fn below(&mut self, n: usize) -> u32 {
+        ((self.next() as u128 * n as u128) >> 64) as u32
+    }
+
+    fn tokens(&mut self, n: usize, n_vocab: usize) -> Vec<u32> {
+        (0..n).map(|_| self.below(n_vocab)).collect()
+    }
+}
+
+/// Bytes of weights one single-token decode step reads: every tensor the forward pass uses, one row
+/// of `token_embd` (unless it doubles as the output head), and `expert_used_count / expert_count`
+/// of each routed-expert (`_exps`) tensor.
+pub fn active_bytes_per_token(gguf: &GgufModel) -> anyhow::Result<u64> {
+    let md = gguf.metadata();
+    let arch = md.get_str("general.architecture")?;
+    let n_expert = md.opt_u32(&format!("{arch}.expert_count"))?.unwrap_or(0) as u64;
+    let n_used = md.opt_u32(&format!("{arch}.expert_used_count"))?.unwrap_or(0) as u64;
+    let tied_output = gguf.tensor("output.weight").is_none();
+    let mut total = 0u64;
+    for t in gguf.tensors() {
+        let TensorRef { info, .. } = t;
+        // DeepSeek V3's multi-token-prediction layer is not run when decoding.
+        if info.name.contains(".nextn.") {
+            continue;
+        }
+        total += if info.name == "token_embd.weight" && !tied_output {
+            let rows = (info.n_elements() / info.dims.first().copied().unwrap_or(1).max(1)).max(1);
+            info.size / rows
+        } else if info.name.contains("_exps") {
+            if n_expert == 0 || n_used > n_expert {
+                bail!("{}: routed-expert tensor, but {arch}.expert_count is {n_expert} and {arch}.expert_used_count {n_used}", info.name);
+            }
+            info.size / n_expert * n_used
+        } else {
+            info.size
+        };
+    }
+    Ok(total)
+}
+
+/// Total L3 cache of the machine in bytes (each distinct L3 counted once), 0 when unknown.
+fn total_l3_bytes() -> u64 {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut total = 0;
+    let Ok(cpus) = std::fs::read_dir("/sys/devices/system/cpu") else { return 0 };
+    for cpu in cpus.flatten() {
+        let dir = cpu.path().join("cache/index3");
+        let (Ok(size), Ok(shared)) =
+            (std::fs::read_to_string(dir.join("size")), std::fs::read_to_string(dir.join("shared_cpu_list")))
+        else {
+            continue;
+        };
+        if seen.insert(shared.trim().to_string()) {
+            let s = size.trim();
+            total += match s.strip_suffix('K') {
+                Some(k) => k.parse::<u64>().unwrap_or(0) * 1024,
+                None => s.strip_suffix('M').and_then(|m| m.parse::<u64>().ok()).map_or(0, |m| m * MIB),
+            };
+        }
+    }
+    total
+}
+
+/// `MemAvailable` from /proc/meminfo in bytes.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+}
+
+/// 1 GiB or 4 x the total L3, whichever is larger, but at most half the free memory.
+fn default_bandwidth_bytes() -> u64 {
+    let want = GIB.max(L3_FACTOR * total_l3_bytes());
+    available_memory().map_or(want, |free| want.min(free / 2)).max(MIB)
+}
+
+fn sum_slice(s: &[u64]) -> u64 {
+    // Eight independent sums so the loop is bound by memory, not by one add chain.
+    let mut acc = [0u64; 8];
+    let chunks = s.chunks_exact(8);
+    let tail = chunks.remainder().iter().fold(0u64, |a, &b| a.wrapping_add(b));
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = a.wrapping_add(v);
+        }
+    }
+    acc.iter().fold(tail, |a, &b| a.wrapping_add(b))
+}
+
+/// Reads all of `buf` with `threads` threads, each summing a contiguous part; the best of
+/// [`BANDWIDTH_RUNS`] passes in GB/s (10^9 bytes per second).
+fn read_bandwidth(buf: &[u64], threads: usize) -> f64 {
+    let part = buf.len().div_ceil(threads).max(1);
+    let bytes = std::mem::size_of_val(buf) as f64;
+    let mut best = 0f64;
+    for _ in 0..BANDWIDTH_RUNS {
+        let barrier = std::sync::Barrier::new(threads);
+        // Each thread clocks its own part: from the earliest start to the latest end is the pass, so
+        // a main thread scheduled late cannot shorten it.
+        let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
+            let mut parts: Vec<&[u64]> = buf.chunks(part).collect();
+            // Threads without a part (more threads than words) still meet at the barrier.
+            parts.resize(threads, &[]);
+            let handles: Vec<_> = parts
+                .into_iter()
+                .map(|c| {
+                    let barrier = &barrier;
+                    s.spawn(move || {
+                        barrier.wait();
+                        let start = Instant::now();
+                        std::hint::black_box(sum_slice(std::hint::black_box(c)));
+                        (start, Instant::now())
+                    })
+                })
+                .collect();
+            handles.into_iter().filter_map(|h| h.join().ok()).collect()
+        });
+        let (Some(first), Some(last)) = (spans.iter().map(|s| s.0).min(), spans.iter().map(|s| s.1).max()) else {
+            continue;
+        };
+        let secs = last.duration_since(first).as_secs_f64();
+        best = best.max(bytes / secs.max(1e-9) / 1e9);
+    }
+    best
+}
+
+/// Measures the read bandwidth for each thread count over a buffer of `bytes` bytes, written first so
+/// every page is real memory (a never-written page reads as the shared zero page).
+fn measure_bandwidth(threads: &[usize], bytes: u64, pb: &ProgressBar) -> BTreeMap<usize, f64> {
+    let words = usize::try_from(bytes / 8).unwrap_or(usize::MAX).max(1);
+    let mut buf = vec![0u64; words];
+    let fill_threads = threads.iter().copied().max().unwrap_or(1);
+    std::thread::scope(|s| {
+        for (i, c) in buf.chunks_mut(words.div_ceil(fill_threads)).enumerate() {
+            s.spawn(move || c.iter_mut().enumerate().for_each(|(j, w)| *w = (i + j) as u64 | 1));
+        }
+    });
+    let mut out = BTreeMap::new();
+    for &t in threads {
+        pb.set_message(format!("read bandwidth, -t {t}"));
+        out.entry(t).or_insert_with(|| read_bandwidth(&buf, t));
+    }
+    out
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// The model and context of one thread count, with the progress bar its decode calls advance.
+struct Runner<'a> {
+    ctx: Context,
+    rng: Rng,
+    batch: usize,
+    n_vocab: usize,
+    pb: &'a ProgressBar,
+}
+
+impl Runner<'_> {
+    /// Appends `n` random tokens in decode calls of at most `-b` tokens (each split into micro-batches
+    /// by the context), logits for the last token of each call, as llama-bench submits a prompt.
+    fn prefill(&mut self, n: usize) -> anyhow::Result<()> {
+        let tokens = self.rng.tokens(n, self.n_vocab);
+        for chunk in tokens.chunks(self.batch) {
+            let start = self.ctx.seq_len(SEQ) as u32;
+            self.ctx.decode(&Batch::sequence(chunk, start, SEQ, false))?;
+            self.pb.inc(chunk.len() as u64);
+        }
+        Ok(())
+    }
+
+    /// Decodes `n` random tokens one at a time.
+    fn generate(&mut self, n: usize) -> anyhow::Result<()> {
+        for _ in 0..n {
+            let t = self.rng.below(self.n_vocab);
+            let start = self.ctx.seq_len(SEQ) as u32;
+            self.ctx.decode(&Batch::sequence(&[t], start, SEQ, true))?;
+            self.pb.inc(1);
+        }
+        Ok(())
+    }
+
+    /// Brings the cache to exactly `depth` tokens (untimed).
+    fn fill_to(&mut self, depth: usize) -> anyhow::Result<()> {
+        let len = self.ctx.seq_len(SEQ);
+        if len > depth {
+            self.ctx.truncate(SEQ, depth);
+        } else {
+            self.prefill(depth - len)?;
+        }
+        Ok(())
+    }
+
+    fn timed(&mut self, f: impl FnOnce(&mut Self) -> anyhow::Result<()>) -> anyhow::Result<f64> {
+        let start = Instant::now();
+        f(self)?;
+        Ok(start.elapsed().as_secs_f64())
+    }
+}
+
+/// Builds a row from the times of the repetitions.
+fn row(threads: usize, n_kv: usize, pp: usize, tg: usize, t_pp: &mut [f64], t_tg: &mut [f64]) -> Row {
+    let part = |n: usize, times: &mut [f64]| {
+        if n == 0 || times.is_empty() {
+            return (None, None);
+        }
+        let t = median(times).max(1e-9);
+        (Some(t), Some(n as f64 / t))
+    };
+    let (t_pp_s, s_pp_tps) = part(pp, t_pp);
+    let (t_tg_s, s_tg_tps) = part(tg, t_tg);
+    Row { threads, n_kv, pp, tg, t_pp_s, s_pp_tps, t_tg_s, s_tg_tps, roofline_pct: None }
+}
+
+const TABLE_HEADER: &str = "|    PP |     TG |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |\n\
+                            |-------|--------|--------|----------|----------|----------|----------|";
+
+fn table_line(r: &Row) -> String {
+    let f = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$}"));
+    format!(
+        "|{:>6} | {:>6} | {:>6} | {:>8} | {:>8} | {:>8} | {:>8} |",
+        r.pp,
+        r.tg,
+        r.n_kv,
+        f(r.t_pp_s, 3),
+        f(r.s_pp_tps, 2),
+        f(r.t_tg_s, 3),
+        f(r.s_tg_tps, 2)
+    )
+}
+
+/// Where the text goes: stdout, or stderr when stdout carries the JSON. Writes pause the progress bar.
+struct Out<'a> {
+    json: bool,
+    pb: &'a ProgressBar,
+}
+
+impl Out<'_> {
+    fn line(&self, s: &str) -> anyhow::Result<()> {
+        self.pb.suspend(|| {
+            let r = if self.json {
+                writeln!(std::io::stderr().lock(), "{s}")
+            } else {
+                let mut o = std::io::stdout().lock();
+                writeln!(o, "{s}").and_then(|_| o.flush())
+            };
+            match r {
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+                r => r.context("writing the table"),
+            }
+        })
+    }
+}
+
+/// Tokens the progress bar counts for one thread count: warm-up, cache fills and timed tokens.
+fn progress_total(plan: &Plan, n_ctx: usize, warmup: bool) -> u64 {
+    let warm = if warmup { plan.pp.min(plan.ubatch) + plan.tg.min(1) } else { 0 } as u64;
+    let timed = (plan.reps * (plan.pp + plan.tg)) as u64;
+    if plan.sweep {
+        return warm + plan.sweep_depths(n_ctx).len() as u64 * timed;
+    }
+    let mut len = 0usize;
+    let mut fill = 0u64;
+    for &d in &plan.depths {
+        fill += d.saturating_sub(len) as u64;
+        len = d;
+    }
+    warm + fill + plan.depths.len() as u64 * timed
+}
+
+fn run_threads(
+    model: &Arc<Model>,
+    plan: &Plan,
+    n_ctx: usize,
+    t: usize,
+    a: &BenchArgs,
+    out: &Out,
+) -> anyhow::Result<Vec<Row>> {
+    let threads = tandem_cpu::Threads::new(t, t)?;
+    let params = ContextParams {
+        n_ctx,
+        n_ubatch: plan.ubatch,
+        cache_type_k: plan.cache_type_k,
+        cache_type_v: plan.cache_type_v,
+    };
+    let ctx = Context::new(model.clone(), Box::new(CpuBackend::new(threads)), params)?;
+    let mut r = Runner { ctx, rng: Rng(a.seed), batch: plan.batch, n_vocab: model.n_vocab(), pb: out.pb };
+    out.line(&format!(
+        "\nmain: n_kv_max = {n_ctx}, n_batch = {}, n_ubatch = {}, n_threads = {t}, n_threads_batch = {t}, type_k = {}, type_v = {}, repetitions = {}\n",
+        plan.batch,
+        plan.ubatch,
+        a.cache_type_k.to_ascii_lowercase(),
+        a.cache_type_v.to_ascii_lowercase(),
+        plan.reps
+    ))?;
+    out.line(TABLE_HEADER)?;
+    if !a.no_warmup {
+        out.pb.set_message(format!("-t {t}: warm-up"));
+        r.prefill(plan.pp.min(plan.ubatch))?;
+        r.ctx.truncate(SEQ, 0);
+        r.generate(plan.tg.min(1))?;
+        r.ctx.truncate(SEQ, 0);
+    }
+    let mut rows = Vec::new();
+    let depths = if plan.sweep { plan.sweep_depths(n_ctx) } else { plan.depths.clone() };
+    for &d in &depths {
+        out.pb.set_message(format!("-t {t}: N_KV {d}"));
+        r.fill_to(d)?;
+        let (mut t_pp, mut t_tg) = (Vec::new(), Vec::new());
+        for rep in 0..plan.reps {
+            out.pb.set_message(format!("-t {t}: N_KV {d}, repetition {}/{}", rep + 1, plan.reps));
+            if plan.pp > 0 {
+                t_pp.push(r.timed(|r| r.prefill(plan.pp))?);
+                if !plan.sweep {
+                    r.ctx.truncate(SEQ, d);
+                }
+            }
+            if plan.tg > 0 {
+                let base = r.ctx.seq_len(SEQ);
+                t_tg.push(r.timed(|r| r.generate(plan.tg))?);
+                r.ctx.truncate(SEQ, base);
+            }
+            // The sweep keeps the last repetition's prefill: the next row starts at N_KV + UB.
+            if rep + 1 < plan.reps || !plan.sweep {
+                r.ctx.truncate(SEQ, d);
+            }
+        }
+        let row = row(t, d, plan.pp, plan.tg, &mut t_pp, &mut t_tg);
+        out.line(&table_line(&row))?;
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+fn human_bytes(b: u64) -> String {
+    if b >= GIB {
+        format!("{:.2} GiB", b as f64 / GIB as f64)
+    } else {
+        format!("{:.2} MiB", b as f64 / MIB as f64)
+    }
+}
+
+pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
+    let plan = Plan::new(a)?;
+    let bw_bytes = match a.bandwidth_mib {
+        Some(m) => count("--bandwidth-mib", m)? as u64 * MIB,
+        None => default_bandwidth_bytes(),
+    };
+    if let Some(p) = &a.plot {
+        // Fail now rather than after the whole benchmark.
+        std::fs::File::create(p).with_context(|| format!("--plot: creating {}", p.display()))?;
+    }
+    let gguf = Arc::new(GgufModel::open(&a.model.model, a.model.load_options())?);
+    let active = active_bytes_per_token(&gguf).with_context(|| format!("{}", a.model.model.display()))?;
+    let model = Arc::new(Model::load(gguf).with_context(|| format!("loading {}", a.model.model.display()))?);
+    let n_ctx = plan.n_ctx(model.n_ctx_train())?;
+
+    let pb = if a.no_progress {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())
+    };
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} tokens ({elapsed} elapsed, eta {eta})")?
+            .progress_chars("=> "),
+    );
+    let out = Out { json: a.json, pb: &pb };
+    out.line(&format!(
+        "model: {} ({}, {} layers, vocab {})",
+        a.model.model.display(),
+        model.arch().name(),
+        model.n_layer(),
+        model.n_vocab()
+    ))?;
+    out.line(&format!("active weights per decoded token: {} ({active} bytes)", human_bytes(active)))?;
+
+    let bandwidth = if bw_bytes > 0 { measure_bandwidth(&plan.threads, bw_bytes, &pb) } else { BTreeMap::new() };
+    if !bandwidth.is_empty() {
+        let each: Vec<String> = bandwidth.iter().map(|(t, g)| format!("-t {t}: {g:.2} GB/s")).collect();
+        out.line(&format!(
+            "memory read bandwidth (best of {BANDWIDTH_RUNS} passes over {}): {}",
+            human_bytes(bw_bytes),
+            each.join(", ")
+        ))?;
+    }
+
+    let per_t = progress_total(&plan, n_ctx, !a.no_warmup);
+    pb.set_length(per_t * plan.threads.len() as u64);
+    let mut rows = Vec::new();
+    for &t in &plan.threads {
+        let mut rs = run_threads(&model, &plan, n_ctx, t, a, &out)?;
+        if let Some(&gbs) = bandwidth.get(&t) {
+            for r in &mut rs {
+                r.roofline_pct = r.s_tg_tps.map(|s| active as f64 * s / (gbs * 1e9) * 100.0);
+            }
+            if plan.tg > 0 {
+                let pct: Vec<String> = rs.iter().filter_map(|r| r.roofline_pct).map(|p| format!("{p:.1}%")).collect();
+                out.line(&format!(
+                    "\ndecode roofline, -t {t}: {gbs:.2} GB/s / {} per token = {:.2} t/s; S_TG by row: {}",
+                    human_bytes(active),
+                    gbs * 1e9 / active.max(1) as f64,
+                    pct.join(" ")
+                ))?;
+            }
+        }
+        rows.extend(rs);
+    }
+    pb.finish_and_clear();
+
+    if let Some(p) = &a.plot {
+        plot(p, &rows, &plan.threads, &a.model.model.display().to_string())
+            .with_context(|| format!("--plot: writing {}", p.display()))?;
+        out.line(&format!("plot: {}", p.display()))?;
+    }
+    if a.json {
+        let report = Report {
+            model: a.model.model.display().to_string(),
+            threads: &plan.threads,
+            active_bytes_per_token: active,
+            read_bandwidth_gbs: bandwidth.iter().map(|(t, g)| (t.to_string(), *g)).collect(),
+            rows: &rows,
+        };
+        let mut o = std::io::stdout().lock();
+        serde_json::to_writer(&mut o, &report)?;
+        match writeln!(o).and_then(|_| o.flush()) {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+            r => r.context("writing to stdout")?,
+        }
+    }
+    Ok(())
+}
+
+/// S_PP (top) and S_TG (bottom) against N_KV, one line per thread count.
+fn plot(path: &Path, rows: &[Row], threads: &[usize], model: &str) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    let root = SVGBackend::new(path, (960, 800)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled(&format!("tandem bench: {model}"), ("sans-serif", 18))?;
+    let panels = root.split_evenly((2, 1));
+    type Get = fn(&Row) -> Option<f64>;
+    let series: [(&str, &str, Get); 2] = [("S_PP", "prefill", |r| r.s_pp_tps), ("S_TG", "decode", |r| r.s_tg_tps)];
+    let x_max = rows.iter().map(|r| r.n_kv).max().unwrap_or(0).max(1) as f64;
+    for (panel, (name, what, get)) in panels.iter().zip(series) {
+        let y_max = rows.iter().filter_map(get).fold(0f64, f64::max).max(1e-3) * 1.15;
+        let mut chart = ChartBuilder::on(panel)
+            .caption(format!("{name}: {what} speed (tokens/s) against N_KV"), ("sans-serif", 16))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0f64..x_max * 1.02, 0f64..y_max)?;
+        chart.configure_mesh().x_desc("N_KV (tokens in the KV cache)").y_desc(format!("{name} (tokens/s)")).draw()?;
+        for (i, &t) in threads.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            let pts: Vec<(f64, f64)> =
+                rows.iter().filter(|r| r.threads == t).filter_map(|r| get(r).map(|v| (r.n_kv as f64, v))).collect();
+            if pts.is_empty() {
+                continue;
+            }
+            chart
+                .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?
+                .label(format!("{name} -t {t}"))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
+    }
+    root.present()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+    }
+
+    #[test]
+    fn random_tokens_are_seeded_and_in_range() {
+        let a = Rng(7).tokens(1000, 13);
+        assert_eq!(a, Rng(7).tokens(1000, 13));
+        assert!(a.iter().all(|&t| t < 13));
+        // Every id of a small vocabulary shows up.
+        assert!((0..13).all(|id| a.contains(&id)));
+    }
+
+    #[test]
+    fn sum_covers_every_word() {
+        let v: Vec<u64> = (1..=1003).collect();
+        assert_eq!(sum_slice(&v), 1003 * 1004 / 2);
+    }
+}

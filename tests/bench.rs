@@ -1,0 +1,201 @@
+//! `tandem bench` end to end on the tiny fixtures: the table, the JSON contract that
+//! scripts/compare_llama_cpp.py reads, the sweep's rows, the SVG plot, and one-line errors for bad flags.
+//! No assertion depends on how fast this machine is.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use tandem_gguf::{GgufModel, LoadOptions};
+
+const TABLE_HEADER: &str = "|    PP |     TG |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |";
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models").join(name)
+}
+
+/// Runs `tandem bench -m MODEL ARGS` with a small bandwidth buffer and no progress bar.
+fn bench(model: &str, args: &[&str]) -> Output {
+    let m = fixture(model);
+    Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["bench", "-m", m.to_str().unwrap(), "--bandwidth-mib", "8", "--no-progress"])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn ok(out: &Output) -> (String, String) {
+    let (so, se) =
+        (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
+    assert!(out.status.success(), "tandem bench failed\nstdout:\n{so}\nstderr:\n{se}");
+    (so, se)
+}
+
+fn json(model: &str, args: &[&str]) -> (Value, String) {
+    let (so, se) = ok(&bench(model, &[args, &["--json"]].concat()));
+    let v: Value = serde_json::from_str(&so).unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}):\n{so}"));
+    (v, se)
+}
+
+/// Table rows (not the header or the separator).
+fn table_rows(text: &str) -> Vec<&str> {
+    text.lines().filter(|l| l.starts_with('|') && !l.contains("PP |") && !l.starts_with("|--")).collect()
+}
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| panic!("{v} is not a number"))
+}
+
+/// Checks every row: tokens / rate = time, rates positive, roofline = active x S_TG / bandwidth.
+fn check_rows(v: &Value) {
+    let active = v["active_bytes_per_token"].as_u64().unwrap() as f64;
+    assert!(active > 0.0);
+    for r in v["rows"].as_array().unwrap() {
+        let t = r["threads"].as_u64().unwrap();
+        for (n, time, rate) in [("pp", "t_pp_s", "s_pp_tps"), ("tg", "t_tg_s", "s_tg_tps")] {
+            let n = r[n].as_u64().unwrap() as f64;
+            if n == 0.0 {
+                assert!(r[time].is_null() && r[rate].is_null(), "skipped part has numbers: {r}");
+                continue;
+            }
+            let (time, rate) = (f(&r[time]), f(&r[rate]));
+            assert!(time > 0.0 && rate > 0.0, "{r}");
+            assert!((time * rate - n).abs() < 1e-6 * n, "t = tokens / rate does not hold: {r}");
+        }
+        let bw = f(&v["read_bandwidth_gbs"][t.to_string()]);
+        assert!(bw > 0.0);
+        if r["tg"].as_u64().unwrap() == 0 {
+            assert!(r["roofline_pct"].is_null(), "{r}");
+        } else {
+            let want = active * f(&r["s_tg_tps"]) / (bw * 1e9) * 100.0;
+            assert!((f(&r["roofline_pct"]) - want).abs() <= 1e-9 * want.max(1.0), "{r}");
+        }
+    }
+}
+
+#[test]
+fn table_for_two_thread_counts() {
+    let (so, _) = ok(&bench("deepseek2-mla-tiny.gguf", &["-t", "1,2", "-p", "8", "-n", "4", "-r", "2", "-ub", "4"]));
+    assert_eq!(so.matches(TABLE_HEADER).count(), 2, "{so}");
+    assert!(so.contains("n_threads = 1,") && so.contains("n_threads = 2,"), "{so}");
+    assert!(so.contains("active weights per decoded token:") && so.contains("GB/s"), "{so}");
+    let rows = table_rows(&so);
+    assert_eq!(rows.len(), 2, "{so}");
+    for r in rows {
+        let cells: Vec<&str> = r.trim_matches('|').split('|').map(str::trim).collect();
+        assert_eq!(&cells[..3], ["8", "4", "0"], "{r}");
+        assert!(cells[3..].iter().all(|c| c.parse::<f64>().unwrap() > 0.0), "{r}");
+    }
+}
+
+#[test]
+fn json_rows_per_thread_count_and_depth() {
+    let model = "llama-tiny.gguf";
+    let (v, se) = json(model, &["-t", "1,2", "-p", "8", "-n", "4", "-d", "0,6", "-r", "3", "-ub", "4"]);
+    assert!(se.contains(TABLE_HEADER), "the table goes to stderr with --json:\n{se}");
+    assert!(v["model"].as_str().unwrap().ends_with(model));
+    assert_eq!(v["threads"], serde_json::json!([1, 2]));
+    let rows = v["rows"].as_array().unwrap();
+    let got: Vec<(u64, u64)> =
+        rows.iter().map(|r| (r["threads"].as_u64().unwrap(), r["n_kv"].as_u64().unwrap())).collect();
+    assert_eq!(got, [(1, 0), (1, 6), (2, 0), (2, 6)]);
+    assert!(rows.iter().all(|r| r["pp"] == 8 && r["tg"] == 4));
+    check_rows(&v);
+}
+
+#[test]
+fn sweep_rows_step_by_ubatch_until_the_context_is_full() {
+    let (v, se) = json("deepseek2-mla-tiny.gguf", &["--sweep", "-c", "20", "-ub", "4", "-n", "2", "-t", "1"]);
+    let n_kv: Vec<u64> = v["rows"].as_array().unwrap().iter().map(|r| r["n_kv"].as_u64().unwrap()).collect();
+    // 12 + 4 + 2 <= 20 < 16 + 4 + 2.
+    assert_eq!(n_kv, [0, 4, 8, 12]);
+    assert!(v["rows"].as_array().unwrap().iter().all(|r| r["pp"] == 4 && r["tg"] == 2));
+    assert_eq!(table_rows(&se).len(), 4, "{se}");
+    check_rows(&v);
+}
+
+#[test]
+fn zero_prompt_or_zero_gen_skips_that_part() {
+    let (v, _) = json("llama-tiny.gguf", &["-t", "1", "-p", "0", "-n", "3", "-r", "1"]);
+    let r = &v["rows"][0];
+    assert!(r["t_pp_s"].is_null() && r["s_pp_tps"].is_null() && f(&r["s_tg_tps"]) > 0.0, "{r}");
+    check_rows(&v);
+    let (v, _) = json("llama-tiny.gguf", &["-t", "1", "-p", "5", "-n", "0", "-r", "1"]);
+    let r = &v["rows"][0];
+    assert!(r["t_tg_s"].is_null() && r["roofline_pct"].is_null() && f(&r["s_pp_tps"]) > 0.0, "{r}");
+    check_rows(&v);
+}
+
+#[test]
+fn plot_writes_an_svg_with_one_series_per_thread_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("bench.svg");
+    let args = ["-t", "1,2", "-p", "4", "-n", "2", "-d", "0,4", "-r", "1", "--plot", svg.to_str().unwrap()];
+    ok(&bench("llama-tiny.gguf", &args));
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.trim_start().starts_with("<svg") && text.trim_end().ends_with("</svg>"), "{text}");
+    for name in ["S_PP -t 1", "S_PP -t 2", "S_TG -t 1", "S_TG -t 2"] {
+        assert!(text.contains(name), "series {name} missing from the SVG");
+    }
+    assert!(text.contains("<polyline"), "no line drawn");
+}
+
+#[test]
+fn active_bytes_count_the_used_share_of_the_experts() {
+    for name in ["deepseek2-mla-tiny.gguf", "llama-tiny.gguf"] {
+        let g = GgufModel::open(fixture(name), LoadOptions::default()).unwrap();
+        let md = g.metadata();
+        let arch = md.get_str("general.architecture").unwrap().to_string();
+        let n_expert = md.opt_u32(&format!("{arch}.expert_count")).unwrap().unwrap_or(1) as u64;
+        let n_used = md.opt_u32(&format!("{arch}.expert_used_count")).unwrap().unwrap_or(1) as u64;
+        let tied = g.tensor("output.weight").is_none();
+        let (mut dense, mut experts, mut total) = (0, 0, 0);
+        for t in g.tensors() {
+            let i = t.info;
+            total += i.size;
+            if i.name == "token_embd.weight" && !tied {
+                dense += i.size / i.dims[1];
+            } else if i.name.contains("_exps") {
+                experts += i.size;
+            } else if !i.name.contains(".nextn.") {
+                dense += i.size;
+            }
+        }
+        let active = tandem::bench::active_bytes_per_token(&g).unwrap();
+        assert_eq!(active, dense + experts / n_expert * n_used, "{name}");
+        assert!(active < total, "{name}: {active} of {total} bytes");
+        if name.starts_with("deepseek2") {
+            assert!(experts > 0 && n_used < n_expert, "{name} has no routed experts to scale");
+        }
+    }
+}
+
+#[test]
+fn bad_flags_give_one_line_errors() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["-t", "0"], "-t 0"),
+        (&["-t", "1,-2"], "-t -2"),
+        (&["-p", "-1"], "-p -1"),
+        (&["-n", "-5"], "-n -5"),
+        (&["-r", "0"], "-r 0"),
+        (&["-ub", "0"], "-ub 0"),
+        (&["-p", "0", "-n", "0"], "nothing to measure"),
+        (&["-p", "8", "-c", "4"], "-c 4"),
+        (&["--sweep", "-ub", "4"], "--sweep needs -c"),
+        (&["--sweep", "-c", "8", "-ub", "16"], "-ub 16 is larger than -c 8"),
+        (&["--sweep", "-c", "8", "-ub", "4", "-n", "6"], "no sweep row"),
+        (&["--sweep", "-c", "64", "-p", "8"], "-p does not apply"),
+        (&["-ctk", "q9_9"], "-ctk q9_9"),
+    ];
+    for (args, want) in cases {
+        let out = bench("llama-tiny.gguf", args);
+        let se = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert_eq!(se.lines().filter(|l| !l.trim().is_empty()).count(), 1, "{args:?}: not one line:\n{se}");
+        assert!(se.starts_with("tandem: error:") && se.contains(want), "{args:?}: {se}");
+    }
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_tandem")).args(["bench", "-m", "/nonexistent/model.gguf"]).output().unwrap();
+    assert!(!out.status.success());
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert!(se.lines().count() == 1 && se.contains("/nonexistent/model.gguf"), "{se}");
+}
