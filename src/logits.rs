@@ -1,15 +1,17 @@
 //! `tandem logits`: every position's logits for a token sequence, as little-endian f32
 //! `[n_tokens][n_vocab]` (DESIGN.md "Contracts"), for comparison with llama.cpp.
 
-use crate::cli::{ModelArgs, RuntimeArgs};
+use crate::cli::{ModelArgs, PlacementArgs, RuntimeArgs};
 use anyhow::{bail, Context as _};
 use clap::Args;
+use std::collections::{BTreeSet, HashMap};
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 use tandem_gguf::GgufModel;
-use tandem_model::{Batch, CacheType, Context, ContextParams, CpuBackend, Model};
+use tandem_model::{Backend, Batch, CacheType, Context, ContextParams, CpuBackend, GpuBackend, GpuOptions, Model};
+use tandem_plan::{Device, GpuBudget, GpuLayers, ModelInfo, Rule};
 
 #[derive(Args, Debug)]
 pub struct LogitsArgs {
@@ -26,12 +28,15 @@ pub struct LogitsArgs {
     pub token_by_token: bool,
     #[command(flatten)]
     pub runtime: RuntimeArgs,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
 }
 
-/// Opens the model and a CPU context as `-t/-tb/-c/-ub/-ctk/-ctv` say.
-pub fn open_context(model: &ModelArgs, rt: &RuntimeArgs) -> anyhow::Result<Context> {
-    let gguf = GgufModel::open(&model.model, model.load_options())?;
-    let model = Arc::new(Model::load(Arc::new(gguf)).with_context(|| format!("loading {}", model.model.display()))?);
+/// Opens the model and a context as `-t/-tb/-c/-ub/-ctk/-ctv` say, on the backend the placement
+/// flags ask for ([`select_backend`]; the fallback line, if any, goes to stderr).
+pub fn open_context(model: &ModelArgs, rt: &RuntimeArgs, placement: &PlacementArgs) -> anyhow::Result<Context> {
+    let gguf = Arc::new(GgufModel::open(&model.model, model.load_options())?);
+    let loaded = Arc::new(Model::load(gguf.clone()).with_context(|| format!("loading {}", model.model.display()))?);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let t = rt.threads.unwrap_or(cores);
     let threads = tandem_cpu::Threads::new(t, rt.threads_batch.unwrap_or(t))?;
@@ -41,11 +46,129 @@ pub fn open_context(model: &ModelArgs, rt: &RuntimeArgs) -> anyhow::Result<Conte
         cache_type_k: CacheType::from_name(&rt.cache_type_k)?,
         cache_type_v: CacheType::from_name(&rt.cache_type_v)?,
     };
-    Ok(Context::new(model, Box::new(CpuBackend::new(threads)), params)?)
+    let choice = select_backend(&gguf, model, rt, placement, threads)?;
+    for line in &choice.notes {
+        eprintln!("tandem: {line}");
+    }
+    Ok(Context::new(loaded, choice.backend, params)?)
+}
+
+/// The backend [`select_backend`] chose and what to tell the user about it.
+pub struct BackendChoice {
+    pub backend: Box<dyn Backend>,
+    /// One line for logs, e.g. `all tensors on CPU` or `CUDA0 (NVIDIA H200, ...): 312 tensors, ...`.
+    pub description: String,
+    /// Lines for stderr (without a prefix): the CUDA fallback reason, or what was uploaded.
+    pub notes: Vec<String>,
+}
+
+/// Whether the placement flags put anything on a GPU: `-ngl` above 0 (or all/auto), an `-ot`
+/// rule naming CUDAn, `--gpu`, or `--fit on`. Without any of them tandem stays on the CPU silently.
+pub fn wants_gpu(p: &PlacementArgs) -> bool {
+    let ngl = matches!(p.n_gpu_layers, Some(GpuLayers::All | GpuLayers::Auto | GpuLayers::Count(1..)));
+    let ot = Rule::parse_overrides(&p.override_tensor)
+        .map(|rules| rules.iter().any(|r| Device::parse(&r.device).is_some_and(Device::is_gpu)))
+        .unwrap_or(false);
+    ngl || ot || !p.gpu.is_empty() || p.fit.as_deref() == Some("on")
+}
+
+/// The CPU backend, or — when the placement flags ask for a GPU — a [`GpuBackend`] with the
+/// tensors the planner puts on each GPU uploaded there. Bad flags are errors; any CUDA failure
+/// (no driver, no device, no kernels, out of memory while uploading, ...) falls back to the CPU
+/// with one note: `CUDA unavailable (<reason>); running everything on the CPU`.
+pub fn select_backend(
+    gguf: &GgufModel,
+    model: &ModelArgs,
+    rt: &RuntimeArgs,
+    placement: &PlacementArgs,
+    threads: tandem_cpu::Threads,
+) -> anyhow::Result<BackendChoice> {
+    let cpu_desc = format!(
+        "all tensors on CPU ({} threads; {} for batches)",
+        threads.for_tokens(1).current_num_threads(),
+        threads.for_tokens(2).current_num_threads()
+    );
+    // Flags are checked before any device is touched: a bad -ot is an error, not a fallback.
+    let req = crate::plan::request(placement, model, rt)?;
+    if let Some(r) = req.rules.iter().find(|r| Device::parse(&r.device).is_none()) {
+        bail!("{}: '{}' is not a device (use CPU, CUDA0, CUDA1, ...)", r.source, r.device);
+    }
+    if !wants_gpu(placement) {
+        return Ok(BackendChoice { backend: Box::new(CpuBackend::new(threads)), description: cpu_desc, notes: vec![] });
+    }
+    match gpu_backend(gguf, &model.model, req, placement, threads.clone()) {
+        Ok(Some((b, desc))) => {
+            Ok(BackendChoice { backend: Box::new(b), description: desc.clone(), notes: vec![format!("CUDA: {desc}")] })
+        }
+        Ok(None) => {
+            Ok(BackendChoice { backend: Box::new(CpuBackend::new(threads)), description: cpu_desc, notes: vec![] })
+        }
+        Err(reason) => Ok(BackendChoice {
+            backend: Box::new(CpuBackend::new(threads)),
+            description: cpu_desc,
+            notes: vec![format!("CUDA unavailable ({reason}); running everything on the CPU")],
+        }),
+    }
+}
+
+/// The GPU backend for the plan of `req`, `None` when the plan puts nothing on a GPU, or the
+/// one-line reason CUDA cannot be used.
+fn gpu_backend(
+    gguf: &GgufModel,
+    path: &Path,
+    mut req: tandem_plan::PlanRequest,
+    placement: &PlacementArgs,
+    threads: tandem_cpu::Threads,
+) -> Result<Option<(GpuBackend, String)>, String> {
+    let devices = tandem_cuda::devices().map_err(|e| e.to_string())?;
+    if req.gpus.is_empty() {
+        // No --gpu declarations: plan for the devices that are there, with their free memory.
+        req.gpus = devices
+            .iter()
+            .map(|d| GpuBudget { device: Device::Cuda(d.ordinal as u32), bytes: d.free_bytes.max(1) })
+            .collect();
+    }
+    let info = ModelInfo::from_gguf(gguf, &path.display().to_string()).map_err(|e| e.to_string())?;
+    let plan = tandem_plan::plan(&info, &req).map_err(|e| e.to_string())?;
+    let ordinals: BTreeSet<u32> = plan
+        .tensors
+        .iter()
+        .filter_map(|t| match t.device {
+            Device::Cuda(n) => Some(n),
+            Device::Cpu => None,
+        })
+        .collect();
+    if ordinals.is_empty() {
+        return Ok(None);
+    }
+    let mut runtimes = Vec::new();
+    let mut index = HashMap::new();
+    for &n in &ordinals {
+        let rt = tandem_cuda::Runtime::open(crate::kernels::images(), n as usize).map_err(|e| e.to_string())?;
+        index.insert(n, runtimes.len());
+        runtimes.push(rt);
+    }
+    let mut on_gpu = HashMap::new();
+    let mut attention = None;
+    for t in &plan.tensors {
+        if let Device::Cuda(n) = t.device {
+            on_gpu.insert(t.name.clone(), index[&n]);
+            if attention.is_none() && t.name.contains(".attn_") {
+                attention = Some(index[&n]);
+            }
+        }
+    }
+    if placement.no_kv_offload {
+        attention = None;
+    }
+    let opts = GpuOptions { attention, elementwise: false };
+    let b = GpuBackend::new(CpuBackend::new(threads), runtimes, gguf, &on_gpu, opts).map_err(|e| e.to_string())?;
+    let desc = b.load().describe();
+    Ok(Some((b, desc)))
 }
 
 pub fn run(args: &LogitsArgs) -> anyhow::Result<()> {
-    let mut ctx = open_context(&args.model, &args.runtime)?;
+    let mut ctx = open_context(&args.model, &args.runtime, &args.placement)?;
     let n = args.tokens.len();
     if n > ctx.params().n_ctx {
         bail!("{n} tokens do not fit in a context of {} (raise -c)", ctx.params().n_ctx);
@@ -75,4 +198,30 @@ pub fn run(args: &LogitsArgs) -> anyhow::Result<()> {
         n as f64 / secs.max(1e-9)
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn placement(ngl: Option<&str>, ot: &[&str]) -> PlacementArgs {
+        PlacementArgs {
+            n_gpu_layers: ngl.map(|n| n.parse().unwrap()),
+            override_tensor: ot.iter().map(|s| s.to_string()).collect(),
+            ..PlacementArgs::default()
+        }
+    }
+
+    #[test]
+    fn only_gpu_flags_ask_for_a_gpu() {
+        assert!(!wants_gpu(&placement(None, &[])));
+        assert!(!wants_gpu(&placement(Some("0"), &[])));
+        assert!(!wants_gpu(&placement(None, &["exps=CPU"])));
+        assert!(wants_gpu(&placement(Some("999"), &["exps=CPU"])));
+        assert!(wants_gpu(&placement(Some("all"), &[])));
+        assert!(wants_gpu(&placement(Some("1"), &[])));
+        assert!(wants_gpu(&placement(None, &["attn=cuda0,exps=CPU"])));
+        let declared = PlacementArgs { gpu: vec!["CUDA0=8GiB".into()], ..PlacementArgs::default() };
+        assert!(wants_gpu(&declared));
+    }
 }

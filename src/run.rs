@@ -3,7 +3,7 @@
 //! as it is sampled; timings go to stderr. `--chat` is an interactive conversation on stdin that
 //! keeps the KV cache between turns and only evaluates the tokens a turn adds.
 
-use crate::cli::{ModelArgs, RuntimeArgs};
+use crate::cli::{ModelArgs, PlacementArgs, RuntimeArgs};
 use crate::logits::open_context;
 use crate::tokenize::{input_text, read_text_file};
 use anyhow::{bail, Context as _};
@@ -78,6 +78,8 @@ pub struct RunArgs {
     pub raw: bool,
     #[command(flatten)]
     pub runtime: RuntimeArgs,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
 }
 
 impl RunArgs {
@@ -281,7 +283,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     }
     let params = args.sampling();
     let sampler = Sampler::new(params.clone())?;
-    let ctx = open_context(&args.model, &args.runtime)?;
+    let ctx = open_context(&args.model, &args.runtime, &args.placement)?;
     let tok = Tokenizer::from_gguf(ctx.model().gguf())?;
     let tmpl = template(args, &tok)?;
     if args.seed.is_none() && params.temperature > 0.0 {

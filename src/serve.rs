@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tandem_engine::{Engine, EngineConfig};
 use tandem_gguf::{GgufModel, LoadOptions};
-use tandem_model::{CacheType, Context, ContextParams, CpuBackend, Model};
+use tandem_model::{CacheType, Context, ContextParams, Model};
 use tandem_server::ModelDescription;
 use tandem_tokenizer::Tokenizer;
 use tokio::net::TcpListener;
@@ -132,7 +132,14 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
         cache_type_k: CacheType::from_name(&rt.cache_type_k)?,
         cache_type_v: CacheType::from_name(&rt.cache_type_v)?,
     };
-    let ctx = Context::new(model.clone(), Box::new(CpuBackend::new(threads)), params)?;
+    let model_args = crate::cli::ModelArgs {
+        model: args.model.clone().unwrap_or_default(),
+        no_mmap: args.no_mmap,
+        mlock: args.mlock,
+    };
+    let choice = crate::logits::select_backend(model.gguf(), &model_args, rt, &args.placement, threads)?;
+    choice.notes.iter().for_each(|n| log(n));
+    let ctx = Context::new(model.clone(), choice.backend, params)?;
     let system_prompt = match &args.system_prompt_file {
         Some(f) => Some(std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?),
         None => None,
@@ -163,11 +170,7 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
             n => format!(", a system prompt of {n} tokens prefilled"),
         }
     ));
-    let desc = ModelDescription {
-        name: args.alias.clone().unwrap_or_default(),
-        demo,
-        placement: format!("all tensors on CPU ({t} threads; {} for batches)", rt.threads_batch.unwrap_or(t)),
-    };
+    let desc = ModelDescription { name: args.alias.clone().unwrap_or_default(), demo, placement: choice.description };
     Ok((engine, desc))
 }
 
@@ -199,9 +202,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut signals = Signals::new()?;
     for note in args.compat.notes() {
         log(&format!("note: {note}"));
-    }
-    if args.placement.n_gpu_layers.is_some() || !args.placement.override_tensor.is_empty() {
-        log("note: -ngl/-ot are planned but this build runs every tensor on the CPU (see `tandem plan` for the GPU layout)");
     }
     if args.metrics {
         log("note: --metrics: ignored; give --metrics-port PORT to serve /metrics");

@@ -9,6 +9,7 @@ mod common;
 mod config;
 mod context;
 mod deepseek2;
+mod gpu;
 mod kv_cache;
 mod llama;
 mod moe;
@@ -18,6 +19,7 @@ mod weights;
 pub use backend::{AttnInput, Backend, CpuBackend};
 pub use config::{Arch, RopeConfig};
 pub use context::{Batch, Context, ContextParams, Model};
+pub use gpu::{GpuBackend, GpuLoad, GpuOptions};
 pub use kv_cache::{CacheType, KvCache};
 pub use weights::{Weight, WeightLoader};
 

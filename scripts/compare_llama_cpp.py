@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""tandem vs llama.cpp on the benchmark models, measured alternately in one run.
+
+    /work/venv/bin/python scripts/compare_llama_cpp.py [--out results.json]
+        [--models Q4_K_M,Q8_0] [--threads 1,2] [--depths 0,3072] [--tests tg32,pp256,pp512]
+        [--rounds 5] [--pair] [--fa off,on] [--model-dir /work/bench-models] [--tandem target/release/tandem]
+
+For every model x threads x depth x test, each round runs, as separate subprocesses and in an
+order that rotates from round to round:
+
+  tandem     target/release/tandem bench -m F -t T -p P -n N -d D -r 1 --json --no-progress [--tandem-args]
+  llama.cpp  scripts/llama_cpp_bench.py --model F --threads T --pp P --tg N --depth D --reps 1
+             --ubatch 512 --flash-attn off   (and again with --flash-attn on)
+
+A test is `ppP` (prefill P tokens on top of D, `-n 0`) or `tgN` (N single-token decodes from
+depth D, `-p 0`); with --pair one invocation measures one pp and one tg test together
+(`-p P -n N`), which halves the depth fills. Medians over the rounds; tandem is compared with the
+faster of llama.cpp's flash-attn off / on (both are reported). Prints a markdown table and writes
+every raw sample to --out (rewritten after each sample, so an interrupted run keeps its data).
+
+Interleaving engines within a round keeps slow drifts of a shared machine (other jobs, thermal)
+from favouring one side; the spread of the samples is in the JSON. llama.cpp's CPU threads are
+OpenMP threads that spin at every barrier: on a machine with other jobs, -t 2 decode in llama.cpp
+collapses (measured 1-5 t/s vs 59 t/s in a quiet moment on the 2-core dev box) and
+OMP_WAIT_POLICY=passive (inherited from this script's environment) steadies it at a cost; the
+setting is recorded in the JSON. Compare on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LLAMA_BENCH = Path(__file__).resolve().parent / "llama_cpp_bench.py"
+TEST_RE = re.compile(r"^(pp|tg)(\d+)$")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def parse_tests(s: str) -> list[tuple[str, int]]:
+    out = []
+    for t in csv(s):
+        m = TEST_RE.match(t)
+        if not m or int(m.group(2)) <= 0:
+            raise argparse.ArgumentTypeError(f"bad test {t!r}: expected ppN or tgN with N > 0")
+        out.append((m.group(1), int(m.group(2))))
+    return out
+
+
+def invocations(tests: list[tuple[str, int]], pair: bool) -> list[tuple[int, int]]:
+    """(pp, tg) per subprocess call."""
+    pps = [n for k, n in tests if k == "pp"]
+    tgs = [n for k, n in tests if k == "tg"]
+    if not pair:
+        return [(p, 0) for p in pps] + [(0, n) for n in tgs]
+    out = [(p, n) for p, n in zip(pps, tgs)]
+    out += [(p, 0) for p in pps[len(tgs):]] + [(0, n) for n in tgs[len(pps):]]
+    return out
+
+
+def parse_json_stdout(text: str) -> dict:
+    text = text.strip()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    for line in reversed(text.splitlines()):  # last line that is a JSON object
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    i, j = text.find("{"), text.rfind("}")
+    if i >= 0 and j > i:
+        return json.loads(text[i: j + 1])
+    raise ValueError("no JSON object on stdout")
+
+
+def run_one(cmd: list[str], timeout: float) -> tuple[dict | None, float, str | None]:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return None, time.perf_counter() - t0, f"timeout after {timeout:.0f} s"
+    except OSError as e:
+        return None, time.perf_counter() - t0, f"cannot run: {e}"
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        tail = (p.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+        return None, wall, f"exit {p.returncode}: {tail}"
+    try:
+        return parse_json_stdout(p.stdout), wall, None
+    except ValueError as e:
+        return None, wall, f"{e}: {p.stdout[-200:]!r}"
+
+
+def row_of(res: dict, threads: int, depth: int) -> dict:
+    rows = res.get("rows") or []
+    for r in rows:
+        if int(r.get("threads", threads)) == threads and int(r.get("n_kv", depth)) == depth:
+            return r
+    if len(rows) == 1:
+        return rows[0]
+    raise ValueError(f"no row for threads={threads} n_kv={depth} in {rows}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=csv, default=["Q4_K_M", "Q8_0"], help="quant names: bench-<NAME>.gguf")
+    ap.add_argument("--model-dir", type=Path, default=Path("/work/bench-models"))
+    ap.add_argument("--threads", type=lambda s: [int(x) for x in csv(s)], default=[1, 2])
+    ap.add_argument("--depths", type=lambda s: [int(x) for x in csv(s)], default=[0, 3072])
+    ap.add_argument("--tests", type=parse_tests, default=parse_tests("tg32,pp256,pp512"))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--pair", action="store_true", help="measure one pp and one tg test per subprocess")
+    ap.add_argument("--fa", type=csv, default=["off", "on"], help="llama.cpp flash-attn settings to run")
+    ap.add_argument("--ubatch", type=int, default=512)
+    ap.add_argument("--tandem", default=str(REPO / "target" / "release" / "tandem"),
+                    help="tandem binary (or a stand-in that prints the same JSON)")
+    ap.add_argument("--tandem-args", default="", help="extra flags for tandem bench, e.g. '--bandwidth-mib 0'")
+    ap.add_argument("--no-tandem", action="store_true", help="only measure llama.cpp")
+    ap.add_argument("--python", default=sys.executable, help="Python with llama-cpp-python")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
+    ap.add_argument("--out", type=Path, help="JSON with every raw sample")
+    args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    for fa in args.fa:
+        if fa not in ("on", "off"):
+            ap.error(f"--fa takes on/off, got {fa!r}")
+
+    models = {m: args.model_dir / f"bench-{m}.gguf" for m in args.models}
+    for m, p in models.items():
+        if not p.is_file():
+            ap.error(f"model {m}: {p} not found (scripts/gen_bench_model.py writes it)")
+    if not args.no_tandem and not Path(args.tandem).exists():
+        ap.error(f"tandem binary {args.tandem} not found (cargo build --release, or --no-tandem)")
+
+    if args.fa and subprocess.run([args.python, "-c", "import llama_cpp"], capture_output=True).returncode != 0:
+        ap.error(f"{args.python} cannot import llama_cpp (pass --python /work/venv/bin/python)")
+
+    engines = ([] if args.no_tandem else ["tandem"]) + [f"llama.cpp fa={fa}" for fa in args.fa]
+    calls = invocations(args.tests, args.pair)
+
+    def command(engine: str, model: Path, t: int, d: int, pp: int, tg: int) -> list[str]:
+        if engine == "tandem":
+            return [args.tandem, "bench", "-m", str(model), "-t", str(t), "-p", str(pp), "-n", str(tg),
+                    "-d", str(d), "-r", "1", "--json", "--no-progress"] + shlex.split(args.tandem_args)
+        fa = engine.split("=")[1]
+        return [args.python, str(LLAMA_BENCH), "--model", str(model), "--threads", str(t), "--pp", str(pp),
+                "--tg", str(tg), "--depth", str(d), "--reps", "1", "--ubatch", str(args.ubatch), "--flash-attn", fa]
+
+    samples: list[dict] = []
+    config = dict(models={m: str(p) for m, p in models.items()}, threads=args.threads, depths=args.depths,
+                  tests=[f"{k}{n}" for k, n in args.tests], rounds=args.rounds, pair=args.pair, engines=engines,
+                  ubatch=args.ubatch, tandem=args.tandem, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), host=os.uname().nodename, cpus=os.cpu_count(),
+                  started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+    def save(summary: list[dict] | None = None) -> None:
+        if args.out:
+            tmp = args.out.with_suffix(args.out.suffix + ".tmp")
+            tmp.write_text(json.dumps(dict(config=config, samples=samples, summary=summary), indent=1) + "\n")
+            tmp.replace(args.out)
+
+    n_total = args.rounds * len(models) * len(args.threads) * len(args.depths) * len(calls) * len(engines)
+    k = 0
+    t_start = time.perf_counter()
+    for rnd in range(args.rounds):
+        for mname, mpath in models.items():
+            for t in args.threads:
+                for d in args.depths:
+                    for pp, tg in calls:
+                        # rotate the engine order so no engine always runs first (warm caches, drift)
+                        shift = rnd % len(engines)
+                        for engine in engines[shift:] + engines[:shift]:
+                            k += 1
+                            cmd = command(engine, mpath, t, d, pp, tg)
+                            res, wall, err = run_one(cmd, args.timeout)
+                            base = dict(round=rnd, model=mname, threads=t, depth=d, engine=engine,
+                                        wall_s=round(wall, 3), cmd=shlex.join(cmd))
+                            got = []
+                            if err is None:
+                                try:
+                                    row = row_of(res, t, d)
+                                    if pp > 0:
+                                        got.append(dict(base, test=f"pp{pp}", tps=float(row["s_pp_tps"]),
+                                                        t_s=float(row["t_pp_s"]), row=row))
+                                    if tg > 0:
+                                        got.append(dict(base, test=f"tg{tg}", tps=float(row["s_tg_tps"]),
+                                                        t_s=float(row["t_tg_s"]), row=row))
+                                except (ValueError, KeyError, TypeError) as e:
+                                    err = f"bad JSON: {e}"
+                            if err is not None:
+                                got = [dict(base, test=f"{kind}{n}", error=err)
+                                       for kind, n in (("pp", pp), ("tg", tg)) if n > 0]
+                            samples.extend(got)
+                            save()
+                            el = time.perf_counter() - t_start
+                            desc = ", ".join(f"{s['test']} {s['tps']:.2f} t/s" if "tps" in s else f"{s['test']} ERROR {s['error']}"
+                                             for s in got)
+                            log(f"[{k}/{n_total} {el:.0f} s] round {rnd + 1} {mname} t={t} d={d} {engine}: {desc} "
+                                f"(wall {wall:.1f} s)")
+
+    # medians
+    summary = []
+    keys = []
+    for s in samples:
+        key = (s["model"], s["threads"], s["depth"], s["test"])
+        if key not in keys:
+            keys.append(key)
+    order = {f"{k}{n}": i for i, (k, n) in enumerate(args.tests)}
+    keys.sort(key=lambda x: (args.models.index(x[0]), x[1], x[2], order.get(x[3], 99)))
+    for key in keys:
+        med = {}
+        nsamp = {}
+        for e in engines:
+            v = [s["tps"] for s in samples if (s["model"], s["threads"], s["depth"], s["test"]) == key
+                 and s["engine"] == e and "tps" in s]
+            med[e] = statistics.median(v) if v else None
+            nsamp[e] = len(v)
+        llama = {e: v for e, v in med.items() if e.startswith("llama.cpp") and v is not None}
+        best_e = max(llama, key=llama.get) if llama else None
+        best = llama.get(best_e) if best_e else None
+        tan = med.get("tandem")
+        summary.append(dict(model=key[0], threads=key[1], depth=key[2], test=key[3], median_tps=med, n=nsamp,
+                            llama_best=best_e, ratio=(tan / best) if tan and best else None))
+    save(summary)
+
+    def f(v: float | None) -> str:
+        return "—" if v is None else f"{v:.2f}"
+
+    fa_cols = [e for e in engines if e.startswith("llama.cpp")]
+    head = ["model", "threads", "depth", "test", "tandem t/s"] + [f"{e} t/s" for e in fa_cols] + \
+        ["llama.cpp best t/s", "ratio tandem/best"]
+    print(f"\nmedians of {args.rounds} round(s); t/s = tokens per second\n")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    for s in summary:
+        m = s["median_tps"]
+        best = m.get(s["llama_best"]) if s["llama_best"] else None
+        cells = [s["model"], str(s["threads"]), str(s["depth"]), s["test"], f(m.get("tandem"))] + \
+            [f(m.get(e)) for e in fa_cols] + \
+            [f"{f(best)} ({s['llama_best'].split('=')[1] if s['llama_best'] else '—'})",
+             "—" if s["ratio"] is None else f"{s['ratio']:.3f}"]
+        print("| " + " | ".join(cells) + " |")
+    n_err = sum(1 for s in samples if "error" in s)
+    if n_err:
+        print(f"\n{n_err} sample(s) failed; see the errors in {args.out or 'the log above'}")
+    if args.out:
+        print(f"\nraw samples: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
