@@ -102,3 +102,31 @@ fn bad_shapes_and_tokens_are_errors() {
     assert!(ffn_jobs(&pool, &x, 32, &[job(vec![0])]).is_err());
     assert_eq!(ffn_jobs(&pool, &x, 64, &[job(vec![1, 0])]).unwrap()[0].len(), 2 * 64);
 }
+
+/// Activations quantized to Q8_K (whichever code path runs) are byte-identical with ggml's
+/// reference quantizer as tandem-quant ports it, ties and equal-magnitude extremes included.
+#[test]
+fn q8_k_activations_equal_the_reference_quantizer() {
+    let mut x = data(3, 256 * 40);
+    // A block whose largest magnitude appears first negative then positive, one all zero, one
+    // with values that land on .5 after scaling (127 / 127 * k / 2), one tiny.
+    x[..256].iter_mut().enumerate().for_each(|(i, v)| {
+        *v = if i == 5 {
+            -2.0
+        } else if i == 9 {
+            2.0
+        } else {
+            *v
+        }
+    });
+    x[256..512].fill(0.0);
+    x[512..768]
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v = if i == 0 { 127.0 } else { (i % 50) as f32 * 0.5 - 12.0 });
+    x[768..1024].iter_mut().for_each(|v| *v *= 1e-30);
+    let acts = tandem_cpu::quantize_activations(GgmlType::Q4_K, &x, 512).unwrap();
+    let mut want = vec![0u8; acts.data.len()];
+    quantize_row(GgmlType::Q8_K, &x, &mut want).unwrap();
+    assert_eq!(acts.data, want);
+}
