@@ -4,7 +4,7 @@
 //! leaves threads idle at every tail. Here the products of a step are cut into row blocks and
 //! handed to the pool together: one synchronization per step.
 
-use crate::kernels::{best_kernel, MAX_NY};
+use crate::kernels::{best_kernel, MAX_NY, MAX_TILE_ROWS};
 use crate::matmul::{quantize_activations, QuantizedActs, WeightRef};
 use crate::{Error, Result};
 use rayon::prelude::*;
@@ -97,13 +97,32 @@ fn run_piece(p: Piece) {
     let rows_ok = tandem_quant::row_size(p.w.ty, p.w.cols).is_ok_and(|b| b == rb && rb * p.w.rows == p.w.data.len());
     let acts_ok = tandem_quant::row_size(p.acts.ty, p.w.cols).is_ok_and(|b| b == yb && yb * n == p.acts.data.len());
     assert!(rows_ok && acts_ok && p.acts.ty == vec_dot_type(p.w.ty) && p.r0 + p.w.rows <= p.stride);
-    let mut tmp = [0f32; MAX_NY];
+    let mut tmp = [0f32; MAX_NY * MAX_TILE_ROWS];
     for tile in (0..p.w.rows).step_by(ROW_TILE) {
+        let end = (tile + ROW_TILE).min(p.w.rows);
         for t0 in (0..n).step_by(MAX_NY) {
             let nt = MAX_NY.min(n - t0);
-            for r in tile..(tile + ROW_TILE).min(p.w.rows) {
+            let ys = &p.acts.data[t0 * yb..(t0 + nt) * yb];
+            let mut r = tile;
+            // Several weight rows per call share each activation block; bit-identical to the
+            // single-row kernel, which serves the remaining rows and single tokens (decode).
+            if let Some(nr) = kernel.tile_rows(nt) {
+                while r + nr <= end {
+                    let w = &p.w.data[r * rb..(r + nr) * rb];
+                    // SAFETY: the lengths were checked for the whole piece above; `tile_rows`
+                    // gives one of TILE_ROWS (at most MAX_TILE_ROWS).
+                    unsafe { kernel.run_tile_unchecked(p.w.cols, w, ys, nt, &mut tmp[..nr * nt]) };
+                    for i in 0..nt {
+                        for dr in 0..nr {
+                            // SAFETY: as below, for columns `r0 + r .. r0 + r + nr` of this piece.
+                            unsafe { *p.out.0.add((t0 + i) * p.stride + p.r0 + r + dr) = tmp[dr * nt + i] };
+                        }
+                    }
+                    r += nr;
+                }
+            }
+            for r in r..end {
                 let wrow = &p.w.data[r * rb..(r + 1) * rb];
-                let ys = &p.acts.data[t0 * yb..(t0 + nt) * yb];
                 // SAFETY: the lengths were checked for the whole piece above.
                 unsafe { kernel.run_unchecked(p.w.cols, wrow, ys, &mut tmp[..nt]) };
                 for (i, v) in tmp[..nt].iter().enumerate() {

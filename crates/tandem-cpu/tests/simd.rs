@@ -166,3 +166,139 @@ fn kernels_never_read_past_their_rows() {
     }
     assert!(bad.is_empty(), "{bad:?}");
 }
+
+/// Multi-row (tile) kernels give every (weight row, token) exactly the single-row kernel's result,
+/// whatever the tokens per call, and so stay within the scalar reference's tolerance.
+#[test]
+fn tile_kernels_equal_single_row_kernels_bit_for_bit() {
+    let mut ran = Vec::new();
+    let mut bad = Vec::new();
+    for &ty in VEC_DOT_TYPES.iter() {
+        for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
+            let k = kernel(ty, isa).unwrap();
+            // Levels without code of their own run the level below, checked there; kernels
+            // without a tile kernel check `run_tile`'s single-row fallback.
+            if k.isa != isa {
+                continue;
+            }
+            let has_tile = k.has_tile();
+            for (case, (n, nr)) in [256usize, 512, 2048, 7168]
+                .into_iter()
+                .flat_map(|n| tandem_cpu::kernels::TILE_ROWS.map(|nr| (n, nr)))
+                .enumerate()
+            {
+                let Ok(wb) = row_size(ty, n) else { continue };
+                let rows: Vec<Vec<u8>> = (0..nr).map(|r| weight_row(ty, n, 40 + (case * 8 + r) as u64)).collect();
+                let wfs: Vec<Vec<f32>> = rows
+                    .iter()
+                    .map(|row| {
+                        let mut f = vec![0f32; n];
+                        dequantize_row(ty, row, &mut f).unwrap();
+                        f
+                    })
+                    .collect();
+                let w: Vec<u8> = rows.concat();
+                let x = data(200 + case as u64, n * MAX_NY);
+                let acts = quantize_activations(ty, &x, n).unwrap();
+                let yb = acts.row_bytes;
+                for ny in 1..=MAX_NY {
+                    for start in [0, MAX_NY - ny] {
+                        let ys = &acts.data[start * yb..(start + ny) * yb];
+                        let mut tile = vec![f32::NAN; nr * ny];
+                        k.run_tile(n, &w, ys, &mut tile);
+                        for (r, row) in rows.iter().enumerate() {
+                            assert_eq!(&w[r * wb..(r + 1) * wb], &row[..]);
+                            let mut single = vec![f32::NAN; ny];
+                            k.run(n, row, ys, &mut single);
+                            for j in 0..ny {
+                                let got = tile[r * ny + j];
+                                let mut alone = [f32::NAN];
+                                k.run(n, row, acts.row(start + j), &mut alone);
+                                if got.to_bits() != single[j].to_bits() || got.to_bits() != alone[0].to_bits() {
+                                    bad.push(format!(
+                                        "{ty}/{} n={n} ny={ny} row {r} token {j}: tile {got} single {} alone {}",
+                                        k.isa, single[j], alone[0]
+                                    ));
+                                }
+                                let want = vec_dot(ty, n, row, acts.row(start + j)).unwrap();
+                                let wf = &wfs[r];
+                                let xj = &x[(start + j) * n..(start + j + 1) * n];
+                                let mag: f32 = wf.iter().zip(xj).map(|(a, b)| (a * b).abs()).sum();
+                                let tol = 2e-6 * mag + 1e-6;
+                                if (got - want).abs() > tol {
+                                    bad.push(format!(
+                                        "{ty}/{} n={n} ny={ny} row {r} token {j}: tile {got} scalar {want} (tolerance {tol})",
+                                        k.isa
+                                    ));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            if has_tile {
+                ran.push(format!("{ty}/{}", k.isa));
+            }
+        }
+    }
+    println!("tile kernels checked on this machine: {}", ran.join(" "));
+    assert!(bad.is_empty(), "{} mismatches, first: {:?}", bad.len(), &bad[..bad.len().min(5)]);
+}
+
+/// The k-quants have tile kernels at every x86 level (where this machine runs them).
+#[test]
+fn k_quants_have_tile_kernels() {
+    for ty in [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+        for isa in [Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni].into_iter().filter(|i| i.supported()) {
+            let k = kernel(ty, isa).unwrap();
+            assert!(k.has_tile(), "{ty}/{isa} has no tile kernel");
+            assert!(k.tile_rows(MAX_NY - 1).is_some(), "{ty}/{isa}: prefill does not use the tile kernel");
+            assert_eq!(k.tile_rows(1), None, "{ty}/{isa}: decode keeps the single-row kernel");
+        }
+    }
+}
+
+/// A tile kernel refuses a weight buffer that is not a whole number of its rows.
+#[test]
+#[should_panic(expected = "tile kernel")]
+fn a_tile_kernel_refuses_mismatched_lengths() {
+    let k = kernel(GgmlType::Q4_K, Isa::detected()).unwrap();
+    let w = [weight_row(GgmlType::Q4_K, 256, 1), weight_row(GgmlType::Q4_K, 256, 2)].concat();
+    let acts = quantize_activations(GgmlType::Q4_K, &data(1, 256), 256).unwrap();
+    k.run_tile(256, &w[..w.len() - 1], &acts.data, &mut [0f32; 2]);
+}
+
+/// A batched product (tile kernels over row tiles, single-row kernels for the remaining rows and
+/// tokens) gives every (row, token) exactly what one single-row call on that token gives.
+#[test]
+fn batched_matmul_equals_one_token_at_a_time_bit_for_bit() {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
+        let k = tandem_cpu::best_kernel(ty).unwrap();
+        // Row counts with tails after tiles of 4 and 2; token counts with tails after groups of 8.
+        for (rows, tokens) in [(37usize, 13usize), (16, 8), (6, 3), (5, 17)] {
+            let n = 512;
+            let rb = row_size(ty, n).unwrap();
+            let w: Vec<u8> = (0..rows).flat_map(|r| weight_row(ty, n, 300 + r as u64)).collect();
+            let x = data(77, n * tokens);
+            let wr = tandem_cpu::WeightRef::new(ty, rows, n, &w).unwrap();
+            let mut y = vec![f32::NAN; tokens * rows];
+            tandem_cpu::matmul(&pool, &wr, &x, &mut y).unwrap();
+            let acts = quantize_activations(ty, &x, n).unwrap();
+            for t in 0..tokens {
+                for r in 0..rows {
+                    let mut one = [f32::NAN];
+                    k.run(n, &w[r * rb..(r + 1) * rb], acts.row(t), &mut one);
+                    assert_eq!(
+                        y[t * rows + r].to_bits(),
+                        one[0].to_bits(),
+                        "{ty}/{} {rows} rows x {tokens} tokens: row {r} token {t}: {} vs {}",
+                        k.isa,
+                        y[t * rows + r],
+                        one[0]
+                    );
+                }
+            }
+        }
+    }
+}

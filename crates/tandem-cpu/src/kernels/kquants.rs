@@ -8,7 +8,7 @@ mod dot;
 #[cfg(target_arch = "x86_64")]
 mod unpack;
 
-use super::{Isa, KernelFn};
+use super::{Isa, KernelFn, TileFn};
 use tandem_quant::GgmlType;
 
 /// The kernel for `ty` written for exactly `isa`, if any.
@@ -24,11 +24,24 @@ pub(super) fn lookup(ty: GgmlType, isa: Isa) -> Option<KernelFn> {
     }
 }
 
+/// The multi-row kernel for `ty` written for exactly `isa` (taking each of `super::TILE_ROWS`), if any.
+pub(super) fn lookup_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::lookup_tile(ty, isa)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (ty, isa);
+        None
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::dot::{dot_avx2, dot_avx512, dot_avx512vnni};
+    use super::dot::{dot_avx2, dot_avx512, dot_avx512vnni, tile_avx2, tile_avx512, tile_avx512vnni};
     use super::unpack::{KQuant, Q2K, Q3K, Q4K, Q5K, Q6K};
-    use crate::kernels::{Isa, KernelFn};
+    use crate::kernels::{Isa, KernelFn, TileFn};
     use tandem_quant::GgmlType;
 
     /// A `KernelFn` from a dot loop generic over `NY`: picks the instance for `ny`.
@@ -58,6 +71,66 @@ mod x86 {
     entry!(avx2, dot_avx2);
     entry!(avx512, dot_avx512);
     entry!(avx512vnni, dot_avx512vnni);
+
+    /// A `TileFn` from a tile loop generic over the weight rows `NR` (2 or 4, from `out.len() / ny`)
+    /// and `NY`.
+    macro_rules! tile_entry {
+        ($name:ident, $tile:ident) => {
+            /// # Safety
+            /// As [`TileFn`]: lengths checked by `Kernel::run_tile`, the machine runs this level.
+            unsafe fn $name<T: KQuant>(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
+                let nr = out.len() / ny.max(1);
+                let ws = w.len() / nr.max(1);
+                let (w, ys, o) = (w.as_ptr(), ys.as_ptr(), out.as_mut_ptr());
+                macro_rules! by_ny {
+                    ($nr:literal) => {
+                        match ny {
+                            1 => $tile::<T, $nr, 1>(n, w, ws, ys, o),
+                            2 => $tile::<T, $nr, 2>(n, w, ws, ys, o),
+                            3 => $tile::<T, $nr, 3>(n, w, ws, ys, o),
+                            4 => $tile::<T, $nr, 4>(n, w, ws, ys, o),
+                            5 => $tile::<T, $nr, 5>(n, w, ws, ys, o),
+                            6 => $tile::<T, $nr, 6>(n, w, ws, ys, o),
+                            7 => $tile::<T, $nr, 7>(n, w, ws, ys, o),
+                            8 => $tile::<T, $nr, 8>(n, w, ws, ys, o),
+                            _ => out.fill(f32::NAN),
+                        }
+                    };
+                }
+                // SAFETY: `Kernel::run_tile` checked w, ys and out against n, nr (in TILE_ROWS) and ny (1..=8).
+                unsafe {
+                    match nr {
+                        2 => by_ny!(2),
+                        4 => by_ny!(4),
+                        _ => out.fill(f32::NAN),
+                    }
+                }
+            }
+        };
+    }
+    tile_entry!(tile256, tile_avx2);
+    tile_entry!(tile512, tile_avx512);
+    tile_entry!(tile512vnni, tile_avx512vnni);
+
+    fn tile_for_type<T: KQuant>(isa: Isa) -> Option<TileFn> {
+        match isa {
+            Isa::Avx2 => Some(tile256::<T>),
+            Isa::Avx512 => Some(tile512::<T>),
+            Isa::Avx512Vnni => Some(tile512vnni::<T>),
+            Isa::Scalar | Isa::Avx512Bf16 => None,
+        }
+    }
+
+    pub(super) fn lookup_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
+        match ty {
+            GgmlType::Q2_K => tile_for_type::<Q2K>(isa),
+            GgmlType::Q3_K => tile_for_type::<Q3K>(isa),
+            GgmlType::Q4_K => tile_for_type::<Q4K>(isa),
+            GgmlType::Q5_K => tile_for_type::<Q5K>(isa),
+            GgmlType::Q6_K => tile_for_type::<Q6K>(isa),
+            _ => None,
+        }
+    }
 
     fn for_type<T: KQuant>(isa: Isa) -> Option<KernelFn> {
         match isa {
@@ -183,6 +256,103 @@ mod tests {
             let want: Vec<Isa> =
                 if cfg!(target_arch = "x86_64") { vec![Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni] } else { vec![] };
             assert_eq!(simd_levels(ty), want, "{ty}");
+        }
+    }
+
+    /// Single-row against tile kernels on the same rows, weight bytes from L2 (`cargo test -p
+    /// tandem-cpu --release tile_throughput -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn tile_throughput() {
+        let mut rng = Rng(7);
+        for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+            let n = 7168;
+            let rb = row_size(ty, n).unwrap();
+            let rows = (512 * 1024 / rb) & !3; // a whole number of tiles of 2 and 4 rows
+            let w: Vec<u8> = (0..rows).flat_map(|_| random_weights(ty, n, &mut rng)).collect();
+            let ys = random_q8k(n, MAX_NY, &mut rng);
+            let yb = ys.len() / MAX_NY;
+            let mut line = format!("{ty} n={n}:");
+            for isa in [Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni].into_iter().filter(|l| l.supported()) {
+                let k = kernel(ty, isa).unwrap();
+                if !k.has_tile() {
+                    continue;
+                }
+                for (ny, nr) in [(2usize, 2usize), (2, 4), (4, 2), (4, 4), (6, 2), (6, 4), (8, 2), (8, 4)] {
+                    let mut out = vec![0f32; nr * ny];
+                    let (mut single, mut tile) = (f64::MAX, f64::MAX);
+                    for _ in 0..20 {
+                        let t = std::time::Instant::now();
+                        for r in w.chunks_exact(rb) {
+                            k.run(n, r, &ys[..ny * yb], &mut out[..ny]);
+                        }
+                        single = single.min(t.elapsed().as_secs_f64());
+                        let t = std::time::Instant::now();
+                        for r in w.chunks_exact(nr * rb) {
+                            k.run_tile(n, r, &ys[..ny * yb], &mut out);
+                        }
+                        tile = tile.min(t.elapsed().as_secs_f64());
+                        std::hint::black_box(&out);
+                    }
+                    let gb = w.len() as f64 / 1e9;
+                    line += &format!("\n  {isa} ny={ny} single {:.2} tile{nr} {:.2} GB/s", gb / single, gb / tile);
+                }
+            }
+            println!("{line}");
+        }
+    }
+
+    /// A whole Q4_K product on one thread (`matmul`, with tile kernels) against the same row tiles
+    /// and token groups with single-row calls only (`cargo test -p tandem-cpu --release
+    /// matmul_tile_speedup -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn matmul_tile_speedup() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let mut rng = Rng(9);
+        for (rows, n, tokens) in [(512usize, 2048usize, 32usize), (2048, 2048, 256)] {
+            let ty = GgmlType::Q4_K;
+            let rb = row_size(ty, n).unwrap();
+            let w: Vec<u8> = (0..rows).flat_map(|_| random_weights(ty, n, &mut rng)).collect();
+            let x: Vec<f32> = (0..n * tokens).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect();
+            let acts = crate::quantize_activations(ty, &x, n).unwrap();
+            let wr = crate::WeightRef::new(ty, rows, n, &w).unwrap();
+            let k = crate::best_kernel(ty).unwrap();
+            let mut y = vec![0f32; rows * tokens];
+            let (mut tiled, mut single) = (f64::MAX, f64::MAX);
+            for _ in 0..5 {
+                let t = std::time::Instant::now();
+                crate::matmul_quantized(&pool, &wr, &acts, &mut y).unwrap();
+                tiled = tiled.min(t.elapsed().as_secs_f64());
+                let t = std::time::Instant::now();
+                let mut tmp = [0f32; MAX_NY];
+                for tile in (0..rows).step_by(16) {
+                    for t0 in (0..tokens).step_by(MAX_NY) {
+                        let nt = MAX_NY.min(tokens - t0);
+                        for r in tile..tile + 16 {
+                            k.run(
+                                n,
+                                &w[r * rb..(r + 1) * rb],
+                                &acts.data[t0 * acts.row_bytes..(t0 + nt) * acts.row_bytes],
+                                &mut tmp[..nt],
+                            );
+                            for i in 0..nt {
+                                y[(t0 + i) * rows + r] = tmp[i];
+                            }
+                        }
+                    }
+                }
+                single = single.min(t.elapsed().as_secs_f64());
+            }
+            let gb = (w.len() * tokens) as f64 / 1e9;
+            println!(
+                "{ty} {rows}x{n}, {tokens} tokens, {}: single-row {:.1} ms ({:.1} token-GB/s), tiled {:.1} ms ({:.1} token-GB/s)",
+                k.isa,
+                single * 1e3,
+                gb / single,
+                tiled * 1e3,
+                gb / tiled
+            );
         }
     }
 

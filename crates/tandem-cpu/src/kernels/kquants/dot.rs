@@ -1,7 +1,7 @@
 //! The dot loops over unpacked blocks ([`super::unpack`]), one per x86 level, generic over the weight
 //! type and the number of activation rows `NY` (a weight block is unpacked once for all `NY` rows).
 
-use super::unpack::{KQuant, Unpacked};
+use super::unpack::{Factors, KQuant, Unpacked};
 use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
 use tandem_quant::blocks::BlockQ8K;
@@ -99,6 +99,68 @@ pub(crate) unsafe fn dot_avx2<T: KQuant, const NY: usize>(n: usize, w: *const u8
     }
 }
 
+/// AVX2 multi-row kernel: `out[r * NY + j] = dot(w_r, y_j)` for `NR` weight rows `wstride` bytes
+/// apart. Each activation vector is loaded once for the `NR` rows; every (row, token) result goes
+/// through the operations of [`dot_avx2`] (integer sums are exact), so it is bit-identical to it.
+///
+/// # Safety
+/// `w` holds `NR` rows of `n / 256` blocks of `T`, `wstride` bytes apart; `ys` holds `NY` rows of
+/// `n / 256` Q8_K blocks; `out` has `NR * NY` elements; the machine has AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // r, j and k index several arrays at once
+pub(crate) unsafe fn tile_avx2<T: KQuant, const NR: usize, const NY: usize>(
+    n: usize,
+    w: *const u8,
+    wstride: usize,
+    ys: *const u8,
+    out: *mut f32,
+) {
+    let nb = n / tandem_quant::QK_K;
+    let row = nb * Q8K_BYTES;
+    let mut acc = [[_mm256_setzero_ps(); NY]; NR];
+    for i in 0..nb {
+        // SAFETY: block `i` of each of the NR weight rows and NY activation rows is in bounds.
+        unsafe {
+            let zero = Factors { sc: _mm256_setzero_si256(), m: _mm256_setzero_si256(), d: 0.0, dmin: 0.0 };
+            let mut u = [Unpacked { w: [_mm256_setzero_si256(); 8], f: zero }; NR];
+            let mut s = [[_mm256_setzero_si256(); 8]; NR];
+            for r in 0..NR {
+                u[r] = T::unpack(w.add(r * wstride + i * T::BYTES));
+                s[r] = scales_256(u[r].f.sc);
+            }
+            for j in 0..NY {
+                let y = ys.add(j * row + i * Q8K_BYTES);
+                let mut t = [_mm256_setzero_si256(); NR];
+                for k in 0..8 {
+                    let q = ld(y.add(Q8K_QS + 32 * k));
+                    for r in 0..NR {
+                        t[r] = _mm256_add_epi32(t[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u[r].w[k], q), s[r][k]));
+                    }
+                }
+                let bs = ld(y.add(Q8K_BSUMS));
+                let ydv = _mm256_set1_ps(yd(y));
+                for r in 0..NR {
+                    let f = u[r].f;
+                    let (dv, dmv) = (_mm256_set1_ps(f.d), _mm256_set1_ps(f.dmin));
+                    let mi = _mm256_madd_epi16(bs, f.m);
+                    let v = if T::FOLD {
+                        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(t[r], mi)), dv)
+                    } else {
+                        _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi), dmv, _mm256_mul_ps(_mm256_cvtepi32_ps(t[r]), dv))
+                    };
+                    acc[r][j] = _mm256_fmadd_ps(v, ydv, acc[r][j]);
+                }
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        for (j, a) in a.iter().enumerate() {
+            // SAFETY: `out` has NR * NY elements.
+            unsafe { *out.add(r * NY + j) = hsum256(*a) };
+        }
+    }
+}
+
 /// vpermw indices spreading 16 group scales over the 32 i16 lanes of `vpmaddubsw` on 64 elements.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
@@ -121,13 +183,34 @@ fn scales_512(sc: __m256i) -> [__m512i; 4] {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 unsafe fn row_madd(wz: &[__m512i; 4], s: &[__m512i; 4], y: *const u8) -> __m512i {
+    // SAFETY: forwarded from the caller.
+    row_madd_q(wz, s, &unsafe { load_q(y) })
+}
+
+/// [`row_madd`] on the block's quants already loaded ([`load_q`]).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+fn row_madd_q(wz: &[__m512i; 4], s: &[__m512i; 4], q: &[__m512i; 4]) -> __m512i {
     let mut t = _mm512_setzero_si512();
     for k in 0..4 {
-        // SAFETY: 64 of the 256 quants of the block.
-        let q = unsafe { _mm512_loadu_si512(y.add(Q8K_QS + 64 * k) as *const __m512i) };
-        t = _mm512_add_epi32(t, _mm512_madd_epi16(_mm512_maddubs_epi16(wz[k], q), s[k]));
+        t = _mm512_add_epi32(t, _mm512_madd_epi16(_mm512_maddubs_epi16(wz[k], q[k]), s[k]));
     }
     t
+}
+
+/// The 256 quants of the Q8_K block at `y` as 4 zmm.
+///
+/// # Safety
+/// `y` points at a whole Q8_K block.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn load_q(y: *const u8) -> [__m512i; 4] {
+    let mut q = [_mm512_setzero_si512(); 4];
+    for (k, v) in q.iter_mut().enumerate() {
+        // SAFETY: 64 of the 256 quants of the block.
+        *v = unsafe { _mm512_loadu_si512(y.add(Q8K_QS + 64 * k) as *const __m512i) };
+    }
+    q
 }
 
 /// Scale vectors for `vpdpwssd` on `vpackssdw(dp[2h], dp[2h+1])` of the per-4-element `vpdpbusd` sums
@@ -158,11 +241,17 @@ fn scales_packed(sc: __m256i) -> [__m512i; 2] {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn row_vnni(wz: &[__m512i; 4], s: &[__m512i; 2], y: *const u8) -> __m512i {
+    // SAFETY: forwarded from the caller.
+    row_vnni_q(wz, s, &unsafe { load_q(y) })
+}
+
+/// [`row_vnni`] on the block's quants already loaded ([`load_q`]).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn row_vnni_q(wz: &[__m512i; 4], s: &[__m512i; 2], q: &[__m512i; 4]) -> __m512i {
     let mut dp = [_mm512_setzero_si512(); 4];
     for (k, d) in dp.iter_mut().enumerate() {
-        // SAFETY: 64 of the 256 quants of the block.
-        let q = unsafe { _mm512_loadu_si512(y.add(Q8K_QS + 64 * k) as *const __m512i) };
-        *d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[k], q);
+        *d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[k], q[k]);
     }
     let t = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(dp[0], dp[1]), s[0]);
     _mm512_dpwssd_epi32(t, _mm512_packs_epi32(dp[2], dp[3]), s[1])
@@ -214,4 +303,78 @@ dot_512!(
 dot_512!(
     /// AVX-512 VNNI (zmm): `out[j] = dot(w, y_j)` for `NY` rows.
     dot_avx512vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", scales_packed, row_vnni
+);
+
+/// Multi-row zmm kernels: `NR` weight rows (`wstride` bytes apart) against `NY` activation rows.
+/// Each activation block is loaded once and serves all `NR` unpacked weight blocks; every
+/// (row, token) result goes through exactly the operations of the single-row kernel (`dot_512!`),
+/// so it is bit-identical to it.
+macro_rules! tile_512 {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $scales:ident, $rowq:ident) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// `w` holds `NR` rows of `n / 256` blocks of `T`, `wstride` bytes apart; `ys` holds `NY` rows
+        /// of `n / 256` Q8_K blocks; `out` has `NR * NY` elements (`out[r * NY + j]`); the machine has
+        /// the features named.
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn $name<T: KQuant, const NR: usize, const NY: usize>(
+            n: usize,
+            w: *const u8,
+            wstride: usize,
+            ys: *const u8,
+            out: *mut f32,
+        ) {
+            let nb = n / tandem_quant::QK_K;
+            let row = nb * Q8K_BYTES;
+            let mut acc = [[_mm512_setzero_ps(); NY]; NR];
+            for i in 0..nb {
+                // SAFETY: block `i` of each of the NR weight rows and NY activation rows is in bounds.
+                unsafe {
+                    // Plain loops, not `array::from_fn`: its closures were left as calls (not
+                    // inlined) here, with the unpacked vectors passed through memory.
+                    let zero = Factors { sc: _mm256_setzero_si256(), m: _mm256_setzero_si256(), d: 0.0, dmin: 0.0 };
+                    let mut u = [([_mm512_setzero_si512(); 4], zero); NR];
+                    let mut s = [[_mm512_setzero_si512(); _]; NR];
+                    for r in 0..NR {
+                        u[r] = T::unpack512(w.add(r * wstride + i * T::BYTES));
+                        s[r] = $scales(u[r].1.sc);
+                    }
+                    for j in 0..NY {
+                        let y = ys.add(j * row + i * Q8K_BYTES);
+                        let q = load_q(y);
+                        let bs = ld(y.add(Q8K_BSUMS));
+                        let ydv = _mm512_set1_ps(yd(y));
+                        for r in 0..NR {
+                            let (wz, f) = &u[r];
+                            let (dv, dmv) = (_mm512_set1_ps(f.d), _mm512_set1_ps(f.dmin));
+                            let t = $rowq(wz, &s[r], &q);
+                            let mi = _mm512_zextsi256_si512(_mm256_madd_epi16(bs, f.m));
+                            let v = if T::FOLD {
+                                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t, mi)), dv)
+                            } else {
+                                _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mi), dmv, _mm512_mul_ps(_mm512_cvtepi32_ps(t), dv))
+                            };
+                            acc[r][j] = _mm512_fmadd_ps(v, ydv, acc[r][j]);
+                        }
+                    }
+                }
+            }
+            for (r, a) in acc.iter().enumerate() {
+                for (j, a) in a.iter().enumerate() {
+                    // SAFETY: `out` has NR * NY elements.
+                    unsafe { *out.add(r * NY + j) = _mm512_reduce_add_ps(*a) };
+                }
+            }
+        }
+    };
+}
+
+tile_512!(
+    /// AVX-512 (zmm): `out[r * NY + j] = dot(w_r, y_j)`.
+    tile_avx512, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", scales_512, row_madd_q
+);
+tile_512!(
+    /// AVX-512 VNNI (zmm): `out[r * NY + j] = dot(w_r, y_j)`.
+    tile_avx512vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", scales_packed, row_vnni_q
 );
