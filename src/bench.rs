@@ -5,7 +5,7 @@
 //! Every timed step runs on random tokens (seeded, uniform in the vocabulary) through
 //! [`Context::decode`]; the KV cache is filled to the depth untimed and truncated back between steps.
 
-use crate::cli::ModelArgs;
+use crate::cli::{ModelArgs, PlacementArgs, RuntimeArgs};
 use anyhow::{bail, Context as _};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 use tandem_gguf::{GgufModel, TensorRef};
-use tandem_model::{Batch, CacheType, Context, ContextParams, CpuBackend, Model};
+use tandem_model::{Batch, CacheType, Context, ContextParams, Model};
 
 /// The KV-cache sequence the benchmark uses.
 const SEQ: usize = 0;
@@ -31,6 +31,10 @@ const L3_FACTOR: u64 = 4;
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Where tensors go (`-ngl`, `-ot`, ...), as for run/serve; a GPU that cannot be used means
+    /// one line on stderr and the CPU.
+    #[command(flatten)]
+    pub placement: PlacementArgs,
     /// Thread counts to test, comma-separated; each is used for decode and batches alike [default: all cores].
     #[arg(short = 't', long = "threads", value_name = "N,...", value_delimiter = ',', allow_negative_numbers = true)]
     pub threads: Vec<i64>,
@@ -516,7 +520,21 @@ fn run_threads(
         cache_type_k: plan.cache_type_k,
         cache_type_v: plan.cache_type_v,
     };
-    let ctx = Context::new(model.clone(), Box::new(CpuBackend::new(threads)), params)?;
+    let rt = RuntimeArgs {
+        threads: Some(t),
+        threads_batch: Some(t),
+        ctx_size: n_ctx,
+        batch_size: plan.batch,
+        ubatch_size: plan.ubatch,
+        cache_type_k: a.cache_type_k.clone(),
+        cache_type_v: a.cache_type_v.clone(),
+        parallel: 1,
+    };
+    let choice = crate::logits::select_backend(model.gguf(), &a.model, &rt, &a.placement, threads)?;
+    for line in &choice.notes {
+        eprintln!("tandem: {line}");
+    }
+    let ctx = Context::new(model.clone(), choice.backend, params)?;
     let mut r = Runner { ctx, rng: Rng(a.seed), batch: plan.batch, n_vocab: model.n_vocab(), pb: out.pb };
     out.line(&format!(
         "\nmain: n_kv_max = {n_ctx}, n_batch = {}, n_ubatch = {}, n_threads = {t}, n_threads_batch = {t}, type_k = {}, type_v = {}, repetitions = {}\n",

@@ -1,8 +1,8 @@
 //! The `tandem` binary's library: wires the crates into the commands of the CLI.
 
 pub mod bench;
-pub mod inspect;
 pub mod cli;
+pub mod inspect;
 pub mod kernels;
 pub mod logits;
 pub mod plan;

@@ -199,3 +199,23 @@ fn bad_flags_give_one_line_errors() {
     let se = String::from_utf8_lossy(&out.stderr);
     assert!(se.lines().count() == 1 && se.contains("/nonexistent/model.gguf"), "{se}");
 }
+
+/// Placement flags work as for run/serve: with no usable GPU (none here, or a build without
+/// CUDA) one line says so and the bench runs on the CPU; a bad device is a one-line error.
+#[test]
+fn gpu_placement_falls_back_to_the_cpu_with_one_line() {
+    let (v, se) = json(
+        "deepseek2-mla-tiny.gguf",
+        &["-t", "1", "-p", "8", "-n", "4", "-r", "1", "-ngl", "999", "-ot", "exps=CPU"],
+    );
+    let fallback: Vec<&str> = se.lines().filter(|l| l.contains("CUDA unavailable")).collect();
+    assert_eq!(fallback.len(), 1, "one fallback line expected:\n{se}");
+    assert!(fallback[0].contains("running everything on the CPU"), "{se}");
+    check_rows(&v);
+    let out = bench("deepseek2-mla-tiny.gguf", &["-t", "1", "-p", "8", "-n", "4", "-r", "1", "-ot", "exps=GPU7"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.lines().filter(|l| l.starts_with("tandem: error:")).count(), 1, "{err}");
+    assert!(err.contains("GPU7"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -184,7 +184,8 @@ async fn smollm2_chat_streams_llama_cpp_greedy_text_concurrently() {
             let sure = margins.iter().take_while(|m| m.as_f64().unwrap() > noise).count();
             let pieces: Vec<&str> = r["pieces"].as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect();
             let whole = sure == margins.len();
-            let text = if whole { r["text"].as_str().unwrap().to_string() } else { pieces[..sure.min(pieces.len())].concat() };
+            let text =
+                if whole { r["text"].as_str().unwrap().to_string() } else { pieces[..sure.min(pieces.len())].concat() };
             (r["prompt"].as_str().unwrap().to_string(), text, whole)
         })
         .collect();
