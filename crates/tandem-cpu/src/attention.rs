@@ -52,7 +52,12 @@ impl AttnF16<'_> {
     }
 }
 
-/// Computes `out` (`[n_head][dv]`) for one token, splitting its rows over `pool`.
+/// Computes `out` (`[n_head][dv]`) for one token on `pool`.
+///
+/// The heads are split over the threads when there are enough of them (every head's arithmetic is
+/// then exactly what [`one_token`] does, so a token gets the same bits alone or in a batch, on any
+/// number of threads); with fewer heads than threads the rows are split instead, flash-decoding
+/// style, with partial sums per chunk of rows.
 pub fn attention_f16(pool: &rayon::ThreadPool, a: &AttnF16, out: &mut [f32]) -> crate::Result<()> {
     if !a.check(out) {
         return Err(crate::Error::Shape(format!(
@@ -61,26 +66,54 @@ pub fn attention_f16(pool: &rayon::ThreadPool, a: &AttnF16, out: &mut [f32]) -> 
         )));
     }
     let qr = round_q(a.q);
-    let n_chunks = a.n_kv.div_ceil(CHUNK);
-    if n_chunks <= 1 || pool.current_num_threads() <= 1 {
+    let threads = pool.current_num_threads();
+    if threads <= 1 || a.n_kv < 2 * CHUNK {
         one_token(a, &qr, out);
         return Ok(());
     }
+    let g = a.group();
+    // Heads per unit of work: at most eight (one register block), fewer until every thread has one.
+    let mut hb = g.min(8);
+    while hb > 1 && a.n_head_kv * g.div_ceil(hb) < threads {
+        hb = hb.div_ceil(2);
+    }
+    if a.n_head_kv * g.div_ceil(hb) >= threads {
+        let mut units = Vec::with_capacity(a.n_head_kv * g.div_ceil(hb));
+        let mut rest = out;
+        for kvh in 0..a.n_head_kv {
+            for h0 in (0..g).step_by(hb) {
+                let hs = h0..(h0 + hb).min(g);
+                let (o, r) = rest.split_at_mut(hs.len() * a.dv);
+                units.push((kvh, hs, o));
+                rest = r;
+            }
+        }
+        pool.install(|| units.into_par_iter().with_max_len(1).for_each(|(kvh, hs, o)| heads(a, &qr, kvh, hs, o)));
+        return Ok(());
+    }
+    let n_chunks = a.n_kv.div_ceil(CHUNK);
     let nh = a.n_head;
     // Scores per chunk: [chunk][head][CHUNK].
     let mut s = vec![0f32; n_chunks * nh * CHUNK];
     pool.install(|| {
         s.par_chunks_mut(nh * CHUNK).enumerate().for_each(|(c, sc)| {
             let rows = c * CHUNK..(c * CHUNK + CHUNK).min(a.n_kv);
-            scores(a, &qr, rows, sc, CHUNK);
+            for kvh in 0..a.n_head_kv {
+                let q = &qr[kvh * g * a.dk..(kvh + 1) * g * a.dk];
+                scores(a, kvh, q, g, rows.clone(), &mut sc[kvh * g * CHUNK..(kvh + 1) * g * CHUNK], CHUNK);
+            }
         })
     });
-    softmax_rows(a, &mut s, n_chunks);
+    softmax_rows(a.n_kv, nh, &mut s, n_chunks);
     let mut part = vec![0f32; n_chunks * nh * a.dv];
     pool.install(|| {
         part.par_chunks_mut(nh * a.dv).enumerate().for_each(|(c, pc)| {
             let rows = c * CHUNK..(c * CHUNK + CHUNK).min(a.n_kv);
-            weighted_values(a, &s[c * nh * CHUNK..(c + 1) * nh * CHUNK], CHUNK, rows, pc);
+            let sc = &s[c * nh * CHUNK..(c + 1) * nh * CHUNK];
+            for kvh in 0..a.n_head_kv {
+                let p = &sc[kvh * g * CHUNK..(kvh + 1) * g * CHUNK];
+                weighted_values(a, kvh, p, g, CHUNK, rows.clone(), &mut pc[kvh * g * a.dv..(kvh + 1) * g * a.dv]);
+            }
         })
     });
     out.copy_from_slice(&part[..nh * a.dv]);
@@ -114,25 +147,40 @@ pub fn attention_f16_many(pool: &rayon::ThreadPool, items: &[AttnF16], outs: &mu
 
 /// q rounded to f16, as ggml converts it to the cache's dot type.
 fn round_q(q: &[f32]) -> Vec<f32> {
-    q.iter().map(|&v| f16::from_f32(v).to_f32()).collect()
+    use half::slice::HalfFloatSliceExt;
+    let mut h = vec![f16::ZERO; q.len()];
+    h.convert_from_f32_slice(q);
+    let mut r = vec![0f32; q.len()];
+    h.convert_to_f32_slice(&mut r);
+    r
 }
 
 /// The whole computation of one token on the calling thread.
 fn one_token(a: &AttnF16, qr: &[f32], out: &mut [f32]) {
-    let nh = a.n_head;
+    let g = a.group();
+    for (kvh, o) in out.chunks_exact_mut(g * a.dv).enumerate() {
+        heads(a, qr, kvh, 0..g, o);
+    }
+}
+
+/// Heads `hs` (numbered within KV head `kvh`'s group) of one token over all rows; `out` holds
+/// their `dv` values each. Each head's result depends on nothing but its own query and the cache.
+fn heads(a: &AttnF16, qr: &[f32], kvh: usize, hs: std::ops::Range<usize>, out: &mut [f32]) {
+    let n = hs.len();
+    let first = kvh * a.group() + hs.start;
+    let q = &qr[first * a.dk..(first + n) * a.dk];
     let stride = a.n_kv.max(1);
-    let mut s = vec![0f32; nh * stride];
-    scores(a, qr, 0..a.n_kv, &mut s, stride);
-    softmax_rows(a, &mut s, 1);
-    weighted_values(a, &s, stride, 0..a.n_kv, out);
+    let mut s = vec![0f32; n * stride];
+    scores(a, kvh, q, n, 0..a.n_kv, &mut s, stride);
+    softmax_rows(a.n_kv, n, &mut s, 1);
+    weighted_values(a, kvh, &s, n, stride, 0..a.n_kv, out);
 }
 
 /// Softmax over each head's scores laid out as `[chunk][head][stride]` (`stride = len / (n_chunks *
 /// n_head)`), then rounded to f16 as ggml converts the probabilities for the V product.
-fn softmax_rows(a: &AttnF16, s: &mut [f32], n_chunks: usize) {
-    let nh = a.n_head;
+fn softmax_rows(n_kv: usize, nh: usize, s: &mut [f32], n_chunks: usize) {
     let stride = s.len() / (n_chunks * nh).max(1);
-    let len = |c: usize| (a.n_kv - c * stride).min(stride);
+    let len = |c: usize| (n_kv - c * stride).min(stride);
     #[cfg(target_arch = "x86_64")]
     let simd = Isa::detected() >= Isa::Avx512;
     #[cfg(not(target_arch = "x86_64"))]
@@ -173,55 +221,63 @@ fn softmax_rows(a: &AttnF16, s: &mut [f32], n_chunks: usize) {
     }
 }
 
-/// `s[h * stride + (j - rows.start)] = scale * dot(q_h, k_j)` for the rows given.
-fn scores(a: &AttnF16, qr: &[f32], rows: std::ops::Range<usize>, s: &mut [f32], stride: usize) {
-    let g = a.group();
-    for kvh in 0..a.n_head_kv {
-        let q = &qr[kvh * g * a.dk..(kvh + 1) * g * a.dk];
-        let out = &mut s[kvh * g * stride..(kvh + 1) * g * stride];
-        #[cfg(target_arch = "x86_64")]
-        if Isa::detected() >= Isa::Avx512 && a.dk.is_multiple_of(16) {
-            // SAFETY: AVX-512 is present; `check` bounded every row read below.
-            unsafe { x86::scores(a, kvh, q, g, rows.clone(), out, stride) };
-            continue;
-        }
-        let mut kf = vec![0f32; a.dk];
-        for j in rows.clone() {
-            let at = 2 * (j * a.k_row + kvh * a.dk);
-            f16_row(&a.k[at..at + 2 * a.dk], &mut kf);
-            for (h, qh) in q.chunks_exact(a.dk).enumerate() {
-                out[h * stride + j - rows.start] = dot(qh, &kf) * a.scale;
-            }
+/// `s[h * stride + (j - rows.start)] = scale * dot(q_h, k_j)` for the `n` heads of `q` (all
+/// sharing K head `kvh`) and the rows given.
+fn scores(
+    a: &AttnF16,
+    kvh: usize,
+    q: &[f32],
+    n: usize,
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+    stride: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detected() >= Isa::Avx512 && a.dk.is_multiple_of(16) {
+        // SAFETY: AVX-512 is present; `check` bounded every row read below.
+        unsafe { x86::scores(a, kvh, q, n, rows, out, stride) };
+        return;
+    }
+    let mut kf = vec![0f32; a.dk];
+    for j in rows.clone() {
+        let at = 2 * (j * a.k_row + kvh * a.dk);
+        f16_row(&a.k[at..at + 2 * a.dk], &mut kf);
+        for (h, qh) in q.chunks_exact(a.dk).take(n).enumerate() {
+            out[h * stride + j - rows.start] = dot(qh, &kf) * a.scale;
         }
     }
 }
 
-/// `out[h] += sum_j p[h][j] * v_j` over the rows given (`out` is `[n_head][dv]`, overwritten).
-fn weighted_values(a: &AttnF16, p: &[f32], stride: usize, rows: std::ops::Range<usize>, out: &mut [f32]) {
-    let g = a.group();
+/// `out[h] = sum_j p[h][j] * v_j` over the rows given for the `n` heads of `p` (`out` is
+/// `[n][dv]`, overwritten), all reading V head `kvh`.
+fn weighted_values(
+    a: &AttnF16,
+    kvh: usize,
+    p: &[f32],
+    n: usize,
+    stride: usize,
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
     let (v, v_row, v_head) = match a.v {
         Some(v) => (v, a.v_row, a.dv),
         None => (a.k, a.k_row, a.dk),
     };
     out.fill(0.0);
-    for kvh in 0..a.n_head_kv {
-        let p = &p[kvh * g * stride..(kvh + 1) * g * stride];
-        let o = &mut out[kvh * g * a.dv..(kvh + 1) * g * a.dv];
-        #[cfg(target_arch = "x86_64")]
-        if Isa::detected() >= Isa::Avx512 && a.dv.is_multiple_of(32) {
-            // SAFETY: AVX-512 is present; `check` bounded every row read below.
-            unsafe { x86::weighted_values(v, v_row, kvh * v_head, a.dv, p, g, stride, rows.clone(), o) };
-            continue;
-        }
-        let mut vf = vec![0f32; a.dv];
-        for j in rows.clone() {
-            let at = 2 * (j * v_row + kvh * v_head);
-            f16_row(&v[at..at + 2 * a.dv], &mut vf);
-            for h in 0..g {
-                let pj = p[h * stride + j - rows.start];
-                for (o, v) in o[h * a.dv..(h + 1) * a.dv].iter_mut().zip(&vf) {
-                    *o += pj * v;
-                }
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detected() >= Isa::Avx512 && a.dv.is_multiple_of(32) {
+        // SAFETY: AVX-512 is present; `check` bounded every row read below.
+        unsafe { x86::weighted_values(v, v_row, kvh * v_head, a.dv, p, n, stride, rows, out) };
+        return;
+    }
+    let mut vf = vec![0f32; a.dv];
+    for j in rows.clone() {
+        let at = 2 * (j * v_row + kvh * v_head);
+        f16_row(&v[at..at + 2 * a.dv], &mut vf);
+        for h in 0..n {
+            let pj = p[h * stride + j - rows.start];
+            for (o, v) in out[h * a.dv..(h + 1) * a.dv].iter_mut().zip(&vf) {
+                *o += pj * v;
             }
         }
     }
@@ -326,6 +382,39 @@ mod x86 {
         }
     }
 
+    /// Sums of sixteen vectors: lane `i` of the result is the sum of the lanes of `v[i]`
+    /// (15 pairwise steps, each two permutes and an add, instead of sixteen full reductions).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn reduce16(v: &[__m512; 16]) -> __m512 {
+        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        // Lanes 2i and 2i+1 of every step's inputs always belong to the same original vector, so
+        // adding the even lanes to the odd ones halves each vector's partial sums while keeping
+        // them together, in order.
+        let pair = |a: __m512, b: __m512| {
+            _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b))
+        };
+        let l1: [__m512; 8] = std::array::from_fn(|i| pair(v[2 * i], v[2 * i + 1]));
+        let l2: [__m512; 4] = std::array::from_fn(|i| pair(l1[2 * i], l1[2 * i + 1]));
+        let l3: [__m512; 2] = std::array::from_fn(|i| pair(l2[2 * i], l2[2 * i + 1]));
+        pair(l3[0], l3[1])
+    }
+
+    /// The sum of one vector's lanes added in the same order as [`reduce16`] adds them, so that a
+    /// score has the same bits whichever way its heads and rows were blocked.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn hsum(v: __m512) -> f32 {
+        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        let mut x = v;
+        for _ in 0..4 {
+            x = _mm512_add_ps(_mm512_permutexvar_ps(even, x), _mm512_permutexvar_ps(odd, x));
+        }
+        _mm512_cvtss_f32(x)
+    }
+
     /// Scores of `g` heads (q rows of `a.dk`) against K head `kvh` of each row: two rows at a time
     /// against up to eight heads, every K chunk converted once for all of them.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
@@ -338,40 +427,84 @@ mod x86 {
         out: &mut [f32],
         stride: usize,
     ) {
-        let dk = a.dk;
-        let kp = a.k.as_ptr();
-        let row_ptr = |j: usize| unsafe { kp.add(2 * (j * a.k_row + kvh * dk)) };
         let mut h0 = 0;
         while h0 < g {
             let hb = (g - h0).min(8);
-            let qb = q.as_ptr().add(h0 * dk);
-            let mut j = rows.start;
-            while j < rows.end {
-                let two = j + 1 < rows.end;
-                let (k0, k1) = (row_ptr(j), row_ptr(if two { j + 1 } else { j }));
-                let mut acc0 = [_mm512_setzero_ps(); 8];
-                let mut acc1 = [_mm512_setzero_ps(); 8];
-                let mut d = 0;
-                while d < dk {
-                    let x0 = _mm512_cvtph_ps(_mm256_loadu_si256(k0.add(2 * d) as *const __m256i));
-                    let x1 = _mm512_cvtph_ps(_mm256_loadu_si256(k1.add(2 * d) as *const __m256i));
-                    for h in 0..hb {
-                        let qv = _mm512_loadu_ps(qb.add(h * dk + d));
-                        acc0[h] = _mm512_fmadd_ps(x0, qv, acc0[h]);
-                        acc1[h] = _mm512_fmadd_ps(x1, qv, acc1[h]);
-                    }
-                    d += 16;
-                }
-                for h in 0..hb {
-                    let o = (h0 + h) * stride + j - rows.start;
-                    out[o] = _mm512_reduce_add_ps(acc0[h]) * a.scale;
-                    if two {
-                        out[o + 1] = _mm512_reduce_add_ps(acc1[h]) * a.scale;
-                    }
-                }
-                j += 2;
+            let (q, o) = (&q[h0 * a.dk..], &mut out[h0 * stride..]);
+            match hb {
+                8 => scores_heads::<8>(a, kvh, q, rows.clone(), o, stride),
+                7 => scores_heads::<7>(a, kvh, q, rows.clone(), o, stride),
+                6 => scores_heads::<6>(a, kvh, q, rows.clone(), o, stride),
+                5 => scores_heads::<5>(a, kvh, q, rows.clone(), o, stride),
+                4 => scores_heads::<4>(a, kvh, q, rows.clone(), o, stride),
+                3 => scores_heads::<3>(a, kvh, q, rows.clone(), o, stride),
+                2 => scores_heads::<2>(a, kvh, q, rows.clone(), o, stride),
+                _ => scores_heads::<1>(a, kvh, q, rows.clone(), o, stride),
             }
             h0 += hb;
+        }
+    }
+
+    /// [`scores`] for `HB` heads: the accumulators stay in registers (a loop bound known at
+    /// compile time), and with eight heads the sixteen sums of two rows are reduced together.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
+    unsafe fn scores_heads<const HB: usize>(
+        a: &AttnF16,
+        kvh: usize,
+        q: &[f32],
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let dk = a.dk;
+        let kp = a.k.as_ptr();
+        let row_ptr = |j: usize| unsafe { kp.add(2 * (j * a.k_row + kvh * dk)) };
+        let qb = q.as_ptr();
+        let op = out.as_mut_ptr();
+        let mut j = rows.start;
+        while j < rows.end {
+            let two = j + 1 < rows.end;
+            let (k0, k1) = (row_ptr(j), row_ptr(if two { j + 1 } else { j }));
+            let mut acc0 = [_mm512_setzero_ps(); HB];
+            let mut acc1 = [_mm512_setzero_ps(); HB];
+            // The rows stream from memory: ask for the pair eight rows ahead, a cache line per
+            // two steps of 16 values (the hardware prefetchers stop at every 4 KiB page).
+            let ahead = (j + 8).min(rows.end - 1);
+            let (p0, p1) = (row_ptr(ahead), row_ptr((ahead + 1).min(rows.end - 1)));
+            let mut d = 0;
+            while d < dk {
+                if d % 32 == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(p0.add(2 * d) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(p1.add(2 * d) as *const i8);
+                }
+                let x0 = _mm512_cvtph_ps(_mm256_loadu_si256(k0.add(2 * d) as *const __m256i));
+                let x1 = _mm512_cvtph_ps(_mm256_loadu_si256(k1.add(2 * d) as *const __m256i));
+                for h in 0..HB {
+                    let qv = _mm512_loadu_ps(qb.add(h * dk + d));
+                    acc0[h] = _mm512_fmadd_ps(x0, qv, acc0[h]);
+                    acc1[h] = _mm512_fmadd_ps(x1, qv, acc1[h]);
+                }
+                d += 16;
+            }
+            let at = j - rows.start;
+            if HB == 8 && two {
+                let v: [__m512; 16] = std::array::from_fn(|i| if i < 8 { acc0[i % HB] } else { acc1[i % HB] });
+                let mut sums = [0f32; 16];
+                _mm512_storeu_ps(sums.as_mut_ptr(), _mm512_mul_ps(reduce16(&v), _mm512_set1_ps(a.scale)));
+                for h in 0..8 {
+                    *op.add(h * stride + at) = sums[h];
+                    *op.add(h * stride + at + 1) = sums[8 + h];
+                }
+            } else {
+                for h in 0..HB {
+                    *op.add(h * stride + at) = hsum(acc0[h]) * a.scale;
+                    if two {
+                        *op.add(h * stride + at + 1) = hsum(acc1[h]) * a.scale;
+                    }
+                }
+            }
+            j += 2;
         }
     }
 
@@ -390,31 +523,73 @@ mod x86 {
         rows: std::ops::Range<usize>,
         o: &mut [f32],
     ) {
-        let vp = v.as_ptr();
         let mut h0 = 0;
         while h0 < g {
             let hb = (g - h0).min(8);
+            let (p, o) = (&p[h0 * stride..], &mut o[h0 * dv..]);
+            let r = rows.clone();
+            match hb {
+                8 => values_heads::<8>(v, v_row, head_off, dv, p, stride, r, o),
+                7 => values_heads::<7>(v, v_row, head_off, dv, p, stride, r, o),
+                6 => values_heads::<6>(v, v_row, head_off, dv, p, stride, r, o),
+                5 => values_heads::<5>(v, v_row, head_off, dv, p, stride, r, o),
+                4 => values_heads::<4>(v, v_row, head_off, dv, p, stride, r, o),
+                3 => values_heads::<3>(v, v_row, head_off, dv, p, stride, r, o),
+                2 => values_heads::<2>(v, v_row, head_off, dv, p, stride, r, o),
+                _ => values_heads::<1>(v, v_row, head_off, dv, p, stride, r, o),
+            }
+            h0 += hb;
+        }
+    }
+
+    /// [`weighted_values`] for `HB` heads, accumulators in registers.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
+    unsafe fn values_heads<const HB: usize>(
+        v: &[u8],
+        v_row: usize,
+        head_off: usize,
+        dv: usize,
+        p: &[f32],
+        stride: usize,
+        rows: std::ops::Range<usize>,
+        o: &mut [f32],
+    ) {
+        let vp = v.as_ptr();
+        let pp: [*const f32; HB] = std::array::from_fn(|h| p.as_ptr().wrapping_add(h * stride));
+        // Blocks of rows small enough to stay in the first-level cache while every 32 values of
+        // them are added into the output; the next block is fetched meanwhile.
+        const BLOCK: usize = 16;
+        let mut b0 = rows.start;
+        while b0 < rows.end {
+            let b1 = (b0 + BLOCK).min(rows.end);
+            let next = b1.min(rows.end - 1)..(b1 + BLOCK).min(rows.end);
             let mut d = 0;
             while d < dv {
-                let mut acc = [[_mm512_setzero_ps(); 2]; 8];
-                for j in rows.clone() {
+                for j in next.clone() {
+                    _mm_prefetch::<_MM_HINT_T0>(vp.add(2 * (j * v_row + head_off + d)) as *const i8);
+                }
+                let mut acc = [[_mm512_setzero_ps(); 2]; HB];
+                for j in b0..b1 {
+                    let i = j - rows.start;
                     let r = vp.add(2 * (j * v_row + head_off + d));
                     let x0 = _mm512_cvtph_ps(_mm256_loadu_si256(r as *const __m256i));
                     let x1 = _mm512_cvtph_ps(_mm256_loadu_si256(r.add(32) as *const __m256i));
-                    for h in 0..hb {
-                        let pj = _mm512_set1_ps(*p.get_unchecked((h0 + h) * stride + j - rows.start));
+                    for h in 0..HB {
+                        let pj = _mm512_set1_ps(*pp[h].add(i));
                         acc[h][0] = _mm512_fmadd_ps(pj, x0, acc[h][0]);
                         acc[h][1] = _mm512_fmadd_ps(pj, x1, acc[h][1]);
                     }
                 }
-                for h in 0..hb {
-                    let dst = o.as_mut_ptr().add((h0 + h) * dv + d);
-                    _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), acc[h][0]));
-                    _mm512_storeu_ps(dst.add(16), _mm512_add_ps(_mm512_loadu_ps(dst.add(16)), acc[h][1]));
+                for (h, acc) in acc.iter().enumerate() {
+                    let dst = o.as_mut_ptr().add(h * dv + d);
+                    _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), acc[0]));
+                    _mm512_storeu_ps(dst.add(16), _mm512_add_ps(_mm512_loadu_ps(dst.add(16)), acc[1]));
                 }
                 d += 32;
             }
-            h0 += hb;
+            b0 = b1;
         }
     }
 }

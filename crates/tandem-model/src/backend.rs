@@ -322,6 +322,8 @@ mod tests {
             (4, 4, 192, 128, true, 1),
             (16, 1, 576, 512, false, 33),
             (6, 3, 40, 24, true, 600),
+            (1, 1, 64, 64, true, 1000),
+            (32, 8, 128, 128, true, 777),
         ] {
             let q = rand(1, nh * dk, 1.0);
             let k = f16_bytes(&rand(2, n_kv * nkv * dk, 1.0));
@@ -341,9 +343,15 @@ mod tests {
             };
             let mut want = vec![0f32; nh * dv];
             attention_cpu(&pool, &a, &mut want).unwrap();
+            let mut alone = vec![0f32; nh * dv];
+            tandem_cpu::attention_f16(&one, &f16_view(&a).unwrap(), &mut alone).unwrap();
             for p in [&pool, &one] {
                 let mut got = vec![0f32; nh * dv];
                 tandem_cpu::attention_f16(p, &f16_view(&a).unwrap(), &mut got).unwrap();
+                if nh >= 2 {
+                    // Heads split over the threads: every head computed exactly as on one thread.
+                    assert!(got == alone, "shape {nh}/{nkv}/{dk}/{dv} n_kv {n_kv}: 2 threads differ from 1 in bits");
+                }
                 let max = want.iter().fold(0f32, |m, v| m.max(v.abs()));
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert!(
