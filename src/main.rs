@@ -83,7 +83,21 @@ fn inspect(args: &InspectArgs) -> anyhow::Result<()> {
     }
 }
 
+/// A forward pass allocates and frees working buffers of hundreds of KiB to MiB at every op. glibc
+/// serves sizes above its mmap threshold with fresh mappings and trims freed heap memory back to
+/// the system, so every step would fault in and zero those pages again; keep them in the heap.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn keep_buffers_in_the_heap() {
+    // SAFETY: mallopt only changes allocator tuning; called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
+
 fn main() -> ExitCode {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    keep_buffers_in_the_heap();
     let cli = Cli::parse_from(tandem::cli::normalize_args(std::env::args_os()));
     let result = match &cli.command {
         Command::Inspect(args) => inspect(args),

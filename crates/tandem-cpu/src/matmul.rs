@@ -102,7 +102,9 @@ fn quantize_q8_act(ty: GgmlType, src: &[f32], dst: &mut [u8]) {
         let qs_at = if ty == GgmlType::Q8_1 { 4 } else { 2 };
         let mut sum = 0i32;
         for (j, v) in x.iter().enumerate() {
-            let q = (v * id).round_ties_even() as i32;
+            // Round half to even without a libm call: adding and taking away 1.5 * 2^23 leaves
+            // the nearest integer (ties to even) for |v * id| <= 127, as `round_ties_even` would.
+            let q = ((v * id + 12_582_912.0) - 12_582_912.0) as i32;
             sum += q;
             y[qs_at + j] = q as i8 as u8;
         }
