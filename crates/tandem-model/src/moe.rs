@@ -145,23 +145,29 @@ impl Moe {
         }
         let outs = b.ffn_batch(h, ne, &specs)?;
         let n_used = self.r.n_used;
-        let mut slots = vec![0f32; n * n_used * ne];
-        for (&e, down) in used.iter().zip(&outs) {
+        // Where each (token, slot) output is: (index into `outs`, row within it).
+        let mut at = vec![(0usize, 0usize); n * n_used];
+        for (k, &e) in used.iter().enumerate() {
             for (i, &(t, slot)) in by_expert[e].iter().enumerate() {
-                let w = routes[t][slot].1;
-                let dst = &mut slots[(t * n_used + slot) * ne..(t * n_used + slot + 1) * ne];
-                for (d, s) in dst.iter_mut().zip(&down[i * ne..(i + 1) * ne]) {
-                    *d = s * w;
-                }
+                at[t * n_used + slot] = (k, i);
             }
         }
-        // Summed in selection order, as llama.cpp adds the expert views, then the shared expert.
+        // Each output scaled by its weight, summed in selection order as llama.cpp adds the expert
+        // views, then the shared expert.
         let mut out = vec![0f32; n * ne];
+        let mut scaled = vec![0f32; ne];
         for t in 0..n {
             let o = &mut out[t * ne..(t + 1) * ne];
-            o.copy_from_slice(&slots[t * n_used * ne..(t * n_used + 1) * ne]);
-            for slot in 1..n_used {
-                b.add(o, &slots[(t * n_used + slot) * ne..(t * n_used + slot + 1) * ne]);
+            for slot in 0..n_used {
+                let (k, i) = at[t * n_used + slot];
+                let w = routes[t][slot].1;
+                let dst = if slot == 0 { &mut *o } else { &mut scaled[..] };
+                for (d, s) in dst.iter_mut().zip(&outs[k][i * ne..(i + 1) * ne]) {
+                    *d = s * w;
+                }
+                if slot > 0 {
+                    b.add(o, &scaled);
+                }
             }
         }
         if shared.is_some() {
