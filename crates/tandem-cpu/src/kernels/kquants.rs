@@ -222,7 +222,12 @@ mod tests {
                 assert_eq!(k.isa, isa);
                 for n in [256, 1024] {
                     let w = random_weights(ty, n, &mut rng);
-                    let ys = random_q8k(n, MAX_NY, &mut rng);
+                    let ys = if ty == GgmlType::Q8_0 {
+                let x: Vec<f32> = (0..n * MAX_NY).map(|i| ((i * 7919) % 255) as f32 / 127.0 - 1.0).collect();
+                crate::quantize_activations(ty, &x, n).unwrap().data
+            } else {
+                random_q8k(n, MAX_NY, &mut rng)
+            };
                     let yb = ys.len() / MAX_NY;
                     for ny in 1..=MAX_NY {
                         let mut out = vec![0f32; ny];
@@ -265,12 +270,17 @@ mod tests {
     #[ignore]
     fn tile_throughput() {
         let mut rng = Rng(7);
-        for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
             let n = 7168;
             let rb = row_size(ty, n).unwrap();
             let rows = (512 * 1024 / rb) & !3; // a whole number of tiles of 2 and 4 rows
             let w: Vec<u8> = (0..rows).flat_map(|_| random_weights(ty, n, &mut rng)).collect();
-            let ys = random_q8k(n, MAX_NY, &mut rng);
+            let ys = if ty == GgmlType::Q8_0 {
+                let x: Vec<f32> = (0..n * MAX_NY).map(|i| ((i * 7919) % 255) as f32 / 127.0 - 1.0).collect();
+                crate::quantize_activations(ty, &x, n).unwrap().data
+            } else {
+                random_q8k(n, MAX_NY, &mut rng)
+            };
             let yb = ys.len() / MAX_NY;
             let mut line = format!("{ty} n={n}:");
             for isa in [Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni].into_iter().filter(|l| l.supported()) {
@@ -365,7 +375,12 @@ mod tests {
             for n in [2048usize, 7168] {
                 let rows = (512 * 1024 / row_size(ty, n).unwrap()).max(1);
                 let ws: Vec<Vec<u8>> = (0..rows).map(|_| random_weights(ty, n, &mut rng)).collect();
-                let ys = random_q8k(n, MAX_NY, &mut rng);
+                let ys = if ty == GgmlType::Q8_0 {
+                let x: Vec<f32> = (0..n * MAX_NY).map(|i| ((i * 7919) % 255) as f32 / 127.0 - 1.0).collect();
+                crate::quantize_activations(ty, &x, n).unwrap().data
+            } else {
+                random_q8k(n, MAX_NY, &mut rng)
+            };
                 let yb = ys.len() / MAX_NY;
                 let bytes = (rows * row_size(ty, n).unwrap()) as f64;
                 let mut line = format!("{ty} n={n:5}:");

@@ -10,7 +10,7 @@
 //! target features; the entry points (`#[target_feature]`) instantiate them per level and `ny`, so
 //! the intrinsics inline into code compiled for that level.
 
-use super::{Isa, KernelFn};
+use super::{Isa, KernelFn, TileFn};
 use tandem_quant::GgmlType;
 
 #[cfg(target_arch = "x86_64")]
@@ -63,6 +63,27 @@ pub(super) fn lookup(ty: GgmlType, isa: Isa) -> Option<KernelFn> {
 /// The kernel for `ty` written for exactly `isa`, if any (none off x86-64).
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) fn lookup(ty: GgmlType, isa: Isa) -> Option<KernelFn> {
+    let _ = (ty, isa);
+    None
+}
+
+/// The multi-row kernel for `ty` at exactly `isa`, if any: the signed-weight types against Q8_0
+/// activations at the VNNI level.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn lookup_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
+    use GgmlType as T;
+    Some(match (isa, ty) {
+        (Isa::Avx512Vnni, T::Q8_0) => zmm::q8_0_vnni512_tile,
+        (Isa::Avx512Vnni, T::Q4_0) => zmm::q4_0_vnni512_tile,
+        (Isa::Avx512Vnni, T::Q5_0) => zmm::q5_0_vnni512_tile,
+        (Isa::Avx512Vnni, T::IQ4_NL) => zmm::iq4_nl_vnni512_tile,
+        _ => return None,
+    })
+}
+
+/// The multi-row kernel for `ty` at exactly `isa` (none off x86-64).
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn lookup_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
     let _ = (ty, isa);
     None
 }

@@ -184,6 +184,15 @@ impl Kernel {
         // Measured on Zen 4 (Q4_K/Q6_K, `tile_throughput`): zmm with 4 rows wins 10-25% from 6
         // tokens on; below, 2 rows are even (VNNI) or 3-5% behind (AVX-512). AVX2 (16 ymm, the
         // NR x NY accumulators live in memory): 4 rows win at 2-7 tokens, lose 5-10% at 8.
+        // The 32-element block types (VNNI only), measured the same way on Zen 5 (Q8_0): 4 rows win
+        // ~30% at 2 and 8 tokens, 2 rows ~10% at 3-5, neither at 6-7.
+        if self.tile.is_some() && self.ty.block_size() == 32 {
+            return match ny {
+                2 | 8 => Some(4),
+                3..=5 => Some(2),
+                _ => None,
+            };
+        }
         self.tile.and(match (self.isa, ny) {
             (_, 0 | 1) => None,
             (Isa::Avx2, 2..MAX_NY) => Some(4),
@@ -255,7 +264,7 @@ pub fn kernel(ty: GgmlType, isa: Isa) -> Option<Kernel> {
             break;
         }
         if let Some(f) = kquants::lookup(ty, level).or_else(|| legacy::lookup(ty, level)) {
-            let tile = kquants::lookup_tile(ty, level);
+            let tile = kquants::lookup_tile(ty, level).or_else(|| legacy::lookup_tile(ty, level));
             return Some(Kernel { ty, isa: level, f: Some(f), tile });
         }
     }

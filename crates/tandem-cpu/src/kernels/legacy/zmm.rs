@@ -208,6 +208,68 @@ unsafe fn q8_0_act<W: Pair, D: Dot512, const NY: usize>(n: usize, w: *const u8, 
     }
 }
 
+/// Multi-row VNNI kernel of [`q8_0_act`]: `NR` weight rows (`wstride` bytes apart) against `NY`
+/// activation rows, every activation pair of blocks loaded once for all the rows. `vpdpbusd` takes
+/// unsigned weights: instead of `|x|` and a sign flip of each activation per row, the weights are
+/// offset by 128 (`x ^ 0x80`) and `128 * y` (once per activation) taken away again, so each lane
+/// holds exactly the integer `q8_0_act` forms and every result is bit-identical to it.
+///
+/// # Safety
+/// `w` holds `NR` rows of `n / 32` blocks of `W`, `ys` holds `NY` rows of Q8_0 blocks, `out` has
+/// `NR * NY` elements (`out[r * NY + j]`); the machine has AVX-512 VNNI.
+#[inline(always)]
+unsafe fn q8_0_act_tile<W: Pair, const NR: usize, const NY: usize>(
+    n: usize,
+    w: *const u8,
+    wstride: usize,
+    ys: *const u8,
+    out: *mut f32,
+) {
+    let nb = n / QK;
+    let yrow = nb * Q8_0_BYTES;
+    // SAFETY: the caller's contract bounds every block read below.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); NY]; NR];
+        let mut d = [[[0f32; G]; NY]; NR];
+        let k128 = _mm512_set1_epi8(-128);
+        for b0 in (0..nb).step_by(G) {
+            let cnt = G.min(nb - b0);
+            for (r, dr) in d.iter_mut().enumerate() {
+                group_scales512(dr, (w.add(r * wstride), W::BYTES), (ys, Q8_0_BYTES, yrow), (b0, cnt, 0));
+            }
+            let mut b = 0;
+            while b < cnt {
+                let two = b + 1 < cnt;
+                let mut xu = [_mm512_setzero_si512(); NR];
+                for r in 0..NR {
+                    let xb = w.add(r * wstride + (b0 + b) * W::BYTES);
+                    let x = if two { W::unpack2(xb) } else { join(W::unpack(xb), _mm256_setzero_si256()) };
+                    xu[r] = _mm512_xor_si512(x, k128);
+                }
+                let idx = join(_mm256_set1_epi32(b as i32), _mm256_set1_epi32((b + two as usize) as i32));
+                for j in 0..NY {
+                    let yb = ys.add(j * yrow + (b0 + b) * Q8_0_BYTES + 2);
+                    let y1 =
+                        if two { _mm256_loadu_si256(yb.add(Q8_0_BYTES) as *const __m256i) } else { _mm256_setzero_si256() };
+                    let y = join(_mm256_loadu_si256(yb as *const __m256i), y1);
+                    let c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, y);
+                    for r in 0..NR {
+                        let p = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xu[r], y), c);
+                        let dj = _mm512_castps256_ps512(_mm256_loadu_ps(d[r][j].as_ptr()));
+                        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, dj), acc[r][j]);
+                    }
+                }
+                b += 2;
+            }
+        }
+        for r in 0..NR {
+            for j in 0..NY {
+                *out.add(r * NY + j) = _mm512_reduce_add_ps(acc[r][j]);
+            }
+        }
+    }
+}
+
 /// Unsigned 32-element weights with a min against Q8_1 activations, a pair of blocks per
 /// register: per block `d_x d_y sum(x y) + m_x s_y`.
 #[inline(always)]
@@ -326,3 +388,45 @@ entry!(iq4_nl_vnni512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512v
 entry!(q4_1_vnni512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni", q8_1_act::<Q4_1, Vnni>);
 entry!(q5_1_vnni512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni", q8_1_act::<Q5_1, Vnni>);
 entry!(iq4_xs_vnni512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni", iq4_xs::<Vnni>);
+
+/// Defines a [`super::super::TileFn`] at the VNNI level for one signed-weight type.
+macro_rules! tile_entry {
+    ($name:ident, $w:ty) => {
+        /// # Safety
+        /// The contract of `TileFn`: lengths checked by `Kernel::run_tile`; the machine has AVX-512 VNNI.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+        pub(super) unsafe fn $name(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
+            let nr = out.len() / ny.max(1);
+            let ws = w.len() / nr.max(1);
+            let (w, ys, o) = (w.as_ptr(), ys.as_ptr(), out.as_mut_ptr());
+            macro_rules! rows {
+                ($nr:literal) => {
+                    match ny {
+                        1 => q8_0_act_tile::<$w, $nr, 1>(n, w, ws, ys, o),
+                        2 => q8_0_act_tile::<$w, $nr, 2>(n, w, ws, ys, o),
+                        3 => q8_0_act_tile::<$w, $nr, 3>(n, w, ws, ys, o),
+                        4 => q8_0_act_tile::<$w, $nr, 4>(n, w, ws, ys, o),
+                        5 => q8_0_act_tile::<$w, $nr, 5>(n, w, ws, ys, o),
+                        6 => q8_0_act_tile::<$w, $nr, 6>(n, w, ws, ys, o),
+                        7 => q8_0_act_tile::<$w, $nr, 7>(n, w, ws, ys, o),
+                        8 => q8_0_act_tile::<$w, $nr, 8>(n, w, ws, ys, o),
+                        _ => out.fill(f32::NAN),
+                    }
+                };
+            }
+            // SAFETY: `Kernel::run_tile` checked w, ys and out against n, nr (in TILE_ROWS) and ny (1..=8).
+            unsafe {
+                match nr {
+                    2 => rows!(2),
+                    4 => rows!(4),
+                    _ => out.fill(f32::NAN),
+                }
+            }
+        }
+    };
+}
+
+tile_entry!(q8_0_vnni512_tile, Q8_0);
+tile_entry!(q4_0_vnni512_tile, Q4_0);
+tile_entry!(q5_0_vnni512_tile, Q5_0);
+tile_entry!(iq4_nl_vnni512_tile, IQ4NL);
