@@ -596,6 +596,59 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// A prefill's tokens (each seeing one more row of the same cache, as a causal batch does),
+    /// and tokens of another sequence, give in a batch exactly the bits they give one at a time.
+    #[test]
+    fn a_batch_of_tokens_equals_each_token_alone_bit_for_bit() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let mut seed = 11u64;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        };
+        // (n_head, n_head_kv, dk, dv, separate V)
+        for &(nh, nkv, dk, dv, sep) in &[(16, 1, 576, 512, false), (12, 4, 64, 64, true), (6, 2, 48, 32, true)] {
+            let rows = 300;
+            let k: Vec<u8> = (0..rows * nkv * dk).flat_map(|_| f16::from_f32(rnd()).to_le_bytes()).collect();
+            let v: Vec<u8> = (0..rows * nkv * dv).flat_map(|_| f16::from_f32(rnd()).to_le_bytes()).collect();
+            let k2: Vec<u8> = (0..rows * nkv * dk).flat_map(|_| f16::from_f32(rnd()).to_le_bytes()).collect();
+            let n_tok = 37;
+            let qs: Vec<Vec<f32>> = (0..n_tok).map(|_| (0..nh * dk).map(|_| rnd()).collect()).collect();
+            let items: Vec<AttnF16> = (0..n_tok)
+                .map(|t| AttnF16 {
+                    q: &qs[t],
+                    n_head: nh,
+                    n_head_kv: nkv,
+                    dk,
+                    dv,
+                    // The last tokens read another cache (another sequence).
+                    k: if t < 30 { &k } else { &k2 },
+                    k_row: nkv * dk,
+                    v: sep.then_some(&v[..]),
+                    v_row: nkv * dv,
+                    n_kv: if t < 30 { 200 + t } else { 1 + 17 * (t - 30) },
+                    scale: 0.125,
+                })
+                .collect();
+            let mut batch = vec![vec![f32::NAN; nh * dv]; n_tok];
+            let mut outs: Vec<&mut [f32]> = batch.iter_mut().map(|o| &mut o[..]).collect();
+            attention_f16_many(&pool, &items, &mut outs).unwrap();
+            for (t, a) in items.iter().enumerate() {
+                let mut alone = vec![f32::NAN; nh * dv];
+                attention_f16(&one, a, &mut alone).unwrap();
+                assert!(
+                    batch[t].iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{nh}/{nkv}/{dk}/{dv} token {t}: batch differs from alone"
+                );
+            }
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn vector_exp_matches_libm_to_a_few_ulp() {
