@@ -105,7 +105,11 @@ async fn sigterm_drains_open_streams_then_exits_zero() {
     let model = fixture("llama-tiny.gguf");
     let mut s = Served::start(&["-m", &model, "-np", "2", "-c", "2048", "--shutdown-timeout", "60", "-t", "1"]);
     let mut client = s.client().await;
-    let (stream, _) = first_token(&mut client, endless(PROMPTS[0], 60)).await;
+    // Long enough that it is still being generated when the second request arrives (the server
+    // stops, closing the connection, as soon as the last open stream is done), within the 1024
+    // tokens of a slot (-c 2048 over -np 2).
+    const OPEN: u32 = 900;
+    let (stream, _) = first_token(&mut client, endless(PROMPTS[0], OPEN)).await;
     let channel =
         tonic::transport::Channel::from_shared(format!("http://{}", s.addr)).unwrap().connect().await.unwrap();
     let mut watch =
@@ -119,7 +123,7 @@ async fn sigterm_drains_open_streams_then_exits_zero() {
     assert_eq!(st.code(), Code::Unavailable, "{st:?}");
     let out = drain_stream(stream, Streamed { ids: vec![0], ..Default::default() }).await;
     assert_eq!(out.reason(), pb::FinishReason::Length, "{out:?}");
-    assert_eq!(out.ids.len(), 60);
+    assert_eq!(out.ids.len(), OPEN as usize);
     s.wait_for("stopped");
     assert_eq!(s.exit_code(), 0);
 }
