@@ -234,8 +234,23 @@ unsafe fn q8_0_act_tile<W: Pair, const NR: usize, const NY: usize>(
         let k128 = _mm512_set1_epi8(-128);
         for b0 in (0..nb).step_by(G) {
             let cnt = G.min(nb - b0);
-            for (r, dr) in d.iter_mut().enumerate() {
-                group_scales512(dr, (w.add(r * wstride), W::BYTES), (ys, Q8_0_BYTES, yrow), (b0, cnt, 0));
+            if cnt == G {
+                // The products group_scales512 forms, with each row's and each token's scales
+                // gathered once for the tile.
+                let mut dy = [_mm256_setzero_ps(); NY];
+                for (j, v) in dy.iter_mut().enumerate() {
+                    *v = scales8(ys.add(j * yrow + b0 * Q8_0_BYTES), Q8_0_BYTES, 0);
+                }
+                for (r, dr) in d.iter_mut().enumerate() {
+                    let dx = scales8(w.add(r * wstride + b0 * W::BYTES), W::BYTES, 0);
+                    for (dj, dy) in dr.iter_mut().zip(&dy) {
+                        _mm256_storeu_ps(dj.as_mut_ptr(), _mm256_mul_ps(dx, *dy));
+                    }
+                }
+            } else {
+                for (r, dr) in d.iter_mut().enumerate() {
+                    group_scales512(dr, (w.add(r * wstride), W::BYTES), (ys, Q8_0_BYTES, yrow), (b0, cnt, 0));
+                }
             }
             let mut b = 0;
             while b < cnt {
