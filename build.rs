@@ -107,7 +107,7 @@ fn find_nvcc() -> Result<PathBuf, String> {
     let candidate = if let Some(nvcc) = std::env::var_os("NVCC").filter(|v| !v.is_empty()) {
         PathBuf::from(nvcc)
     } else if let Some(home) =
-        ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(|v| std::env::var_os(v)).find(|v| !v.is_empty())
+        ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(std::env::var_os).find(|v| !v.is_empty())
     {
         PathBuf::from(home).join("bin").join("nvcc")
     } else {

@@ -90,7 +90,7 @@ fn print_load_plan(gguf: &GgufModel, path: &std::path::Path, args: &ServeArgs) {
         Ok(tandem_plan::plan(&info, &req)?)
     });
     match planned {
-        Ok(plan) => plan.to_text(false).lines().for_each(|l| log(l)),
+        Ok(plan) => plan.to_text(false).lines().for_each(log),
         Err(e) => log(&format!("no memory plan: {e:#}")),
     }
 }

@@ -127,7 +127,7 @@ fn run_piece(p: Piece) {
                 if n == 1 {
                     // Decode streams the weights once: ask for the bytes PREFETCH ahead of this row
                     // (the hardware prefetchers stop at every 4 KiB page).
-                    prefetch(&p.w.data, (r + 1) * rb, rb);
+                    prefetch(p.w.data, (r + 1) * rb, rb);
                 }
                 // SAFETY: the lengths were checked for the whole piece above.
                 unsafe { kernel.run_unchecked(p.w.cols, wrow, ys, &mut tmp[..nt]) };
