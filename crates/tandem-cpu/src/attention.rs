@@ -304,7 +304,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use super::AttnF16;
     use std::arch::x86_64::*;
 
@@ -347,6 +347,28 @@ mod x86 {
         let zero = _mm512_setzero_ps();
         let alt = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, zero), _mm512_set1_ps(f32::INFINITY), zero);
         _mm512_mask_blend_ps(d, res, alt)
+    }
+
+    /// `gate = silu(gate) * up` as `ggml_vec_swiglu_f32` computes it with AVX-512 (`ggml_v_silu`:
+    /// `x / (1 + e^-x)` with the vector exp above). The last partial vector goes through the same
+    /// vector code (masked), so every element gets the same bits wherever it sits in the buffer.
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub(crate) unsafe fn swiglu(gate: &mut [f32], up: &[f32]) {
+        let n = gate.len().min(up.len());
+        let one = _mm512_set1_ps(1.0);
+        let mut i = 0;
+        while i < n {
+            let m: __mmask16 = if n - i >= 16 { 0xFFFF } else { (1u16 << (n - i)) - 1 };
+            // SAFETY: the mask covers only elements below `n` of both slices.
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(m, gate.as_ptr().add(i));
+                let g = _mm512_maskz_loadu_ps(m, up.as_ptr().add(i));
+                let e = expf(_mm512_sub_ps(_mm512_setzero_ps(), x));
+                let silu = _mm512_div_ps(x, _mm512_add_ps(one, e));
+                _mm512_mask_storeu_ps(gate.as_mut_ptr().add(i), m, _mm512_mul_ps(silu, g));
+            }
+            i += 16;
+        }
     }
 
     /// `x = e^(x - max)` in place; returns the sum, as `ggml_vec_soft_max_f32` (AVX-512).
@@ -646,6 +668,31 @@ mod tests {
                     "{nh}/{nkv}/{dk}/{dv} token {t}: batch differs from alone"
                 );
             }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_swiglu_is_close_to_libm_and_independent_of_position() {
+        if !super::Isa::Avx512.supported() {
+            println!("AVX-512 not on this machine: vector SwiGLU not checked");
+            return;
+        }
+        let x: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.037).chain([0.0, -90.0, 90.0, -0.0]).collect();
+        let up: Vec<f32> = (0..x.len()).map(|i| 1.0 + (i % 7) as f32 * 0.25).collect();
+        let mut got = x.clone();
+        // SAFETY: AVX-512 checked above.
+        unsafe { super::x86::swiglu(&mut got, &up) };
+        for ((x, u), g) in x.iter().zip(&up).zip(&got) {
+            let want = x / (1.0 + (-x).exp()) * u;
+            assert!((g - want).abs() <= 4.0 * f32::EPSILON * want.abs() + f32::MIN_POSITIVE, "silu({x}) * {u} = {g}, libm {want}");
+        }
+        // The same element at another offset (in the masked tail or not) gets the same bits.
+        for start in [1usize, 5, 17, 990] {
+            let mut part = x[start..].to_vec();
+            // SAFETY: as above.
+            unsafe { super::x86::swiglu(&mut part, &up[start..]) };
+            assert!(part.iter().zip(&got[start..]).all(|(a, b)| a.to_bits() == b.to_bits()), "offset {start}");
         }
     }
 

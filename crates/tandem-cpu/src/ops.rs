@@ -32,8 +32,15 @@ pub fn softmax_in_place(x: &mut [f32]) {
     }
 }
 
-/// `gate = silu(gate) * up` (`ggml_swiglu_split`; silu(x) = x / (1 + e^-x)).
+/// `gate = silu(gate) * up` (`ggml_swiglu_split`; silu(x) = x / (1 + e^-x)), with ggml's vector
+/// exp where the machine has AVX-512, as llama.cpp's x86 build computes it.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::Isa::detected() >= crate::Isa::Avx512 {
+        // SAFETY: AVX-512 is present.
+        unsafe { crate::attention::x86::swiglu(gate, up) };
+        return;
+    }
     for (g, u) in gate.iter_mut().zip(up) {
         *g = *g / (1.0 + (-*g).exp()) * u;
     }
