@@ -404,6 +404,22 @@ pub(crate) mod x86 {
         }
     }
 
+    /// Calls `$f::<HB>(...)` with the head count `$hb` (1..=8) as the constant `HB`.
+    macro_rules! by_heads {
+        ($hb:expr, $f:ident($($a:expr),*)) => {
+            match $hb {
+                8 => $f::<8>($($a),*),
+                7 => $f::<7>($($a),*),
+                6 => $f::<6>($($a),*),
+                5 => $f::<5>($($a),*),
+                4 => $f::<4>($($a),*),
+                3 => $f::<3>($($a),*),
+                2 => $f::<2>($($a),*),
+                _ => $f::<1>($($a),*),
+            }
+        };
+    }
+
     /// Sums of sixteen vectors: lane `i` of the result is the sum of the lanes of `v[i]`
     /// (15 pairwise steps, each two permutes and an add, instead of sixteen full reductions).
     #[inline]
@@ -453,16 +469,7 @@ pub(crate) mod x86 {
         while h0 < g {
             let hb = (g - h0).min(8);
             let (q, o) = (&q[h0 * a.dk..], &mut out[h0 * stride..]);
-            match hb {
-                8 => scores_heads::<8>(a, kvh, q, rows.clone(), o, stride),
-                7 => scores_heads::<7>(a, kvh, q, rows.clone(), o, stride),
-                6 => scores_heads::<6>(a, kvh, q, rows.clone(), o, stride),
-                5 => scores_heads::<5>(a, kvh, q, rows.clone(), o, stride),
-                4 => scores_heads::<4>(a, kvh, q, rows.clone(), o, stride),
-                3 => scores_heads::<3>(a, kvh, q, rows.clone(), o, stride),
-                2 => scores_heads::<2>(a, kvh, q, rows.clone(), o, stride),
-                _ => scores_heads::<1>(a, kvh, q, rows.clone(), o, stride),
-            }
+            by_heads!(hb, scores_heads(a, kvh, q, rows.clone(), o, stride));
             h0 += hb;
         }
     }
@@ -550,16 +557,7 @@ pub(crate) mod x86 {
             let hb = (g - h0).min(8);
             let (p, o) = (&p[h0 * stride..], &mut o[h0 * dv..]);
             let r = rows.clone();
-            match hb {
-                8 => values_heads::<8>(v, v_row, head_off, dv, p, stride, r, o),
-                7 => values_heads::<7>(v, v_row, head_off, dv, p, stride, r, o),
-                6 => values_heads::<6>(v, v_row, head_off, dv, p, stride, r, o),
-                5 => values_heads::<5>(v, v_row, head_off, dv, p, stride, r, o),
-                4 => values_heads::<4>(v, v_row, head_off, dv, p, stride, r, o),
-                3 => values_heads::<3>(v, v_row, head_off, dv, p, stride, r, o),
-                2 => values_heads::<2>(v, v_row, head_off, dv, p, stride, r, o),
-                _ => values_heads::<1>(v, v_row, head_off, dv, p, stride, r, o),
-            }
+            by_heads!(hb, values_heads(v, v_row, head_off, dv, p, stride, r, o));
             h0 += hb;
         }
     }

@@ -79,32 +79,7 @@ mod x86 {
             /// # Safety
             /// As [`TileFn`]: lengths checked by `Kernel::run_tile`, the machine runs this level.
             unsafe fn $name<T: KQuant>(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
-                let nr = out.len() / ny.max(1);
-                let ws = w.len() / nr.max(1);
-                let (w, ys, o) = (w.as_ptr(), ys.as_ptr(), out.as_mut_ptr());
-                macro_rules! by_ny {
-                    ($nr:literal) => {
-                        match ny {
-                            1 => $tile::<T, $nr, 1>(n, w, ws, ys, o),
-                            2 => $tile::<T, $nr, 2>(n, w, ws, ys, o),
-                            3 => $tile::<T, $nr, 3>(n, w, ws, ys, o),
-                            4 => $tile::<T, $nr, 4>(n, w, ws, ys, o),
-                            5 => $tile::<T, $nr, 5>(n, w, ws, ys, o),
-                            6 => $tile::<T, $nr, 6>(n, w, ws, ys, o),
-                            7 => $tile::<T, $nr, 7>(n, w, ws, ys, o),
-                            8 => $tile::<T, $nr, 8>(n, w, ws, ys, o),
-                            _ => out.fill(f32::NAN),
-                        }
-                    };
-                }
-                // SAFETY: `Kernel::run_tile` checked w, ys and out against n, nr (in TILE_ROWS) and ny (1..=8).
-                unsafe {
-                    match nr {
-                        2 => by_ny!(2),
-                        4 => by_ny!(4),
-                        _ => out.fill(f32::NAN),
-                    }
-                }
+                tile_body!($tile::<T>, n, w, ys, ny, out)
             }
         };
     }
@@ -222,12 +197,7 @@ mod tests {
                 assert_eq!(k.isa, isa);
                 for n in [256, 1024] {
                     let w = random_weights(ty, n, &mut rng);
-                    let ys = if ty == GgmlType::Q8_0 {
-                let x: Vec<f32> = (0..n * MAX_NY).map(|i| ((i * 7919) % 255) as f32 / 127.0 - 1.0).collect();
-                crate::quantize_activations(ty, &x, n).unwrap().data
-            } else {
-                random_q8k(n, MAX_NY, &mut rng)
-            };
+                    let ys = random_q8k(n, MAX_NY, &mut rng);
                     let yb = ys.len() / MAX_NY;
                     for ny in 1..=MAX_NY {
                         let mut out = vec![0f32; ny];
@@ -375,12 +345,7 @@ mod tests {
             for n in [2048usize, 7168] {
                 let rows = (512 * 1024 / row_size(ty, n).unwrap()).max(1);
                 let ws: Vec<Vec<u8>> = (0..rows).map(|_| random_weights(ty, n, &mut rng)).collect();
-                let ys = if ty == GgmlType::Q8_0 {
-                let x: Vec<f32> = (0..n * MAX_NY).map(|i| ((i * 7919) % 255) as f32 / 127.0 - 1.0).collect();
-                crate::quantize_activations(ty, &x, n).unwrap().data
-            } else {
-                random_q8k(n, MAX_NY, &mut rng)
-            };
+                let ys = random_q8k(n, MAX_NY, &mut rng);
                 let yb = ys.len() / MAX_NY;
                 let bytes = (rows * row_size(ty, n).unwrap()) as f64;
                 let mut line = format!("{ty} n={n:5}:");

@@ -411,32 +411,7 @@ macro_rules! tile_entry {
         /// The contract of `TileFn`: lengths checked by `Kernel::run_tile`; the machine has AVX-512 VNNI.
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
         pub(super) unsafe fn $name(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
-            let nr = out.len() / ny.max(1);
-            let ws = w.len() / nr.max(1);
-            let (w, ys, o) = (w.as_ptr(), ys.as_ptr(), out.as_mut_ptr());
-            macro_rules! rows {
-                ($nr:literal) => {
-                    match ny {
-                        1 => q8_0_act_tile::<$w, $nr, 1>(n, w, ws, ys, o),
-                        2 => q8_0_act_tile::<$w, $nr, 2>(n, w, ws, ys, o),
-                        3 => q8_0_act_tile::<$w, $nr, 3>(n, w, ws, ys, o),
-                        4 => q8_0_act_tile::<$w, $nr, 4>(n, w, ws, ys, o),
-                        5 => q8_0_act_tile::<$w, $nr, 5>(n, w, ws, ys, o),
-                        6 => q8_0_act_tile::<$w, $nr, 6>(n, w, ws, ys, o),
-                        7 => q8_0_act_tile::<$w, $nr, 7>(n, w, ws, ys, o),
-                        8 => q8_0_act_tile::<$w, $nr, 8>(n, w, ws, ys, o),
-                        _ => out.fill(f32::NAN),
-                    }
-                };
-            }
-            // SAFETY: `Kernel::run_tile` checked w, ys and out against n, nr (in TILE_ROWS) and ny (1..=8).
-            unsafe {
-                match nr {
-                    2 => rows!(2),
-                    4 => rows!(4),
-                    _ => out.fill(f32::NAN),
-                }
-            }
+            tile_body!(q8_0_act_tile::<$w>, n, w, ys, ny, out)
         }
     };
 }
