@@ -566,6 +566,11 @@ fn run_threads(
     for line in &choice.notes {
         eprintln!("tandem: {line}");
     }
+    if a.model.repack {
+        // Packs once (the first thread count); later ones find the copies made.
+        let note = crate::cli::repack(model, choice.backend.as_ref(), !a.no_progress);
+        out.pb.suspend(|| eprintln!("tandem: {note}"));
+    }
     let ctx = Context::new(model.clone(), choice.backend, params)?;
     let mut r = Runner { ctx, rng: Rng(a.seed), batch: plan.batch, n_vocab: model.n_vocab(), pb: out.pb };
     out.line(&format!(
@@ -635,7 +640,9 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     }
     let gguf = Arc::new(GgufModel::open(&a.model.model, a.model.load_options())?);
     let active = active_bytes_per_token(&gguf).with_context(|| format!("{}", a.model.model.display()))?;
-    let model = Arc::new(Model::load(gguf).with_context(|| format!("loading {}", a.model.model.display()))?);
+    let model = Arc::new(
+        Model::load_with(gguf, a.model.repack).with_context(|| format!("loading {}", a.model.model.display()))?,
+    );
     let n_ctx = plan.n_ctx(model.n_ctx_train())?;
 
     let pb = if a.no_progress {

@@ -36,7 +36,9 @@ pub struct LogitsArgs {
 /// flags ask for ([`select_backend`]; the fallback line, if any, goes to stderr).
 pub fn open_context(model: &ModelArgs, rt: &RuntimeArgs, placement: &PlacementArgs) -> anyhow::Result<Context> {
     let gguf = Arc::new(GgufModel::open(&model.model, model.load_options())?);
-    let loaded = Arc::new(Model::load(gguf.clone()).with_context(|| format!("loading {}", model.model.display()))?);
+    let loaded = Arc::new(
+        Model::load_with(gguf.clone(), model.repack).with_context(|| format!("loading {}", model.model.display()))?,
+    );
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let t = rt.threads.unwrap_or(cores);
     let threads = tandem_cpu::Threads::new(t, rt.threads_batch.unwrap_or(t))?;
@@ -49,6 +51,9 @@ pub fn open_context(model: &ModelArgs, rt: &RuntimeArgs, placement: &PlacementAr
     let choice = select_backend(&gguf, model, rt, placement, threads)?;
     for line in &choice.notes {
         eprintln!("tandem: {line}");
+    }
+    if model.repack {
+        eprintln!("tandem: {}", crate::cli::repack(&loaded, choice.backend.as_ref(), true));
     }
     Ok(Context::new(loaded, choice.backend, params)?)
 }

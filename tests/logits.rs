@@ -223,6 +223,61 @@ fn threads_ubatch_and_token_by_token_give_the_same_logits() {
     }
 }
 
+/// `--repack` (Q4_K matrices in 16-row groups, `tandem_cpu::packed`): the logits stay within the
+/// tolerance of `logits_match_llama_cpp` for rounded files, and threads, micro-batch size and
+/// token-by-token decoding still give the same bits (one arithmetic per row, token and block).
+#[test]
+fn repacked_q4_k_matches_llama_cpp_and_is_invariant() {
+    if !tandem_cpu::packed::packing_pays() {
+        println!("SKIPPED --repack: this machine has no AVX-512 VNNI, so nothing is repacked (the scalar packed kernel is tested in tandem-cpu)");
+        return;
+    }
+    for name in ["deepseek2-mla-q4_k_m.gguf", "qwen3moe-q4_k_m.gguf"] {
+        let f = fixtures().into_iter().find(|f| f.name == name).unwrap();
+        let gguf = GgufModel::open(&f.model, LoadOptions::default()).unwrap();
+        let model = Arc::new(Model::load_with(Arc::new(gguf), true).unwrap());
+        let (n, bytes) = model.pack_weights(&|_| false, &mut |_, _| {});
+        assert!(n > 0 && bytes > 0, "{name}: nothing repacked");
+        let got = context(&model, 2, 512, &f.ctk, &f.ctv).decode(&Batch::sequence(&f.tokens, 0, 0, true)).unwrap();
+        let plain =
+            context(&load(&f.model), 2, 512, &f.ctk, &f.ctv).decode(&Batch::sequence(&f.tokens, 0, 0, true)).unwrap();
+        let pp = per_position(&got, &f.reference, f.n_vocab);
+        let mut errs: Vec<f32> = pp.iter().map(|p| p.0).collect();
+        errs.sort_by(f32::total_cmp);
+        let (worst, _, agree) = compare(&got, &f.reference, f.n_vocab);
+        let median = errs[errs.len() / 2];
+        let clear: Vec<_> = pp.iter().filter(|p| p.2 > 4e-2).collect();
+        let clear_agree = clear.iter().filter(|p| p.1).count();
+        let (vs_plain, _, _) = compare(&got, &plain, f.n_vocab);
+        println!(
+            "{name} --repack ({n} tensors): against llama.cpp worst {worst:.2e}, median {median:.2e}, argmax agrees at {:.1}% ({clear_agree}/{} clear); against tandem unpacked worst {vs_plain:.2e}",
+            agree * 100.0,
+            clear.len()
+        );
+        assert!(median <= 2e-2 && clear_agree == clear.len() && agree >= 0.95, "{name}: --repack beyond tolerance");
+        let toks = &f.tokens[..70];
+        let base = context(&model, 1, 64, "f16", "f16").decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
+        for (threads, ub) in [(2, 64), (2, 7)] {
+            let got = context(&model, threads, ub, "f16", "f16").decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
+            assert_eq!(
+                compare(&got, &base, f.n_vocab).0,
+                0.0,
+                "{name} --repack: -t {threads} -ub {ub} differs from -t 1 -ub 64"
+            );
+        }
+        let mut ctx = context(&model, 2, 64, "f16", "f16");
+        let mut one_by_one = Vec::new();
+        for (i, &t) in toks.iter().enumerate() {
+            one_by_one.extend(ctx.decode(&Batch::sequence(&[t], i as u32, 0, true)).unwrap());
+        }
+        assert_eq!(
+            compare(&one_by_one, &base, f.n_vocab).0,
+            0.0,
+            "{name} --repack: token by token differs from one batch"
+        );
+    }
+}
+
 #[test]
 fn several_sequences_in_one_batch_match_each_alone() {
     let f = fixtures().into_iter().find(|f| f.name == "deepseek2-mla-f16.gguf").unwrap();

@@ -6,6 +6,7 @@
 
 use crate::kernels::{best_kernel, MAX_NY, MAX_TILE_ROWS};
 use crate::matmul::{quantize_activations, QuantizedActs, WeightRef};
+use crate::packed::{group_bytes, group_kernel, packable, PACK_ROWS};
 use crate::{Error, Result};
 use rayon::prelude::*;
 use tandem_quant::vec_dot_type;
@@ -55,6 +56,17 @@ pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
                 j.out.len()
             )));
         }
+        if j.w.packed
+            && (!packable(j.w.ty, j.w.rows, j.w.cols) || j.w.data.len() != j.w.rows / PACK_ROWS * group_bytes(j.w.cols))
+        {
+            return Err(Error::Shape(format!(
+                "a packed {} x {} {} weight of {} bytes",
+                j.w.rows,
+                j.w.cols,
+                j.w.ty,
+                j.w.data.len()
+            )));
+        }
         if best_kernel(j.w.ty).is_none() {
             return Err(Error::Quant(tandem_quant::Error::UnsupportedType { ty: j.w.ty, op: "vec_dot" }));
         }
@@ -69,6 +81,8 @@ pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
             continue;
         }
         let out = OutPtr(j.out.as_mut_ptr());
+        // A packed weight is cut only between its groups of 16 rows.
+        let block = if j.w.packed { block.next_multiple_of(PACK_ROWS) } else { block };
         let mut r0 = 0;
         while r0 < j.w.rows {
             let nr = block.min(j.w.rows - r0);
@@ -89,6 +103,9 @@ pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
 /// whole group.
 fn run_piece(p: Piece) {
     const ROW_TILE: usize = 16;
+    if p.w.packed {
+        return run_packed_piece(p);
+    }
     let Some(kernel) = best_kernel(p.w.ty) else { return };
     let n = p.acts.n_rows();
     let yb = p.acts.row_bytes;
@@ -141,12 +158,48 @@ fn run_piece(p: Piece) {
     }
 }
 
+/// [`run_piece`] of a packed weight: each group of 16 rows against the tokens in groups of
+/// [`MAX_NY`], writing 16 columns of each token's output row at once.
+fn run_packed_piece(p: Piece) {
+    let n = p.acts.n_rows();
+    let yb = p.acts.row_bytes;
+    let gb = group_bytes(p.w.cols);
+    let acts_ok = tandem_quant::row_size(p.acts.ty, p.w.cols).is_ok_and(|b| b == yb && yb * n == p.acts.data.len());
+    // Checked once here for every kernel call below (`matmul_jobs` checked the packed size).
+    assert!(
+        acts_ok
+            && p.acts.ty == vec_dot_type(p.w.ty)
+            && p.w.data.len() == p.w.rows / PACK_ROWS * gb
+            && p.r0 + p.w.rows <= p.stride
+    );
+    let kernel = group_kernel();
+    let nb = p.w.cols / tandem_quant::QK_K;
+    for (g, w) in p.w.data.chunks_exact(gb).enumerate() {
+        for t0 in (0..n).step_by(MAX_NY) {
+            let nt = MAX_NY.min(n - t0);
+            // SAFETY: one whole group (checked above); tokens t0..t0 + nt of the checked activations;
+            // `matmul_jobs` checked that the output holds n rows of `stride`, and this piece alone
+            // writes columns r0 + 16g .. r0 + 16g + 16 (see `OutPtr`).
+            unsafe {
+                let out = p.out.0.add(t0 * p.stride + p.r0 + g * PACK_ROWS);
+                kernel(nb, w.as_ptr(), p.acts.data.as_ptr().add(t0 * yb), yb, nt, out, p.stride);
+            }
+        }
+    }
+}
+
 /// [`quantize_activations`] of many rows, in parallel blocks of rows.
-fn quantize_par(pool: &rayon::ThreadPool, weight_ty: tandem_quant::GgmlType, x: &[f32], cols: usize) -> Result<QuantizedActs> {
+fn quantize_par(
+    pool: &rayon::ThreadPool,
+    weight_ty: tandem_quant::GgmlType,
+    x: &[f32],
+    cols: usize,
+) -> Result<QuantizedActs> {
     let n = x.len() / cols.max(1);
     let per = n.div_ceil(4 * pool.current_num_threads()).max(1);
-    let parts: Vec<QuantizedActs> =
-        pool.install(|| x.par_chunks(per * cols).map(|c| quantize_activations(weight_ty, c, cols)).collect::<Result<_>>())?;
+    let parts: Vec<QuantizedActs> = pool.install(|| {
+        x.par_chunks(per * cols).map(|c| quantize_activations(weight_ty, c, cols)).collect::<Result<_>>()
+    })?;
     let mut all = QuantizedActs {
         ty: vec_dot_type(weight_ty),
         cols,
@@ -215,7 +268,11 @@ pub fn ffn_jobs(pool: &rayon::ThreadPool, x: &[f32], cols: usize, jobs: &[FfnJob
     for j in jobs {
         for ty in [j.gate.ty, j.up.ty] {
             if !quantized.iter().any(|q| q.ty == vec_dot_type(ty)) {
-                quantized.push(if many { quantize_par(pool, ty, x, cols)? } else { quantize_activations(ty, x, cols)? });
+                quantized.push(if many {
+                    quantize_par(pool, ty, x, cols)?
+                } else {
+                    quantize_activations(ty, x, cols)?
+                });
             }
         }
     }
@@ -255,7 +312,12 @@ pub fn ffn_jobs(pool: &rayon::ThreadPool, x: &[f32], cols: usize, jobs: &[FfnJob
     };
     let down_acts: Vec<QuantizedActs> = if many {
         pool.install(|| {
-            jobs.par_iter().zip(gate.par_iter_mut()).zip(up.par_iter()).with_max_len(1).map(swiglu).collect::<Result<_>>()
+            jobs.par_iter()
+                .zip(gate.par_iter_mut())
+                .zip(up.par_iter())
+                .with_max_len(1)
+                .map(swiglu)
+                .collect::<Result<_>>()
         })
     } else {
         jobs.iter().zip(gate.iter_mut()).zip(up.iter()).map(swiglu).collect()

@@ -10,6 +10,7 @@ mod jobs;
 pub mod kernels;
 mod matmul;
 mod ops;
+pub mod packed;
 mod pool;
 
 pub use attention::{attention_f16, attention_f16_many, AttnF16};
@@ -25,6 +26,8 @@ pub enum Error {
     Quant(#[from] tandem_quant::Error),
     #[error("{0}")]
     Shape(String),
+    #[error("{0}")]
+    Memory(String),
     #[error("cannot start a pool of {threads} threads: {msg}")]
     Pool { threads: usize, msg: String },
 }

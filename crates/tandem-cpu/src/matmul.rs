@@ -13,6 +13,8 @@ pub struct WeightRef<'a> {
     pub rows: usize,
     pub cols: usize,
     pub data: &'a [u8],
+    /// `data` is in the packed layout of [`crate::packed`] (groups of 16 rows), not ggml rows.
+    pub packed: bool,
 }
 
 impl<'a> WeightRef<'a> {
@@ -26,20 +28,25 @@ impl<'a> WeightRef<'a> {
                 data.len()
             )));
         }
-        Ok(WeightRef { ty, rows, cols, data })
+        Ok(WeightRef { ty, rows, cols, data, packed: false })
     }
 
-    fn row_bytes(&self) -> usize {
-        self.data.len() / self.rows.max(1)
-    }
-
-    /// Rows `start..start + n` as a matrix of their own (e.g. one expert of a 3-D tensor).
+    /// Rows `start..start + n` as a matrix of their own (e.g. one expert of a 3-D tensor); whole
+    /// groups of 16 rows of a packed weight.
     pub fn rows(&self, start: usize, n: usize) -> Result<WeightRef<'a>> {
         if start + n > self.rows {
             return Err(Error::Shape(format!("rows {start}..{} of a {}-row weight", start + n, self.rows)));
         }
-        let rb = self.row_bytes();
-        Ok(WeightRef { ty: self.ty, rows: n, cols: self.cols, data: &self.data[start * rb..(start + n) * rb] })
+        let unit = if self.packed { crate::packed::PACK_ROWS } else { 1 };
+        if !start.is_multiple_of(unit) || !n.is_multiple_of(unit) {
+            return Err(Error::Shape(format!(
+                "rows {start}..{} of a weight packed in groups of {unit} rows",
+                start + n
+            )));
+        }
+        let ub = self.data.len() / (self.rows / unit).max(1);
+        let data = &self.data[start / unit * ub..(start + n) / unit * ub];
+        Ok(WeightRef { ty: self.ty, rows: n, cols: self.cols, data, packed: self.packed })
     }
 }
 

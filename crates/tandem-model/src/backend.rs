@@ -44,6 +44,12 @@ pub struct FfnSpec<'a> {
 /// The operations of the forward pass. Activations are row-major `[n_tokens][n]` f32.
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
+    /// Whether the tensor named `name` lives on a device of this backend other than the CPU (the
+    /// CPU never multiplies it, so `--repack` leaves it alone).
+    fn holds(&self, name: &str) -> bool {
+        let _ = name;
+        false
+    }
     /// `y[t] = W[first_row .. first_row + n_rows] x[t]`; `y` is `[n_tokens][n_rows]`.
     fn matmul_rows(&self, w: &Weight, first_row: usize, n_rows: usize, x: &[f32], y: &mut [f32]) -> Result<()>;
     /// RMS norm of each `dim`-long row, times `weight`.

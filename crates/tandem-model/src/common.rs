@@ -36,7 +36,7 @@ impl Head {
             .tensor("token_embd.weight")
             .map(|t| *t.info.dims.get(1).unwrap_or(&0) as usize)
             .ok_or_else(|| crate::model_err("missing tensor 'token_embd.weight'"))?;
-        let token_embd = l.get("token_embd.weight", &[n_embd, n_vocab])?;
+        let token_embd = l.get_table("token_embd.weight", &[n_embd, n_vocab])?;
         let output_norm = l.vec("output_norm.weight", n_embd)?;
         let output = match l.opt("output.weight", &[n_embd, n_vocab])? {
             Some(w) => w,

@@ -5,7 +5,7 @@ use crate::backend::Backend;
 use crate::common::{Head, Ubatch};
 use crate::config::{Arch, Keys};
 use crate::kv_cache::{CacheType, KvCache, KvLayout};
-use crate::weights::WeightLoader;
+use crate::weights::{Weight, WeightLoader};
 use crate::{deepseek2, llama, qwen3moe, Error, Result};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -27,6 +27,8 @@ pub struct Model {
     head: Head,
     layers: Box<dyn Layers>,
     n_ctx_train: usize,
+    /// The weights `--repack` packs (empty without it).
+    packables: Vec<Weight>,
 }
 
 impl std::fmt::Debug for Model {
@@ -39,10 +41,16 @@ impl Model {
     /// Binds every tensor of `gguf`; refuses unknown architectures, missing, misshapen or
     /// unsupported tensors, and tensors the architecture does not use, naming them.
     pub fn load(gguf: Arc<GgufModel>) -> Result<Model> {
+        Model::load_with(gguf, false)
+    }
+
+    /// [`Model::load`], with `--repack`: matrices in a packable type and shape get a packed copy
+    /// for CPU products (where the machine has the kernel for it; see [`Model::pack_weights`]).
+    pub fn load_with(gguf: Arc<GgufModel>, repack: bool) -> Result<Model> {
         let md = gguf.metadata();
         let arch = Arch::from_name(md.get_str("general.architecture")?)?;
         let keys = Keys { md, arch: arch.name() };
-        let loader = WeightLoader::new(gguf.clone());
+        let loader = WeightLoader::with_repack(gguf.clone(), repack);
         let n_embd = keys.u32("embedding_length")?;
         let head = Head::load(&loader, n_embd)?;
         let layers: Box<dyn Layers> = match arch {
@@ -53,7 +61,25 @@ impl Model {
         // DeepSeek V3's multi-token-prediction layer (`blk.N.nextn.*`) is not used for decoding.
         loader.check_all_used(|name| name.contains(".nextn."))?;
         let n_ctx_train = keys.u32("context_length")?;
-        Ok(Model { arch, gguf, head, layers, n_ctx_train })
+        let packables = loader.packables();
+        Ok(Model { arch, gguf, head, layers, n_ctx_train, packables })
+    }
+
+    /// Makes the packed copies (`--repack`) now instead of at first use, except of the weights
+    /// `skip` names (those a GPU holds): calls `progress(done, total)` in bytes of source tensors;
+    /// returns the packed tensors and their bytes.
+    pub fn pack_weights(&self, skip: &dyn Fn(&str) -> bool, progress: &mut dyn FnMut(u64, u64)) -> (usize, u64) {
+        let todo: Vec<&Weight> = self.packables.iter().filter(|w| !skip(&w.name)).collect();
+        let total: u64 = todo.iter().map(|w| w.bytes().len() as u64).sum();
+        let (mut done, mut bytes) = (0u64, 0u64);
+        for w in &todo {
+            if let Some(p) = w.pack() {
+                bytes += p.bytes().len() as u64;
+            }
+            done += w.bytes().len() as u64;
+            progress(done, total);
+        }
+        (todo.len(), bytes)
     }
 
     pub fn arch(&self) -> Arch {

@@ -297,6 +297,10 @@ impl Backend for GpuBackend {
         "CUDA"
     }
 
+    fn holds(&self, name: &str) -> bool {
+        self.on_gpu.contains_key(name)
+    }
+
     fn matmul_rows(&self, w: &Weight, first_row: usize, n_rows: usize, x: &[f32], y: &mut [f32]) -> Result<()> {
         match self.on_gpu.get(&w.name) {
             Some(&i) => self.matmul_gpu(&self.gpus[i], w, first_row, n_rows, x, y),

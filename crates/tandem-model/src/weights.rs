@@ -3,7 +3,8 @@
 use crate::{model_err, Result};
 use std::cell::RefCell;
 use std::collections::HashSet;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use tandem_cpu::packed::{pack, packable, packing_pays, Packed};
 use tandem_cpu::WeightRef;
 use tandem_gguf::{GgmlType, GgufModel};
 use tandem_quant::{dequantize_row, DEQUANTIZE_TYPES, VEC_DOT_TYPES};
@@ -17,6 +18,8 @@ pub struct Weight {
     pub ty: GgmlType,
     /// ggml order: `dims[0]` is the row length.
     pub dims: Vec<u64>,
+    /// With `--repack`: the packed copy CPU products use, made once (shared by clones).
+    packed: Option<Arc<OnceLock<Option<Packed>>>>,
 }
 
 impl std::fmt::Debug for Weight {
@@ -40,14 +43,35 @@ impl Weight {
         self.dims[1..].iter().product::<u64>() as usize
     }
 
-    /// The whole tensor as a matrix of [`Weight::rows`] rows.
+    /// The whole tensor as a matrix of [`Weight::rows`] rows, for CPU products: the packed copy
+    /// when the weight has one (made here on first use if [`Weight::pack`] was not called).
     pub fn matrix(&self) -> Result<WeightRef<'_>> {
+        if let Some(p) = self.pack() {
+            return Ok(p.weight_ref());
+        }
+        self.plain()
+    }
+
+    /// The tensor's own bytes as a matrix (ggml rows).
+    fn plain(&self) -> Result<WeightRef<'_>> {
         Ok(WeightRef::new(self.ty, self.rows(), self.cols(), self.bytes())?)
+    }
+
+    /// The packed copy (`--repack`), made now if it does not exist yet; None for weights that are
+    /// used as they are.
+    pub fn pack(&self) -> Option<&Packed> {
+        let cell = self.packed.as_ref()?;
+        cell.get_or_init(|| pack(self.ty, self.rows(), self.cols(), self.bytes()).ok()).as_ref()
+    }
+
+    /// Whether this weight is packed for the CPU (or will be on first use).
+    pub fn is_packable(&self) -> bool {
+        self.packed.is_some()
     }
 
     /// Row `r` as f32.
     pub fn row_f32(&self, r: usize) -> Result<Vec<f32>> {
-        let m = self.matrix()?;
+        let m = self.plain()?;
         let one = m.rows(r, 1)?;
         let mut out = vec![0f32; self.cols()];
         dequantize_row(self.ty, one.data, &mut out)?;
@@ -67,11 +91,25 @@ impl Weight {
 pub struct WeightLoader {
     src: Arc<GgufModel>,
     used: RefCell<HashSet<usize>>,
+    /// `--repack`, where it pays on this machine.
+    repack: bool,
+    packables: RefCell<Vec<Weight>>,
 }
 
 impl WeightLoader {
     pub fn new(src: Arc<GgufModel>) -> WeightLoader {
-        WeightLoader { src, used: RefCell::new(HashSet::new()) }
+        WeightLoader::with_repack(src, false)
+    }
+
+    /// A loader whose matrices in a packable type and shape (`tandem_cpu::packed`) are repacked
+    /// for CPU products when `repack` is set and the machine has the kernel for it.
+    pub fn with_repack(src: Arc<GgufModel>, repack: bool) -> WeightLoader {
+        WeightLoader {
+            src,
+            used: RefCell::new(HashSet::new()),
+            repack: repack && packing_pays(),
+            packables: RefCell::default(),
+        }
     }
 
     pub fn gguf(&self) -> &GgufModel {
@@ -85,6 +123,21 @@ impl WeightLoader {
 
     /// A tensor that may be absent; when present it must have shape `dims`.
     pub fn opt(&self, name: &str, dims: &[usize]) -> Result<Option<Weight>> {
+        self.bind(name, dims, true)
+    }
+
+    /// A tensor read by rows (`ggml_get_rows`: token embeddings), never packed.
+    pub fn get_table(&self, name: &str, dims: &[usize]) -> Result<Weight> {
+        self.bind(name, dims, false)?
+            .ok_or_else(|| model_err(format!("missing tensor '{name}' (expected shape {dims:?})")))
+    }
+
+    /// The weights that will be packed for CPU products (`--repack`), in load order.
+    pub fn packables(&self) -> Vec<Weight> {
+        self.packables.borrow().clone()
+    }
+
+    fn bind(&self, name: &str, dims: &[usize], may_pack: bool) -> Result<Option<Weight>> {
         let Some(index) = self.src.tensor_index(name) else { return Ok(None) };
         let Some(t) = self.src.tensor_at(index) else { return Ok(None) };
         let got: Vec<usize> = t.info.dims.iter().map(|&d| d as usize).collect();
@@ -100,7 +153,26 @@ impl WeightLoader {
             return Err(model_err(format!("tensor '{name}' has type {ty}, which tandem does not support yet")));
         }
         self.used.borrow_mut().insert(index);
-        Ok(Some(Weight { src: self.src.clone(), index, name: name.to_string(), ty, dims: t.info.dims.clone() }))
+        let dims = t.info.dims.clone();
+        let rows = dims[1..].iter().product::<u64>() as usize;
+        // Each matrix of a 3-D tensor (an expert) must be whole groups too: it is multiplied alone.
+        let pack = may_pack
+            && self.repack
+            && dims.len() > 1
+            && packable(ty, dims[1] as usize, dims[0] as usize)
+            && packable(ty, rows, dims[0] as usize);
+        let w = Weight {
+            src: self.src.clone(),
+            index,
+            name: name.to_string(),
+            ty,
+            dims,
+            packed: pack.then(Default::default),
+        };
+        if pack {
+            self.packables.borrow_mut().push(w.clone());
+        }
+        Ok(Some(w))
     }
 
     /// A 1-D f32 vector (norm weights, biases).

@@ -283,7 +283,7 @@ pub(crate) fn make_qkx2_quants(
 
 /// The 6-bit scale and min of group `j` of a Q4_K / Q5_K block (ggml `get_scale_min_k4`).
 #[inline]
-pub(crate) fn get_scale_min_k4(j: usize, q: &[u8; K_SCALE_SIZE]) -> (u8, u8) {
+pub fn get_scale_min_k4(j: usize, q: &[u8; K_SCALE_SIZE]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
