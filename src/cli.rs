@@ -84,8 +84,9 @@ pub struct ModelArgs {
     /// Lock the model's memory so it is never paged out.
     #[arg(long)]
     pub mlock: bool,
-    /// Repack Q4_K matrices the CPU multiplies into 16-row interleaved groups at load (faster
-    /// prefill and decode on CPUs with AVX-512 VNNI; a second copy of those weights in memory).
+    /// Repack the Q4_K, Q8_0 and Q5_0 matrices the CPU multiplies into 16-row interleaved groups at
+    /// load (faster prefill and decode on CPUs with AVX-512 VNNI; a second copy of those weights in
+    /// memory).
     #[arg(long)]
     pub repack: bool,
 }
@@ -105,21 +106,25 @@ pub fn repack(model: &tandem_model::Model, backend: &dyn tandem_model::Backend, 
     let start = std::time::Instant::now();
     let pb = if progress { indicatif::ProgressBar::new(0) } else { indicatif::ProgressBar::hidden() };
     if let Ok(style) =
-        indicatif::ProgressStyle::with_template("repacking Q4_K weights [{bar:30}] {bytes}/{total_bytes} ({elapsed})")
+        indicatif::ProgressStyle::with_template("repacking weights [{bar:30}] {bytes}/{total_bytes} ({elapsed})")
     {
         pb.set_style(style.progress_chars("=> "));
     }
-    let (n, bytes) = model.pack_weights(&|name| backend.holds(name), &mut |done, total| {
+    let r = model.pack_weights(&|name| backend.holds(name), &mut |done, total| {
         pb.set_length(total);
         pb.set_position(done);
     });
     pb.finish_and_clear();
-    if n == 0 {
-        return "--repack: no Q4_K matrix with whole groups of 16 rows on the CPU; nothing repacked".into();
+    if r.tensors == 0 {
+        return "--repack: no Q4_K, Q8_0 or Q5_0 matrix with whole groups of 16 rows on the CPU; nothing repacked"
+            .into();
     }
+    let types: Vec<String> = r.types.iter().map(|t| t.to_string().to_uppercase()).collect();
     format!(
-        "--repack: {n} Q4_K tensors repacked ({:.2} GiB) in {:.1} s",
-        bytes as f64 / (1u64 << 30) as f64,
+        "--repack: {} tensors repacked ({}; {:.2} GiB) in {:.1} s",
+        r.tensors,
+        types.join(", "),
+        r.bytes as f64 / (1u64 << 30) as f64,
         start.elapsed().as_secs_f64()
     )
 }

@@ -223,21 +223,23 @@ fn threads_ubatch_and_token_by_token_give_the_same_logits() {
     }
 }
 
-/// `--repack` (Q4_K matrices in 16-row groups, `tandem_cpu::packed`): the logits stay within the
+/// `--repack` (Q4_K, Q8_0, Q5_0 matrices in 16-row groups, `tandem_cpu::packed`): the logits stay within the
 /// tolerance of `logits_match_llama_cpp` for rounded files, and threads, micro-batch size and
 /// token-by-token decoding still give the same bits (one arithmetic per row, token and block).
 #[test]
-fn repacked_q4_k_matches_llama_cpp_and_is_invariant() {
+fn repacked_weights_match_llama_cpp_and_are_invariant() {
     if !tandem_cpu::packed::packing_pays() {
         println!("SKIPPED --repack: this machine has no AVX-512 VNNI, so nothing is repacked (the scalar packed kernel is tested in tandem-cpu)");
         return;
     }
-    for name in ["deepseek2-mla-q4_k_m.gguf", "qwen3moe-q4_k_m.gguf"] {
+    for name in ["deepseek2-mla-q4_k_m.gguf", "qwen3moe-q4_k_m.gguf", "deepseek2-mla-q8_0.gguf", "llama-gqa-q8_0.gguf"]
+    {
         let f = fixtures().into_iter().find(|f| f.name == name).unwrap();
         let gguf = GgufModel::open(&f.model, LoadOptions::default()).unwrap();
         let model = Arc::new(Model::load_with(Arc::new(gguf), true).unwrap());
-        let (n, bytes) = model.pack_weights(&|_| false, &mut |_, _| {});
-        assert!(n > 0 && bytes > 0, "{name}: nothing repacked");
+        let r = model.pack_weights(&|_| false, &mut |_, _| {});
+        let n = r.tensors;
+        assert!(n > 0 && r.bytes > 0, "{name}: nothing repacked");
         let got = context(&model, 2, 512, &f.ctk, &f.ctv).decode(&Batch::sequence(&f.tokens, 0, 0, true)).unwrap();
         let plain =
             context(&load(&f.model), 2, 512, &f.ctk, &f.ctv).decode(&Batch::sequence(&f.tokens, 0, 0, true)).unwrap();
@@ -250,7 +252,8 @@ fn repacked_q4_k_matches_llama_cpp_and_is_invariant() {
         let clear_agree = clear.iter().filter(|p| p.1).count();
         let (vs_plain, _, _) = compare(&got, &plain, f.n_vocab);
         println!(
-            "{name} --repack ({n} tensors): against llama.cpp worst {worst:.2e}, median {median:.2e}, argmax agrees at {:.1}% ({clear_agree}/{} clear); against tandem unpacked worst {vs_plain:.2e}",
+            "{name} --repack ({n} tensors, {:?}): against llama.cpp worst {worst:.2e}, median {median:.2e}, argmax agrees at {:.1}% ({clear_agree}/{} clear); against tandem unpacked worst {vs_plain:.2e}",
+            r.types,
             agree * 100.0,
             clear.len()
         );

@@ -6,7 +6,7 @@
 
 use crate::kernels::{best_kernel, MAX_NY, MAX_TILE_ROWS};
 use crate::matmul::{quantize_activations, QuantizedActs, WeightRef};
-use crate::packed::{group_bytes, group_kernel, packable, PACK_ROWS};
+use crate::packed::{act_sums, group_bytes, group_kernel, packable, GroupActs, PACK_ROWS};
 use crate::{Error, Result};
 use rayon::prelude::*;
 use tandem_quant::vec_dot_type;
@@ -57,7 +57,8 @@ pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
             )));
         }
         if j.w.packed
-            && (!packable(j.w.ty, j.w.rows, j.w.cols) || j.w.data.len() != j.w.rows / PACK_ROWS * group_bytes(j.w.cols))
+            && (!packable(j.w.ty, j.w.rows, j.w.cols)
+                || j.w.data.len() != j.w.rows / PACK_ROWS * group_bytes(j.w.ty, j.w.cols))
         {
             return Err(Error::Shape(format!(
                 "a packed {} x {} {} weight of {} bytes",
@@ -163,7 +164,8 @@ fn run_piece(p: Piece) {
 fn run_packed_piece(p: Piece) {
     let n = p.acts.n_rows();
     let yb = p.acts.row_bytes;
-    let gb = group_bytes(p.w.cols);
+    let gb = group_bytes(p.w.ty, p.w.cols);
+    let nb = p.w.cols / p.w.ty.block_size();
     let acts_ok = tandem_quant::row_size(p.acts.ty, p.w.cols).is_ok_and(|b| b == yb && yb * n == p.acts.data.len());
     // Checked once here for every kernel call below (`matmul_jobs` checked the packed size).
     assert!(
@@ -172,17 +174,23 @@ fn run_packed_piece(p: Piece) {
             && p.w.data.len() == p.w.rows / PACK_ROWS * gb
             && p.r0 + p.w.rows <= p.stride
     );
-    let kernel = group_kernel();
-    let nb = p.w.cols / tandem_quant::QK_K;
+    let Some(kernel) = group_kernel(p.w.ty) else { return };
+    let sums = act_sums(p.w.ty, &p.acts.data, yb, nb);
     for (g, w) in p.w.data.chunks_exact(gb).enumerate() {
         for t0 in (0..n).step_by(MAX_NY) {
             let nt = MAX_NY.min(n - t0);
-            // SAFETY: one whole group (checked above); tokens t0..t0 + nt of the checked activations;
+            // SAFETY: one whole group (checked above); tokens t0..t0 + nt of the checked activations
+            // and their block sums (`nb` per token, or none where the type has no use for them);
             // `matmul_jobs` checked that the output holds n rows of `stride`, and this piece alone
             // writes columns r0 + 16g .. r0 + 16g + 16 (see `OutPtr`).
             unsafe {
+                let a = GroupActs {
+                    ys: p.acts.data.as_ptr().add(t0 * yb),
+                    yb,
+                    sums: if sums.is_empty() { std::ptr::null() } else { sums.as_ptr().add(t0 * nb) },
+                };
                 let out = p.out.0.add(t0 * p.stride + p.r0 + g * PACK_ROWS);
-                kernel(nb, w.as_ptr(), p.acts.data.as_ptr().add(t0 * yb), yb, nt, out, p.stride);
+                kernel(nb, w.as_ptr(), a, nt, out, p.stride);
             }
         }
     }

@@ -11,6 +11,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use tandem_gguf::GgufModel;
 
+/// What [`Model::pack_weights`] packed.
+#[derive(Clone, Debug, Default)]
+pub struct PackReport {
+    pub tensors: usize,
+    /// Bytes of the packed copies.
+    pub bytes: u64,
+    pub types: Vec<tandem_gguf::GgmlType>,
+}
+
 /// The layers of an architecture, between the embeddings and the output head.
 pub(crate) trait Layers: Send + Sync {
     fn layout(&self) -> KvLayout;
@@ -66,20 +75,23 @@ impl Model {
     }
 
     /// Makes the packed copies (`--repack`) now instead of at first use, except of the weights
-    /// `skip` names (those a GPU holds): calls `progress(done, total)` in bytes of source tensors;
-    /// returns the packed tensors and their bytes.
-    pub fn pack_weights(&self, skip: &dyn Fn(&str) -> bool, progress: &mut dyn FnMut(u64, u64)) -> (usize, u64) {
+    /// `skip` names (those a GPU holds): calls `progress(done, total)` in bytes of source tensors.
+    pub fn pack_weights(&self, skip: &dyn Fn(&str) -> bool, progress: &mut dyn FnMut(u64, u64)) -> PackReport {
         let todo: Vec<&Weight> = self.packables.iter().filter(|w| !skip(&w.name)).collect();
         let total: u64 = todo.iter().map(|w| w.bytes().len() as u64).sum();
-        let (mut done, mut bytes) = (0u64, 0u64);
+        let (mut done, mut report) = (0u64, PackReport::default());
         for w in &todo {
             if let Some(p) = w.pack() {
-                bytes += p.bytes().len() as u64;
+                report.tensors += 1;
+                report.bytes += p.bytes().len() as u64;
+                if !report.types.contains(&w.ty) {
+                    report.types.push(w.ty);
+                }
             }
             done += w.bytes().len() as u64;
             progress(done, total);
         }
-        (todo.len(), bytes)
+        report
     }
 
     pub fn arch(&self) -> Arch {

@@ -18,7 +18,7 @@ mod weights;
 
 pub use backend::{AttnInput, Backend, CpuBackend};
 pub use config::{Arch, RopeConfig};
-pub use context::{Batch, Context, ContextParams, Model};
+pub use context::{Batch, Context, ContextParams, Model, PackReport};
 pub use gpu::{GpuBackend, GpuLoad, GpuOptions};
 pub use kv_cache::{CacheType, KvCache};
 pub use weights::{Weight, WeightLoader};

@@ -1,0 +1,337 @@
+//! `--repack`: weights rearranged once at load so that one zmm register holds the same four
+//! elements of 16 rows. A product then broadcasts four activation bytes to all 16 lanes and
+//! `vpdpbusd` accumulates 16 rows at once: no per-row horizontal sums, no scale shuffles, each
+//! weight vector serves up to [`crate::MAX_NY`] tokens, and 16 results are stored at once.
+//! (ik_llama.cpp's `_R4`/`_R8` layouts do the same for its own kernels.)
+//!
+//! Each type fixes its arithmetic per (row, token, block), independent of how rows map to lanes:
+//! exact integer sums, then the same float steps block after block ([`q4k`], [`b32`]). So the
+//! scalar reference, the SIMD kernel, one token or a batch and any number of threads give the same
+//! bits. It is not the arithmetic of the row-major kernels (those keep 16 or 8 lanes of partial
+//! sums and add them at the end), so packed products differ from unpacked ones by rounding.
+//!
+//! Types: Q4_K ([`q4k`], against Q8_K activations), Q8_0 and Q5_0 ([`b32`], against Q8_0).
+
+mod b32;
+mod q4k;
+
+use crate::{Error, Result, WeightRef};
+use rayon::prelude::*;
+use tandem_quant::{row_size, GgmlType};
+
+/// Rows per packed group.
+pub const PACK_ROWS: usize = 16;
+
+/// A weight tensor in the packed layout, in anonymous memory (page-aligned, advised for
+/// transparent huge pages: decode streams it once per token).
+pub struct Packed {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    mem: memmap2::Mmap,
+}
+
+impl std::fmt::Debug for Packed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Packed({} {} x {})", self.ty, self.rows, self.cols)
+    }
+}
+
+impl Packed {
+    pub fn bytes(&self) -> &[u8] {
+        &self.mem
+    }
+
+    /// The tensor as a matrix for [`crate::matmul`] and [`crate::matmul_jobs`].
+    pub fn weight_ref(&self) -> WeightRef<'_> {
+        WeightRef { ty: self.ty, rows: self.rows, cols: self.cols, data: self.bytes(), packed: true }
+    }
+}
+
+/// The types with a packed layout.
+pub const PACKED_TYPES: [GgmlType; 3] = [GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::Q5_0];
+
+/// Whether a `rows x cols` tensor of `ty` has a packed layout: one of [`PACKED_TYPES`], whole
+/// groups of 16 rows.
+pub fn packable(ty: GgmlType, rows: usize, cols: usize) -> bool {
+    PACKED_TYPES.contains(&ty)
+        && rows > 0
+        && rows.is_multiple_of(PACK_ROWS)
+        && cols > 0
+        && cols.is_multiple_of(ty.block_size())
+}
+
+/// Whether packing pays on this machine: its kernels need AVX-512 VNNI (within `TANDEM_CPU_ISA`);
+/// elsewhere only the scalar references would run them.
+pub fn packing_pays() -> bool {
+    cfg!(target_arch = "x86_64") && crate::Isa::detected() >= crate::Isa::Avx512Vnni
+}
+
+/// Bytes of one packed group of 16 rows of `cols` elements of `ty`.
+pub(crate) fn group_bytes(ty: GgmlType, cols: usize) -> usize {
+    let nb = cols / ty.block_size().max(1);
+    match ty {
+        GgmlType::Q4_K => nb * q4k::GROUP_BLOCK,
+        _ => nb * b32::GROUP_BLOCK,
+    }
+}
+
+/// Rearranges a row-major `rows x cols` tensor of `ty` (ggml blocks) into the packed layout, groups
+/// in parallel on the current rayon pool.
+pub fn pack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<Packed> {
+    if !packable(ty, rows, cols) {
+        return Err(Error::Shape(format!("no packed layout for a {rows} x {cols} {ty} tensor")));
+    }
+    let rb = row_size(ty, cols)?;
+    if rb.checked_mul(rows) != Some(data.len()) {
+        return Err(Error::Shape(format!(
+            "{ty} weight of {rows} x {cols} needs {} bytes, got {}",
+            rb * rows,
+            data.len()
+        )));
+    }
+    let gb = group_bytes(ty, cols);
+    let alloc = |e: std::io::Error| {
+        Error::Memory(format!("{rows} x {cols} {ty}: cannot allocate {} bytes to repack: {e}", rows / PACK_ROWS * gb))
+    };
+    let mut mem = memmap2::MmapOptions::new().len(rows / PACK_ROWS * gb).map_anon().map_err(alloc)?;
+    #[cfg(target_os = "linux")]
+    // Best effort: without transparent huge pages the memory is ordinary pages.
+    let _ = mem.advise(memmap2::Advice::HugePage);
+    let nb = cols / ty.block_size();
+    mem.par_chunks_mut(gb).zip(data.par_chunks(rb * PACK_ROWS)).for_each(|(dst, src)| match ty {
+        GgmlType::Q4_K => q4k::pack_group(src, rb, nb, dst),
+        _ => b32::pack_group(ty, src, rb, nb, dst),
+    });
+    Ok(Packed { ty, rows, cols, mem: mem.make_read_only().map_err(alloc)? })
+}
+
+/// The activations a group kernel reads: token rows (of the weight type's `vec_dot_type`) `yb`
+/// bytes apart, and for the Q8_0-family types the sum of each block's quants (`nb` per token).
+#[derive(Clone, Copy)]
+pub(crate) struct GroupActs {
+    pub ys: *const u8,
+    pub yb: usize,
+    /// `[token][block]`, or null where the type does not use it.
+    pub sums: *const i32,
+}
+
+/// `out[t * ostride + r] = dot(row r of the group, token t)` for the 16 rows of one packed group
+/// (`nb` blocks at `w`) and `ny` activation rows.
+///
+/// # Safety
+/// `w` holds a whole group of `nb` blocks, `a` `ny` rows of `nb` blocks (and their sums where the
+/// type uses them), `out` `ny` rows of 16 writable floats `ostride` apart; `1 <= ny <= MAX_NY`;
+/// the machine runs the kernel's instructions.
+pub(crate) type GroupFn = unsafe fn(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize);
+
+/// The best group kernel for `ty` this machine runs (within `TANDEM_CPU_ISA`).
+pub(crate) fn group_kernel(ty: GgmlType) -> Option<GroupFn> {
+    let simd = packing_pays();
+    match ty {
+        GgmlType::Q4_K => Some(if simd { q4k::SIMD.unwrap_or(q4k::group_scalar) } else { q4k::group_scalar }),
+        GgmlType::Q8_0 => {
+            Some(if simd { b32::SIMD_Q8_0.unwrap_or(b32::group_scalar::<128>) } else { b32::group_scalar::<128> })
+        }
+        GgmlType::Q5_0 => {
+            Some(if simd { b32::SIMD_Q5_0.unwrap_or(b32::group_scalar::<16>) } else { b32::group_scalar::<16> })
+        }
+        _ => None,
+    }
+}
+
+/// The scalar reference group kernel of `ty`.
+#[cfg(test)]
+fn scalar_kernel(ty: GgmlType) -> GroupFn {
+    match ty {
+        GgmlType::Q4_K => q4k::group_scalar,
+        GgmlType::Q8_0 => b32::group_scalar::<128>,
+        _ => b32::group_scalar::<16>,
+    }
+}
+
+/// The sums a group kernel of `ty` needs besides the activations: each Q8_0 block's quant sum
+/// (`[token][block]`); empty for Q4_K (its Q8_K blocks carry `bsums`).
+pub(crate) fn act_sums(ty: GgmlType, ys: &[u8], yb: usize, nb: usize) -> Vec<i32> {
+    if ty == GgmlType::Q4_K || yb == 0 {
+        return Vec::new();
+    }
+    ys.chunks_exact(yb).flat_map(|row| (0..nb).map(move |b| b32::block_sum(&row[b * b32::Q8_0_BYTES..]))).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MAX_NY;
+
+    pub(super) struct Rng(pub u64);
+    impl Rng {
+        pub fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+    }
+
+    /// Random rows of `ty`: every bit pattern of levels and scales, fp16 factors in [2^-10, 2^-9)
+    /// (at the block's start; Q4_K's dmin after it).
+    pub(super) fn random_rows(ty: GgmlType, rows: usize, n: usize, rng: &mut Rng) -> Vec<u8> {
+        let mut w: Vec<u8> = (0..rows * row_size(ty, n).unwrap()).map(|_| rng.next() as u8).collect();
+        let factors: &[usize] = if ty == GgmlType::Q4_K { &[0, 2] } else { &[0] };
+        for b in w.chunks_exact_mut(ty.type_size()) {
+            for &o in factors {
+                let bits = 0x1400u16 | (rng.next() as u16 & 0x03FF) | (rng.next() as u16 & 0x8000);
+                b[o..o + 2].copy_from_slice(&bits.to_le_bytes());
+            }
+        }
+        w
+    }
+
+    fn acts(ty: GgmlType, n: usize, ny: usize, rng: &mut Rng) -> Vec<u8> {
+        let x: Vec<f32> = (0..n * ny).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect();
+        crate::quantize_activations(ty, &x, n).unwrap().data
+    }
+
+    /// Runs a group kernel on one packed group.
+    fn run(k: GroupFn, ty: GgmlType, p: &[u8], n: usize, ys: &[u8], ny: usize, out: &mut [f32], ostride: usize) {
+        let nb = n / ty.block_size();
+        let yb = ys.len() / ny;
+        let sums = act_sums(ty, ys, yb, nb);
+        let a = GroupActs { ys: ys.as_ptr(), yb, sums: if sums.is_empty() { std::ptr::null() } else { sums.as_ptr() } };
+        assert!(out.len() >= (ny - 1) * ostride + PACK_ROWS && p.len() == group_bytes(ty, n));
+        // SAFETY: one whole group, ny activation rows with their sums, outputs checked above.
+        unsafe { k(nb, p.as_ptr(), a, ny, out.as_mut_ptr(), ostride) };
+    }
+
+    #[test]
+    fn the_scalar_group_kernels_match_ggml_vec_dot() {
+        let mut rng = Rng(11);
+        for ty in PACKED_TYPES {
+            let (n, ny) = (1024, 3);
+            let w = random_rows(ty, PACK_ROWS, n, &mut rng);
+            let ys = acts(ty, n, ny, &mut rng);
+            let p = pack(ty, PACK_ROWS, n, &w).unwrap();
+            let (rb, yb) = (row_size(ty, n).unwrap(), ys.len() / ny);
+            let mut out = vec![0f32; ny * PACK_ROWS];
+            run(scalar_kernel(ty), ty, p.bytes(), n, &ys, ny, &mut out, PACK_ROWS);
+            for t in 0..ny {
+                for r in 0..PACK_ROWS {
+                    let want =
+                        tandem_quant::vec_dot(ty, n, &w[r * rb..(r + 1) * rb], &ys[t * yb..(t + 1) * yb]).unwrap();
+                    let got = out[t * PACK_ROWS + r];
+                    assert!(
+                        (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                        "{ty} token {t} row {r}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_simd_group_kernels_equal_the_scalar_ones_bit_for_bit() {
+        let mut rng = Rng(13);
+        for ty in PACKED_TYPES {
+            let k = group_kernel(ty).unwrap();
+            if k as usize == scalar_kernel(ty) as usize {
+                println!("SKIPPED AVX-512 VNNI packed {ty} kernel: this machine (or TANDEM_CPU_ISA) does not run it");
+                continue;
+            }
+            for n in [256, 2048] {
+                let w = random_rows(ty, PACK_ROWS, n, &mut rng);
+                let p = pack(ty, PACK_ROWS, n, &w).unwrap();
+                for ny in 1..=MAX_NY {
+                    let mut ys = acts(ty, n, ny, &mut rng);
+                    // An extreme activation too (-128 is never produced by the quantizers, but legal).
+                    ys[if ty == GgmlType::Q4_K { 4 } else { 2 }] = 0x80;
+                    let (mut a, mut b) = (vec![0f32; ny * 20], vec![0f32; ny * 20]);
+                    run(scalar_kernel(ty), ty, p.bytes(), n, &ys, ny, &mut a, 20);
+                    run(k, ty, p.bytes(), n, &ys, ny, &mut b, 20);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&a), bits(&b), "{ty} n {n}, {ny} tokens");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_packed_matrix_is_cut_only_between_groups() {
+        let mut rng = Rng(19);
+        for ty in PACKED_TYPES {
+            let (rows, n) = (48, 256);
+            let w = random_rows(ty, rows, n, &mut rng);
+            let p = pack(ty, rows, n, &w).unwrap();
+            let m = p.weight_ref();
+            let e = m.rows(8, 16).unwrap_err().to_string();
+            assert!(e.contains("rows 8..24 of a weight packed in groups of 16 rows"), "{e}");
+            assert!(m.rows(16, 20).is_err());
+            // Rows 16..48 alone give the same bits as those columns of the whole product.
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+            let x: Vec<f32> = (0..3 * n).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect();
+            let (mut all, mut part) = (vec![0f32; 3 * rows], vec![0f32; 3 * 32]);
+            crate::matmul(&pool, &m, &x, &mut all).unwrap();
+            crate::matmul(&pool, &m.rows(16, 32).unwrap(), &x, &mut part).unwrap();
+            for t in 0..3 {
+                assert_eq!(&all[t * rows + 16..t * rows + 48], &part[t * 32..(t + 1) * 32], "{ty} token {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_without_a_packed_layout_are_refused() {
+        let e = pack(GgmlType::Q4_K, 8, 256, &[0u8; 8 * 144]).unwrap_err().to_string();
+        assert!(e.contains("no packed layout for a 8 x 256 q4_K tensor"), "{e}");
+        let e = pack(GgmlType::Q6_K, 16, 256, &[0u8; 16 * 210]).unwrap_err().to_string();
+        assert!(e.contains("no packed layout"), "{e}");
+        let e = pack(GgmlType::Q8_0, 16, 48, &[0u8; 16 * 34]).unwrap_err().to_string();
+        assert!(e.contains("no packed layout for a 16 x 48 q8_0 tensor"), "{e}");
+        let e = pack(GgmlType::Q4_K, 16, 256, &[0u8; 100]).unwrap_err().to_string();
+        assert!(e.contains("needs 2304 bytes, got 100"), "{e}");
+    }
+
+    /// Products on one thread, packed against row-major (`cargo test -p tandem-cpu --release
+    /// packed_speedup -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn packed_speedup() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let mut rng = Rng(17);
+        for ty in PACKED_TYPES {
+            let shapes = [
+                (65536usize, 2048usize, 1usize),
+                (4096, 2048, 1),
+                (768, 2048, 8),
+                (2048, 2048, 64),
+                (512, 128, 256),
+                (2048, 2048, 256),
+            ];
+            for (rows, n, tokens) in shapes.into_iter().filter(|s| s.1.is_multiple_of(ty.block_size())) {
+                let w = random_rows(ty, rows, n, &mut rng);
+                let x: Vec<f32> = (0..n * tokens).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect();
+                let a = crate::quantize_activations(ty, &x, n).unwrap();
+                let plain = crate::WeightRef::new(ty, rows, n, &w).unwrap();
+                let p = pool.install(|| pack(ty, rows, n, &w)).unwrap();
+                let mut y = vec![0f32; rows * tokens];
+                let (mut tp, mut tk) = (f64::MAX, f64::MAX);
+                for _ in 0..7 {
+                    let t = std::time::Instant::now();
+                    crate::matmul_quantized(&pool, &plain, &a, &mut y).unwrap();
+                    tp = tp.min(t.elapsed().as_secs_f64());
+                    let t = std::time::Instant::now();
+                    crate::matmul_quantized(&pool, &p.weight_ref(), &a, &mut y).unwrap();
+                    tk = tk.min(t.elapsed().as_secs_f64());
+                }
+                let gb = (w.len() * tokens) as f64 / 1e9;
+                println!(
+                    "{ty} {rows}x{n}, {tokens} tokens: row-major {:.3} ms ({:.1} token-GB/s), packed {:.3} ms ({:.1} token-GB/s): {:.2}x",
+                    tp * 1e3,
+                    gb / tp,
+                    tk * 1e3,
+                    gb / tk,
+                    tp / tk
+                );
+            }
+        }
+    }
+}
