@@ -84,7 +84,7 @@ pub struct ModelArgs {
     /// Lock the model's memory so it is never paged out.
     #[arg(long)]
     pub mlock: bool,
-    /// Repack the Q4_K, Q8_0 and Q5_0 matrices the CPU multiplies into 16-row interleaved groups at
+    /// Repack the Q4_K, Q6_K, Q8_0 and Q5_0 matrices the CPU multiplies into 16-row interleaved groups at
     /// load (faster prefill and decode on CPUs with AVX-512 VNNI; a second copy of those weights in
     /// memory).
     #[arg(long)]
@@ -116,7 +116,7 @@ pub fn repack(model: &tandem_model::Model, backend: &dyn tandem_model::Backend, 
     });
     pb.finish_and_clear();
     if r.tensors == 0 {
-        return "--repack: no Q4_K, Q8_0 or Q5_0 matrix with whole groups of 16 rows on the CPU; nothing repacked"
+        return "--repack: no Q4_K, Q6_K, Q8_0 or Q5_0 matrix with whole groups of 16 rows on the CPU; nothing repacked"
             .into();
     }
     let types: Vec<String> = r.types.iter().map(|t| t.to_string().to_uppercase()).collect();

@@ -223,7 +223,7 @@ fn threads_ubatch_and_token_by_token_give_the_same_logits() {
     }
 }
 
-/// `--repack` (Q4_K, Q8_0, Q5_0 matrices in 16-row groups, `tandem_cpu::packed`): the logits stay within the
+/// `--repack` (Q4_K, Q6_K, Q8_0, Q5_0 matrices in 16-row groups, `tandem_cpu::packed`): the logits stay within the
 /// tolerance of `logits_match_llama_cpp` for rounded files, and threads, micro-batch size and
 /// token-by-token decoding still give the same bits (one arithmetic per row, token and block).
 #[test]

@@ -10,10 +10,12 @@
 //! bits. It is not the arithmetic of the row-major kernels (those keep 16 or 8 lanes of partial
 //! sums and add them at the end), so packed products differ from unpacked ones by rounding.
 //!
-//! Types: Q4_K ([`q4k`], against Q8_K activations), Q8_0 and Q5_0 ([`b32`], against Q8_0).
+//! Types: Q4_K and Q6_K ([`q4k`], [`q6k`], against Q8_K activations), Q8_0 and Q5_0 ([`b32`],
+//! against Q8_0).
 
 mod b32;
 mod q4k;
+mod q6k;
 
 use crate::{Error, Result, WeightRef};
 use rayon::prelude::*;
@@ -49,7 +51,7 @@ impl Packed {
 }
 
 /// The types with a packed layout.
-pub const PACKED_TYPES: [GgmlType; 3] = [GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::Q5_0];
+pub const PACKED_TYPES: [GgmlType; 4] = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0];
 
 /// Whether a `rows x cols` tensor of `ty` has a packed layout: one of [`PACKED_TYPES`], whole
 /// groups of 16 rows.
@@ -72,6 +74,7 @@ pub(crate) fn group_bytes(ty: GgmlType, cols: usize) -> usize {
     let nb = cols / ty.block_size().max(1);
     match ty {
         GgmlType::Q4_K => nb * q4k::GROUP_BLOCK,
+        GgmlType::Q6_K => nb * q6k::GROUP_BLOCK,
         _ => nb * b32::GROUP_BLOCK,
     }
 }
@@ -101,6 +104,7 @@ pub fn pack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<Packe
     let nb = cols / ty.block_size();
     mem.par_chunks_mut(gb).zip(data.par_chunks(rb * PACK_ROWS)).for_each(|(dst, src)| match ty {
         GgmlType::Q4_K => q4k::pack_group(src, rb, nb, dst),
+        GgmlType::Q6_K => q6k::pack_group(src, rb, nb, dst),
         _ => b32::pack_group(ty, src, rb, nb, dst),
     });
     Ok(Packed { ty, rows, cols, mem: mem.make_read_only().map_err(alloc)? })
@@ -130,6 +134,7 @@ pub(crate) fn group_kernel(ty: GgmlType) -> Option<GroupFn> {
     let simd = packing_pays();
     match ty {
         GgmlType::Q4_K => Some(if simd { q4k::SIMD.unwrap_or(q4k::group_scalar) } else { q4k::group_scalar }),
+        GgmlType::Q6_K => Some(if simd { q6k::SIMD.unwrap_or(q6k::group_scalar) } else { q6k::group_scalar }),
         GgmlType::Q8_0 => {
             Some(if simd { b32::SIMD_Q8_0.unwrap_or(b32::group_scalar::<128>) } else { b32::group_scalar::<128> })
         }
@@ -145,15 +150,16 @@ pub(crate) fn group_kernel(ty: GgmlType) -> Option<GroupFn> {
 fn scalar_kernel(ty: GgmlType) -> GroupFn {
     match ty {
         GgmlType::Q4_K => q4k::group_scalar,
+        GgmlType::Q6_K => q6k::group_scalar,
         GgmlType::Q8_0 => b32::group_scalar::<128>,
         _ => b32::group_scalar::<16>,
     }
 }
 
 /// The sums a group kernel of `ty` needs besides the activations: each Q8_0 block's quant sum
-/// (`[token][block]`); empty for Q4_K (its Q8_K blocks carry `bsums`).
+/// (`[token][block]`); empty for the k-quants (their Q8_K blocks carry `bsums`).
 pub(crate) fn act_sums(ty: GgmlType, ys: &[u8], yb: usize, nb: usize) -> Vec<i32> {
-    if ty == GgmlType::Q4_K || yb == 0 {
+    if matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) || yb == 0 {
         return Vec::new();
     }
     ys.chunks_exact(yb).flat_map(|row| (0..nb).map(move |b| b32::block_sum(&row[b * b32::Q8_0_BYTES..]))).collect()
@@ -175,10 +181,14 @@ mod tests {
     }
 
     /// Random rows of `ty`: every bit pattern of levels and scales, fp16 factors in [2^-10, 2^-9)
-    /// (at the block's start; Q4_K's dmin after it).
+    /// (where each type keeps them).
     pub(super) fn random_rows(ty: GgmlType, rows: usize, n: usize, rng: &mut Rng) -> Vec<u8> {
         let mut w: Vec<u8> = (0..rows * row_size(ty, n).unwrap()).map(|_| rng.next() as u8).collect();
-        let factors: &[usize] = if ty == GgmlType::Q4_K { &[0, 2] } else { &[0] };
+        let factors: &[usize] = match ty {
+            GgmlType::Q4_K => &[0, 2],
+            GgmlType::Q6_K => &[208],
+            _ => &[0],
+        };
         for b in w.chunks_exact_mut(ty.type_size()) {
             for &o in factors {
                 let bits = 0x1400u16 | (rng.next() as u16 & 0x03FF) | (rng.next() as u16 & 0x8000);
@@ -244,7 +254,7 @@ mod tests {
                 for ny in 1..=MAX_NY {
                     let mut ys = acts(ty, n, ny, &mut rng);
                     // An extreme activation too (-128 is never produced by the quantizers, but legal).
-                    ys[if ty == GgmlType::Q4_K { 4 } else { 2 }] = 0x80;
+                    ys[if ty.block_size() == 256 { 4 } else { 2 }] = 0x80;
                     let (mut a, mut b) = (vec![0f32; ny * 20], vec![0f32; ny * 20]);
                     run(scalar_kernel(ty), ty, p.bytes(), n, &ys, ny, &mut a, 20);
                     run(k, ty, p.bytes(), n, &ys, ny, &mut b, 20);
@@ -282,7 +292,7 @@ mod tests {
     fn shapes_without_a_packed_layout_are_refused() {
         let e = pack(GgmlType::Q4_K, 8, 256, &[0u8; 8 * 144]).unwrap_err().to_string();
         assert!(e.contains("no packed layout for a 8 x 256 q4_K tensor"), "{e}");
-        let e = pack(GgmlType::Q6_K, 16, 256, &[0u8; 16 * 210]).unwrap_err().to_string();
+        let e = pack(GgmlType::Q2_K, 16, 256, &[0u8; 16 * 84]).unwrap_err().to_string();
         assert!(e.contains("no packed layout"), "{e}");
         let e = pack(GgmlType::Q8_0, 16, 48, &[0u8; 16 * 34]).unwrap_err().to_string();
         assert!(e.contains("no packed layout for a 16 x 48 q8_0 tensor"), "{e}");

@@ -1,0 +1,276 @@
+//! Packed Q6_K against Q8_K activations. Per (row, token, block) the integer sums
+//! `isum = sum_g sc_g * sum_{e in g} u_e * a_e` (`u` the 6-bit code, 0..=63) and
+//! `imin = 32 * sum_g sc_g * bsum_g` are exact, then `v = (isum - imin) * d` and
+//! `acc = v * yd + acc` (fused).
+//!
+//! Layout of one group of 16 rows: its blocks one after another, each [`GROUP_BLOCK`] bytes (the
+//! 16 rows' own 3360): the low four bits as Q4_K's levels (`ql[8 groups of 32][4][16 rows][4]`,
+//! element `8l + k` in the low nibble of byte `k` of load `l`, `8l + 4 + k` in the high one), the
+//! high two bits `qh[8][2][16 rows][4]` (load `h`, byte `k`, bits `2l..2l+2`: element
+//! `8l + 4h + k`), the scales `sc[8][16 rows][2]` (groups `2j`, `2j + 1` of 16 elements, i8), then
+//! `d[16]` (fp16).
+
+use super::{GroupActs, GroupFn, PACK_ROWS};
+use std::mem::{offset_of, size_of};
+use tandem_quant::blocks::{BlockQ6K, BlockQ8K};
+use tandem_quant::QK_K;
+
+const SUBS: usize = QK_K / 32;
+const QL: usize = 0;
+const QH: usize = QL + QK_K / 2 * PACK_ROWS;
+const SC: usize = QH + QK_K / 4 * PACK_ROWS;
+const D: usize = SC + QK_K / 16 * PACK_ROWS;
+/// Bytes of one block of one group of 16 rows.
+pub(super) const GROUP_BLOCK: usize = D + 2 * PACK_ROWS;
+const _: () = assert!(GROUP_BLOCK == PACK_ROWS * size_of::<BlockQ6K>());
+
+const Q8K_BYTES: usize = size_of::<BlockQ8K>();
+const Q8K_QS: usize = offset_of!(BlockQ8K, qs);
+const Q8K_BSUMS: usize = offset_of!(BlockQ8K, bsums);
+const Q6K_BYTES: usize = size_of::<BlockQ6K>();
+const Q6K_QH: usize = offset_of!(BlockQ6K, qh);
+const Q6K_SC: usize = offset_of!(BlockQ6K, scales);
+const Q6K_D: usize = offset_of!(BlockQ6K, d);
+
+/// Element `e` of a Q6_K block as its 6-bit code (ggml `dequantize_row_q6_K`: 128-element halves,
+/// `ql` low nibbles for elements `l` and `l + 32`, high nibbles for `l + 64`, `l + 96`; `qh` two
+/// bits each).
+fn code(blk: &[u8], e: usize) -> u8 {
+    let (half, i) = (e / 128, e % 128);
+    let (quarter, l) = (i / 32, i % 32);
+    let ql = blk[64 * half + l + 32 * (quarter % 2)];
+    let low = if quarter < 2 { ql & 0x0F } else { ql >> 4 };
+    let high = (blk[Q6K_QH + 32 * half + l] >> (2 * quarter)) & 3;
+    low | (high << 4)
+}
+
+/// One group: 16 rows of `nb` Q6_K blocks (`rb` bytes each) into `dst` (zeroed).
+pub(super) fn pack_group(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
+    for b in 0..nb {
+        let out = &mut dst[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
+        for r in 0..PACK_ROWS {
+            let blk = &src[r * rb + b * Q6K_BYTES..r * rb + (b + 1) * Q6K_BYTES];
+            out[D + 2 * r..D + 2 * r + 2].copy_from_slice(&blk[Q6K_D..Q6K_D + 2]);
+            for j in 0..SUBS {
+                out[SC + 32 * j + 2 * r] = blk[Q6K_SC + 2 * j];
+                out[SC + 32 * j + 2 * r + 1] = blk[Q6K_SC + 2 * j + 1];
+                for e in 0..32 {
+                    let u = code(blk, 32 * j + e);
+                    let (lo, hi) = at(j, r, e);
+                    out[lo.0] |= (u & 0x0F) << lo.1;
+                    out[hi.0] |= (u >> 4) << hi.1;
+                }
+            }
+        }
+    }
+}
+
+/// Where element `e` of group `j` of row `r` lives: (byte, shift) of its low four bits and of its
+/// high two bits.
+#[inline]
+fn at(j: usize, r: usize, e: usize) -> ((usize, u32), (usize, u32)) {
+    let (l, h, k) = (e / 8, (e % 8) / 4, e % 4);
+    ((QL + 256 * j + 64 * l + 4 * r + k, 4 * h as u32), (QH + 128 * j + 64 * h + 4 * r + k, 2 * l as u32))
+}
+
+/// The AVX-512 VNNI kernel, where this build has one.
+#[cfg(target_arch = "x86_64")]
+pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni);
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const SIMD: Option<GroupFn> = None;
+
+/// The scalar reference: the arithmetic of the module docs, spelled out.
+///
+/// # Safety
+/// As [`GroupFn`] (Q8_K activations).
+pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+    // SAFETY: the caller guarantees the extents (see `GroupFn`).
+    let (w, ys) = unsafe {
+        (
+            std::slice::from_raw_parts(w, nb * GROUP_BLOCK),
+            std::slice::from_raw_parts(a.ys, (ny - 1) * a.yb + nb * Q8K_BYTES),
+        )
+    };
+    for t in 0..ny {
+        let mut acc = [0f32; PACK_ROWS];
+        for b in 0..nb {
+            let blk = &w[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
+            let y = &ys[t * a.yb + b * Q8K_BYTES..t * a.yb + (b + 1) * Q8K_BYTES];
+            let yd = f32::from_le_bytes(y[0..4].try_into().expect("4 bytes"));
+            let bsum = |g: usize| i16::from_le_bytes([y[Q8K_BSUMS + 2 * g], y[Q8K_BSUMS + 2 * g + 1]]) as i32;
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let (mut isum, mut imin) = (0i32, 0i32);
+                for j in 0..SUBS {
+                    for half in 0..2 {
+                        let sc = blk[SC + 32 * j + 2 * r + half] as i8 as i32;
+                        let mut s = 0i32;
+                        for e in 16 * half..16 * half + 16 {
+                            let (lo, hi) = at(j, r, e);
+                            let u = ((blk[lo.0] >> lo.1) & 0x0F) | (((blk[hi.0] >> hi.1) & 3) << 4);
+                            s += u as i32 * y[Q8K_QS + 32 * j + e] as i8 as i32;
+                        }
+                        isum += sc * s;
+                        imin += sc * bsum(2 * j + half);
+                    }
+                }
+                let d = half::f16::from_bits(u16::from_le_bytes([blk[D + 2 * r], blk[D + 2 * r + 1]])).to_f32();
+                let v = (isum - 32 * imin) as f32 * d;
+                *acc = v.mul_add(yd, *acc);
+            }
+        }
+        for (r, v) in acc.iter().enumerate() {
+            // SAFETY: the caller guarantees 16 writable floats per token row.
+            unsafe { *out.add(t * ostride + r) = *v };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{GroupActs, D, GROUP_BLOCK, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QH, QL, SC, SUBS};
+    use std::arch::x86_64::*;
+
+    /// A [`super::GroupFn`] for AVX-512 VNNI.
+    ///
+    /// # Safety
+    /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
+    pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+        // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
+        unsafe {
+            match ny {
+                1 => group::<1>(nb, w, a, out, ostride),
+                2 => group::<2>(nb, w, a, out, ostride),
+                3 => group::<3>(nb, w, a, out, ostride),
+                4 => group::<4>(nb, w, a, out, ostride),
+                5 => group::<5>(nb, w, a, out, ostride),
+                6 => group::<6>(nb, w, a, out, ostride),
+                7 => group::<7>(nb, w, a, out, ostride),
+                _ => group::<8>(nb, w, a, out, ostride),
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn bcast(p: *const u8) -> __m512i {
+        // SAFETY: the caller guarantees 4 readable bytes.
+        _mm512_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+    }
+
+    /// # Safety
+    /// As [`group_vnni`] with `ny == NY`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
+    unsafe fn group<const NY: usize>(nb: usize, w: *const u8, a: GroupActs, out: *mut f32, ostride: usize) {
+        let nib = _mm512_set1_epi8(0x0F);
+        let two = _mm512_set1_epi8(0x30);
+        let mut acc = [_mm512_setzero_ps(); NY];
+        for b in 0..nb {
+            // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
+            unsafe {
+                let wb = w.add(b * GROUP_BLOCK);
+                if NY == 1 {
+                    // One token streams the weights once: ask for the lines 4 KiB ahead (the
+                    // hardware prefetchers stop at page boundaries).
+                    for l in (0..GROUP_BLOCK).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(wb.add(l + 4096) as *const i8);
+                    }
+                }
+                let y: [*const u8; NY] = std::array::from_fn(|t| a.ys.add(t * a.yb + b * Q8K_BYTES));
+                let mut isum = [_mm512_setzero_si512(); NY];
+                let mut imin = [_mm512_setzero_si512(); NY];
+                for j in 0..SUBS {
+                    // (sc[2j], sc[2j + 1]) as an i16 pair per lane, and each alone as i32.
+                    let pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256(wb.add(SC + 32 * j) as *const __m256i));
+                    let sc0 = _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(pair));
+                    let sc1 = _mm512_srai_epi32::<16>(pair);
+                    let h0 = _mm512_loadu_si512(wb.add(QH + 128 * j) as *const __m512i);
+                    let h1 = _mm512_loadu_si512(wb.add(QH + 128 * j + 64) as *const __m512i);
+                    // Bits 2l..2l+2 of a high-bit byte moved to bits 4..6.
+                    let high = |h: __m512i, l: usize| -> __m512i {
+                        let s = match l {
+                            0 => _mm512_slli_epi16::<4>(h),
+                            1 => _mm512_slli_epi16::<2>(h),
+                            2 => h,
+                            _ => _mm512_srli_epi16::<2>(h),
+                        };
+                        _mm512_and_si512(s, two)
+                    };
+                    let mut lo = [_mm512_setzero_si512(); 4];
+                    let mut hi = [_mm512_setzero_si512(); 4];
+                    for l in 0..4 {
+                        let raw = _mm512_loadu_si512(wb.add(QL + 256 * j + 64 * l) as *const __m512i);
+                        lo[l] = _mm512_or_si512(_mm512_and_si512(raw, nib), high(h0, l));
+                        hi[l] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib), high(h1, l));
+                    }
+                    for t in 0..NY {
+                        let q = y[t].add(Q8K_QS + 32 * j);
+                        // Elements 0..16 (loads 0, 1) and 16..32 (loads 2, 3): the two scale groups.
+                        let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                        for l in 0..2 {
+                            s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
+                            s0 = _mm512_dpbusd_epi32(s0, hi[l], bcast(q.add(8 * l + 4)));
+                            s1 = _mm512_dpbusd_epi32(s1, lo[l + 2], bcast(q.add(8 * l + 16)));
+                            s1 = _mm512_dpbusd_epi32(s1, hi[l + 2], bcast(q.add(8 * l + 20)));
+                        }
+                        let s = _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1));
+                        isum[t] = _mm512_add_epi32(isum[t], s);
+                        imin[t] = _mm512_dpwssd_epi32(imin[t], pair, bcast(y[t].add(Q8K_BSUMS + 4 * j)));
+                    }
+                }
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(D) as *const __m256i));
+                for t in 0..NY {
+                    let v = _mm512_mul_ps(
+                        _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[t], _mm512_slli_epi32::<5>(imin[t]))),
+                        d,
+                    );
+                    let yd = _mm512_set1_ps((y[t] as *const f32).read_unaligned());
+                    acc[t] = _mm512_fmadd_ps(v, yd, acc[t]);
+                }
+            }
+        }
+        for (t, v) in acc.iter().enumerate() {
+            // SAFETY: 16 writable floats per token row (see `GroupFn`).
+            unsafe { _mm512_storeu_ps(out.add(t * ostride), *v) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{random_rows, Rng};
+    use super::super::{group_bytes, pack};
+    use super::*;
+    use tandem_quant::{row_size, GgmlType};
+
+    #[test]
+    fn the_layout_keeps_every_code_scale_and_factor() {
+        // (code - 32) * scale * d, read back by the layout, is ggml's dequantized value exactly.
+        let (rows, n) = (32, 512);
+        let mut rng = Rng(3);
+        let w = random_rows(GgmlType::Q6_K, rows, n, &mut rng);
+        let p = pack(GgmlType::Q6_K, rows, n, &w).unwrap();
+        let (rb, gb) = (row_size(GgmlType::Q6_K, n).unwrap(), group_bytes(GgmlType::Q6_K, n));
+        for row in 0..rows {
+            let mut want = vec![0f32; n];
+            tandem_quant::dequantize_row(GgmlType::Q6_K, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
+            let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
+            for b in 0..n / QK_K {
+                let blk = &p.bytes()[g * gb + b * GROUP_BLOCK..g * gb + (b + 1) * GROUP_BLOCK];
+                let d = half::f16::from_bits(u16::from_le_bytes([blk[D + 2 * r], blk[D + 2 * r + 1]])).to_f32();
+                for j in 0..SUBS {
+                    for e in 0..32 {
+                        let (lo, hi) = at(j, r, e);
+                        let u = ((blk[lo.0] >> lo.1) & 0x0F) | (((blk[hi.0] >> hi.1) & 3) << 4);
+                        let sc = blk[SC + 32 * j + 2 * r + e / 16] as i8 as f32;
+                        assert_eq!(
+                            d * sc * (u as i32 - 32) as f32,
+                            want[b * QK_K + 32 * j + e],
+                            "row {row} block {b} element {}",
+                            32 * j + e
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
