@@ -109,6 +109,8 @@ struct Report<'a> {
     threads: &'a [usize],
     active_bytes_per_token: u64,
     read_bandwidth_gbs: BTreeMap<String, f64>,
+    /// `--repack` was given (and the machine runs the packed kernels).
+    repack: bool,
     rows: &'a [Row],
 }
 
@@ -708,6 +710,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             threads: &plan.threads,
             active_bytes_per_token: active,
             read_bandwidth_gbs: bandwidth.iter().map(|(t, g)| (t.to_string(), *g)).collect(),
+            repack: a.model.repack && tandem_cpu::packed::packing_pays(),
             rows: &rows,
         };
         let mut o = std::io::stdout().lock();

@@ -169,6 +169,26 @@ fn active_bytes_count_the_used_share_of_the_experts() {
     }
 }
 
+/// `--repack` on the Q4_K_M fixture: one line says what was repacked (or why nothing was), the JSON
+/// says whether it was on, and the rows hold.
+#[test]
+fn repack_says_what_it_packed() {
+    let (v, se) = json("deepseek2-mla-tiny-Q4_K_M.gguf", &["-t", "2", "-p", "8", "-n", "4", "-r", "1", "--repack"]);
+    check_rows(&v);
+    let line: Vec<&str> = se.lines().filter(|l| l.contains("--repack")).collect();
+    assert_eq!(line.len(), 1, "{se}");
+    if tandem_cpu::packed::packing_pays() {
+        assert!(line[0].contains("tensors repacked (") && line[0].contains("Q4_K"), "{se}");
+        assert_eq!(v["repack"], Value::Bool(true), "{v}");
+    } else {
+        println!("SKIPPED the packed kernels: this machine has no AVX-512 VNNI ({})", line[0]);
+        assert!(line[0].contains("no AVX-512 VNNI"), "{se}");
+        assert_eq!(v["repack"], Value::Bool(false), "{v}");
+    }
+    let (v, _) = json("deepseek2-mla-tiny-Q4_K_M.gguf", &["-t", "2", "-p", "8", "-n", "4", "-r", "1"]);
+    assert_eq!(v["repack"], Value::Bool(false), "{v}");
+}
+
 #[test]
 fn bad_flags_give_one_line_errors() {
     let cases: &[(&[&str], &str)] = &[
