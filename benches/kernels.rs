@@ -1,5 +1,7 @@
 //! Quantized matmul per weight type through `tandem_cpu::matmul`: a 2048 x 2048 weight against
-//! 1 token (the decode matvec) and 64 tokens (a prefill micro-batch). Throughput is weight bytes.
+//! 1 token (the decode matvec) and 64 tokens (a prefill micro-batch), row-major and, for the types
+//! `--repack` packs, packed (`TYPE-packed`; where the machine runs the packed kernels). Throughput
+//! is the row-major weight bytes.
 //!
 //! `cargo bench --bench kernels` (`-- --quick` for a short run); threads: TANDEM_BENCH_THREADS.
 
@@ -7,7 +9,7 @@ mod common;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;
-use tandem_cpu::{matmul, Threads, WeightRef};
+use tandem_cpu::{matmul, packed, Threads, WeightRef};
 use tandem_quant::GgmlType;
 
 const N: usize = 2048;
@@ -37,6 +39,20 @@ fn bench_matmul(c: &mut Criterion) {
             let pool = threads.for_tokens(n);
             g.throughput(Throughput::Bytes(data.len() as u64));
             g.bench_with_input(BenchmarkId::new(ty.to_string(), format!("{n}tok")), &n, |b, _| {
+                b.iter(|| matmul(pool, &w, black_box(&x), &mut y).expect("matmul"))
+            });
+        }
+        if !(packed::packing_pays() && packed::packable(ty, N, N)) {
+            continue;
+        }
+        let p = packed::pack(ty, N, N, &data).expect("pack");
+        let w = p.weight_ref();
+        for n in TOKENS {
+            let x = common::random_f32(n * N, 2);
+            let mut y = vec![0f32; n * N];
+            let pool = threads.for_tokens(n);
+            g.throughput(Throughput::Bytes(data.len() as u64));
+            g.bench_with_input(BenchmarkId::new(format!("{ty}-packed"), format!("{n}tok")), &n, |b, _| {
                 b.iter(|| matmul(pool, &w, black_box(&x), &mut y).expect("matmul"))
             });
         }

@@ -85,13 +85,8 @@ pub(super) unsafe fn group_scalar<const OFF: i32>(
     out: *mut f32,
     ostride: usize,
 ) {
-    // SAFETY: the caller guarantees the extents (see `GroupFn`).
-    let (w, ys) = unsafe {
-        (
-            std::slice::from_raw_parts(w, nb * GROUP_BLOCK),
-            std::slice::from_raw_parts(a.ys, (ny - 1) * a.yb + nb * Q8_0_BYTES),
-        )
-    };
+    // SAFETY: forwarded from the caller.
+    let (w, ys) = unsafe { super::scalar_views(nb, w, GROUP_BLOCK, &a, ny, Q8_0_BYTES) };
     for t in 0..ny {
         let mut acc = [0f32; PACK_ROWS];
         for b in 0..nb {
@@ -106,15 +101,14 @@ pub(super) unsafe fn group_scalar<const OFF: i32>(
                 *acc = dd.mul_add((isum - corr) as f32, *acc);
             }
         }
-        for (r, v) in acc.iter().enumerate() {
-            // SAFETY: the caller guarantees 16 writable floats per token row.
-            unsafe { *out.add(t * ostride + r) = *v };
-        }
+        // SAFETY: t < ny (see `GroupFn`).
+        unsafe { super::store_scalar(out, t, ostride, &acc) };
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::x86::bcast;
     use super::{GroupActs, LEVELS, PACK_ROWS, Q8_0_BYTES, Q8_0_QS};
     use std::arch::x86_64::*;
 
@@ -132,24 +126,7 @@ mod x86 {
         ostride: usize,
     ) {
         // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe {
-            match ny {
-                1 => group::<OFF, 1>(nb, w, a, out, ostride),
-                2 => group::<OFF, 2>(nb, w, a, out, ostride),
-                3 => group::<OFF, 3>(nb, w, a, out, ostride),
-                4 => group::<OFF, 4>(nb, w, a, out, ostride),
-                5 => group::<OFF, 5>(nb, w, a, out, ostride),
-                6 => group::<OFF, 6>(nb, w, a, out, ostride),
-                7 => group::<OFF, 7>(nb, w, a, out, ostride),
-                _ => group::<OFF, 8>(nb, w, a, out, ostride),
-            }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn bcast(p: *const u8) -> __m512i {
-        // SAFETY: the caller guarantees 4 readable bytes.
-        _mm512_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+        unsafe { by_ny!(ny, group[OFF](nb, w, a, out, ostride)) }
     }
 
     /// # Safety
@@ -196,10 +173,8 @@ mod x86 {
                 }
             }
         }
-        for (t, v) in acc.iter().enumerate() {
-            // SAFETY: 16 writable floats per token row (see `GroupFn`).
-            unsafe { _mm512_storeu_ps(out.add(t * ostride), *v) };
-        }
+        // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
+        unsafe { super::super::x86::store(&acc, out, ostride) };
     }
 }
 

@@ -13,6 +13,25 @@
 //! Types: Q4_K and Q6_K ([`q4k`], [`q6k`], against Q8_K activations), Q8_0 and Q5_0 ([`b32`],
 //! against Q8_0).
 
+/// The body of a SIMD [`GroupFn`]: `by_ny!(ny, group[C..](args))` calls `group::<C.., NY>(args)`
+/// with the token count `ny` (1..=8) as the constant `NY`, so the per-token accumulators live in
+/// registers.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_ny {
+    ($ny:expr, $group:ident[$($c:expr),*]($($arg:expr),*)) => {
+        match $ny {
+            1 => $group::<$($c,)* 1>($($arg),*),
+            2 => $group::<$($c,)* 2>($($arg),*),
+            3 => $group::<$($c,)* 3>($($arg),*),
+            4 => $group::<$($c,)* 4>($($arg),*),
+            5 => $group::<$($c,)* 5>($($arg),*),
+            6 => $group::<$($c,)* 6>($($arg),*),
+            7 => $group::<$($c,)* 7>($($arg),*),
+            _ => $group::<$($c,)* 8>($($arg),*),
+        }
+    };
+}
+
 mod b32;
 mod q4k;
 mod q6k;
@@ -128,6 +147,65 @@ pub(crate) struct GroupActs {
 /// type uses them), `out` `ny` rows of 16 writable floats `ostride` apart; `1 <= ny <= MAX_NY`;
 /// the machine runs the kernel's instructions.
 pub(crate) type GroupFn = unsafe fn(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize);
+
+/// A scalar kernel's view of its inputs: the `nb` blocks of one group (`group_block` bytes each) and
+/// the `ny` activation rows (`act_block` bytes per block).
+///
+/// # Safety
+/// As [`GroupFn`].
+unsafe fn scalar_views<'a>(
+    nb: usize,
+    w: *const u8,
+    group_block: usize,
+    a: &GroupActs,
+    ny: usize,
+    act_block: usize,
+) -> (&'a [u8], &'a [u8]) {
+    // SAFETY: the caller guarantees the extents (see `GroupFn`).
+    unsafe {
+        (
+            std::slice::from_raw_parts(w, nb * group_block),
+            std::slice::from_raw_parts(a.ys, (ny - 1) * a.yb + nb * act_block),
+        )
+    }
+}
+
+/// Token `t`'s 16 results of a scalar kernel into `out`.
+///
+/// # Safety
+/// As [`GroupFn`], for a token `t < ny`.
+unsafe fn store_scalar(out: *mut f32, t: usize, ostride: usize, acc: &[f32; PACK_ROWS]) {
+    // SAFETY: the caller guarantees 16 writable floats per token row.
+    unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), out.add(t * ostride), PACK_ROWS) };
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Four bytes at `p` in every 32-bit lane.
+    ///
+    /// # Safety
+    /// `p` points at 4 readable bytes.
+    #[inline(always)]
+    pub(super) unsafe fn bcast(p: *const u8) -> __m512i {
+        // SAFETY: the caller guarantees 4 readable bytes.
+        _mm512_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+    }
+
+    /// Each token's 16 results into `out` (`ostride` floats apart).
+    ///
+    /// # Safety
+    /// As [`super::GroupFn`] with `ny == NY`, and the machine has AVX-512 F.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn store<const NY: usize>(acc: &[__m512; NY], out: *mut f32, ostride: usize) {
+        for (t, v) in acc.iter().enumerate() {
+            // SAFETY: 16 writable floats per token row (see `GroupFn`).
+            unsafe { _mm512_storeu_ps(out.add(t * ostride), *v) };
+        }
+    }
+}
 
 /// The best group kernel for `ty` this machine runs (within `TANDEM_CPU_ISA`).
 pub(crate) fn group_kernel(ty: GgmlType) -> Option<GroupFn> {

@@ -67,14 +67,9 @@ pub(super) const SIMD: Option<GroupFn> = None;
 /// # Safety
 /// As [`GroupFn`].
 pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-    let (ys, yb) = (a.ys, a.yb);
-    // SAFETY: the caller guarantees the extents (see `GroupFn`).
-    let (w, ys) = unsafe {
-        (
-            std::slice::from_raw_parts(w, nb * GROUP_BLOCK),
-            std::slice::from_raw_parts(ys, (ny - 1) * yb + nb * Q8K_BYTES),
-        )
-    };
+    let yb = a.yb;
+    // SAFETY: forwarded from the caller.
+    let (w, ys) = unsafe { super::scalar_views(nb, w, GROUP_BLOCK, &a, ny, Q8K_BYTES) };
     for t in 0..ny {
         let mut acc = [0f32; PACK_ROWS];
         for b in 0..nb {
@@ -99,15 +94,14 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
                 *acc = v.mul_add(yd, *acc);
             }
         }
-        for (r, a) in acc.iter().enumerate() {
-            // SAFETY: the caller guarantees 16 writable floats per token row.
-            unsafe { *out.add(t * ostride + r) = *a };
-        }
+        // SAFETY: t < ny (see `GroupFn`).
+        unsafe { super::store_scalar(out, t, ostride, &acc) };
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::x86::bcast;
     use super::{GroupActs, D, DMIN, GROUP_BLOCK, MN, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, SC, SUBS};
     use std::arch::x86_64::*;
 
@@ -118,24 +112,7 @@ mod x86 {
     pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
         let (ys, yb) = (a.ys, a.yb);
         // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe {
-            match ny {
-                1 => group::<1>(nb, w, ys, yb, out, ostride),
-                2 => group::<2>(nb, w, ys, yb, out, ostride),
-                3 => group::<3>(nb, w, ys, yb, out, ostride),
-                4 => group::<4>(nb, w, ys, yb, out, ostride),
-                5 => group::<5>(nb, w, ys, yb, out, ostride),
-                6 => group::<6>(nb, w, ys, yb, out, ostride),
-                7 => group::<7>(nb, w, ys, yb, out, ostride),
-                _ => group::<8>(nb, w, ys, yb, out, ostride),
-            }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn bcast(p: *const u8) -> __m512i {
-        // SAFETY: the caller guarantees 4 readable bytes.
-        _mm512_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+        unsafe { by_ny!(ny, group[](nb, w, ys, yb, out, ostride)) }
     }
 
     /// # Safety
@@ -195,10 +172,8 @@ mod x86 {
                 }
             }
         }
-        for (t, a) in acc.iter().enumerate() {
-            // SAFETY: 16 writable floats per token row (see `GroupFn`).
-            unsafe { _mm512_storeu_ps(out.add(t * ostride), *a) };
-        }
+        // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
+        unsafe { super::super::x86::store(&acc, out, ostride) };
     }
 }
 

@@ -84,13 +84,8 @@ pub(super) const SIMD: Option<GroupFn> = None;
 /// # Safety
 /// As [`GroupFn`] (Q8_K activations).
 pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-    // SAFETY: the caller guarantees the extents (see `GroupFn`).
-    let (w, ys) = unsafe {
-        (
-            std::slice::from_raw_parts(w, nb * GROUP_BLOCK),
-            std::slice::from_raw_parts(a.ys, (ny - 1) * a.yb + nb * Q8K_BYTES),
-        )
-    };
+    // SAFETY: forwarded from the caller.
+    let (w, ys) = unsafe { super::scalar_views(nb, w, GROUP_BLOCK, &a, ny, Q8K_BYTES) };
     for t in 0..ny {
         let mut acc = [0f32; PACK_ROWS];
         for b in 0..nb {
@@ -118,15 +113,14 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
                 *acc = v.mul_add(yd, *acc);
             }
         }
-        for (r, v) in acc.iter().enumerate() {
-            // SAFETY: the caller guarantees 16 writable floats per token row.
-            unsafe { *out.add(t * ostride + r) = *v };
-        }
+        // SAFETY: t < ny (see `GroupFn`).
+        unsafe { super::store_scalar(out, t, ostride, &acc) };
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::x86::bcast;
     use super::{GroupActs, D, GROUP_BLOCK, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QH, QL, SC, SUBS};
     use std::arch::x86_64::*;
 
@@ -136,24 +130,7 @@ mod x86 {
     /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
     pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
         // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe {
-            match ny {
-                1 => group::<1>(nb, w, a, out, ostride),
-                2 => group::<2>(nb, w, a, out, ostride),
-                3 => group::<3>(nb, w, a, out, ostride),
-                4 => group::<4>(nb, w, a, out, ostride),
-                5 => group::<5>(nb, w, a, out, ostride),
-                6 => group::<6>(nb, w, a, out, ostride),
-                7 => group::<7>(nb, w, a, out, ostride),
-                _ => group::<8>(nb, w, a, out, ostride),
-            }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn bcast(p: *const u8) -> __m512i {
-        // SAFETY: the caller guarantees 4 readable bytes.
-        _mm512_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+        unsafe { by_ny!(ny, group[](nb, w, a, out, ostride)) }
     }
 
     /// # Safety
@@ -228,10 +205,8 @@ mod x86 {
                 }
             }
         }
-        for (t, v) in acc.iter().enumerate() {
-            // SAFETY: 16 writable floats per token row (see `GroupFn`).
-            unsafe { _mm512_storeu_ps(out.add(t * ostride), *v) };
-        }
+        // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
+        unsafe { super::super::x86::store(&acc, out, ostride) };
     }
 }
 
