@@ -294,17 +294,10 @@ fn total_l3_bytes() -> u64 {
     total
 }
 
-/// `MemAvailable` from /proc/meminfo in bytes.
-fn available_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
-}
-
 /// 1 GiB or 4 x the total L3, whichever is larger, but at most half the free memory.
 fn default_bandwidth_bytes() -> u64 {
     let want = GIB.max(L3_FACTOR * total_l3_bytes());
-    available_memory().map_or(want, |free| want.min(free / 2)).max(MIB)
+    crate::cli::available_memory().map_or(want, |free| want.min(free / 2)).max(MIB)
 }
 
 fn sum_slice(s: &[u64]) -> u64 {

@@ -97,11 +97,33 @@ impl ModelArgs {
     }
 }
 
+/// `MemAvailable` from /proc/meminfo in bytes.
+pub fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+}
+
+/// Memory `--repack` leaves free for the KV cache and compute buffers.
+const REPACK_HEADROOM: u64 = 1 << 30;
+
 /// `--repack`: packs every packable matrix `backend` leaves to the CPU now (with a progress bar on
 /// stderr when `progress`), and says in one line what it did.
 pub fn repack(model: &tandem_model::Model, backend: &dyn tandem_model::Backend, progress: bool) -> String {
     if !tandem_cpu::packed::packing_pays() {
         return "--repack: this CPU has no AVX-512 VNNI (or TANDEM_CPU_ISA caps it below avx512vnni); weights are used as they are".into();
+    }
+    let skip = |name: &str| backend.holds(name);
+    let need = model.packed_bytes(&skip);
+    if let Some(free) = available_memory().filter(|&free| need.saturating_add(REPACK_HEADROOM) > free) {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let why = format!(
+            "the packed copies need {:.2} GiB and {:.2} GiB of memory are available (1 GiB kept free)",
+            gib(need),
+            gib(free)
+        );
+        model.keep_unpacked(&why);
+        return format!("--repack: {why}; weights are used as they are");
     }
     let start = std::time::Instant::now();
     let pb = if progress { indicatif::ProgressBar::new(0) } else { indicatif::ProgressBar::hidden() };
@@ -110,18 +132,23 @@ pub fn repack(model: &tandem_model::Model, backend: &dyn tandem_model::Backend, 
     {
         pb.set_style(style.progress_chars("=> "));
     }
-    let r = model.pack_weights(&|name| backend.holds(name), &mut |done, total| {
+    let r = model.pack_weights(&skip, &mut |done, total| {
         pb.set_length(total);
         pb.set_position(done);
     });
     pb.finish_and_clear();
+    let failed = match r.failed.first() {
+        Some((name, why)) => format!("; {} left as they are ({name}: {why})", r.failed.len()),
+        None => String::new(),
+    };
     if r.tensors == 0 {
-        return "--repack: no Q4_K, Q6_K, Q8_0 or Q5_0 matrix with whole groups of 16 rows on the CPU; nothing repacked"
-            .into();
+        return format!(
+            "--repack: no Q4_K, Q6_K, Q8_0 or Q5_0 matrix with whole groups of 16 rows on the CPU; nothing repacked{failed}"
+        );
     }
     let types: Vec<String> = r.types.iter().map(|t| t.to_string().to_uppercase()).collect();
     format!(
-        "--repack: {} tensors repacked ({}; {:.2} GiB) in {:.1} s",
+        "--repack: {} tensors repacked ({}; {:.2} GiB) in {:.1} s{failed}",
         r.tensors,
         types.join(", "),
         r.bytes as f64 / (1u64 << 30) as f64,

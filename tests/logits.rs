@@ -258,6 +258,15 @@ fn repacked_weights_match_llama_cpp_and_are_invariant() {
             clear.len()
         );
         assert!(median <= 2e-2 && clear_agree == clear.len() && agree >= 0.95, "{name}: --repack beyond tolerance");
+        // Kept unpacked (as when memory is short): nothing is packed, the logits are plain tandem's.
+        let gguf = GgufModel::open(&f.model, LoadOptions::default()).unwrap();
+        let kept = Arc::new(Model::load_with(Arc::new(gguf), true).unwrap());
+        assert!(kept.packed_bytes(&|_| false) > 0);
+        kept.keep_unpacked("not enough memory");
+        let r2 = kept.pack_weights(&|_| false, &mut |_, _| {});
+        assert!(r2.tensors == 0 && r2.failed.len() == n && r2.failed[0].1 == "not enough memory", "{r2:?}");
+        let got = context(&kept, 2, 512, &f.ctk, &f.ctv).decode(&Batch::sequence(&f.tokens, 0, 0, true)).unwrap();
+        assert_eq!(compare(&got, &plain, f.n_vocab).0, 0.0, "{name}: kept unpacked differs from unpacked");
         let toks = &f.tokens[..70];
         let base = context(&model, 1, 64, "f16", "f16").decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
         for (threads, ub) in [(2, 64), (2, 7)] {

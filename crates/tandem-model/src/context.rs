@@ -18,6 +18,8 @@ pub struct PackReport {
     /// Bytes of the packed copies.
     pub bytes: u64,
     pub types: Vec<tandem_gguf::GgmlType>,
+    /// Tensors left unpacked, with the reason (they run with the row-major kernels).
+    pub failed: Vec<(String, String)>,
 }
 
 /// The layers of an architecture, between the embeddings and the output head.
@@ -74,6 +76,18 @@ impl Model {
         Ok(Model { arch, gguf, head, layers, n_ctx_train, packables })
     }
 
+    /// Bytes the packed copies (`--repack`) of the weights `skip` does not name take.
+    pub fn packed_bytes(&self, skip: &dyn Fn(&str) -> bool) -> u64 {
+        self.packables.iter().filter(|w| !skip(&w.name)).map(|w| w.packed_size() as u64).sum()
+    }
+
+    /// Leaves every weight not packed yet as it is (`why` is what [`Weight::pack_result`] says).
+    pub fn keep_unpacked(&self, why: &str) {
+        for w in &self.packables {
+            w.keep_unpacked(why);
+        }
+    }
+
     /// Makes the packed copies (`--repack`) now instead of at first use, except of the weights
     /// `skip` names (those a GPU holds): calls `progress(done, total)` in bytes of source tensors.
     pub fn pack_weights(&self, skip: &dyn Fn(&str) -> bool, progress: &mut dyn FnMut(u64, u64)) -> PackReport {
@@ -81,12 +95,16 @@ impl Model {
         let total: u64 = todo.iter().map(|w| w.bytes().len() as u64).sum();
         let (mut done, mut report) = (0u64, PackReport::default());
         for w in &todo {
-            if let Some(p) = w.pack() {
-                report.tensors += 1;
-                report.bytes += p.bytes().len() as u64;
-                if !report.types.contains(&w.ty) {
-                    report.types.push(w.ty);
+            match w.pack_result() {
+                Some(Ok(p)) => {
+                    report.tensors += 1;
+                    report.bytes += p.bytes().len() as u64;
+                    if !report.types.contains(&w.ty) {
+                        report.types.push(w.ty);
+                    }
                 }
+                Some(Err(e)) => report.failed.push((w.name.clone(), e.to_string())),
+                None => {}
             }
             done += w.bytes().len() as u64;
             progress(done, total);

@@ -18,8 +18,9 @@ pub struct Weight {
     pub ty: GgmlType,
     /// ggml order: `dims[0]` is the row length.
     pub dims: Vec<u64>,
-    /// With `--repack`: the packed copy CPU products use, made once (shared by clones).
-    packed: Option<Arc<OnceLock<Option<Packed>>>>,
+    /// With `--repack`: the packed copy CPU products use, made once (shared by clones), or why it
+    /// could not be made (the weight is then used as it is).
+    packed: Option<Arc<OnceLock<std::result::Result<Packed, String>>>>,
 }
 
 impl std::fmt::Debug for Weight {
@@ -58,15 +59,33 @@ impl Weight {
     }
 
     /// The packed copy (`--repack`), made now if it does not exist yet; None for weights that are
-    /// used as they are.
+    /// used as they are, and for those whose copy could not be made ([`Weight::pack_result`]).
     pub fn pack(&self) -> Option<&Packed> {
-        let cell = self.packed.as_ref()?;
-        cell.get_or_init(|| pack(self.ty, self.rows(), self.cols(), self.bytes()).ok()).as_ref()
+        self.pack_result()?.ok()
     }
 
-    /// Whether this weight is packed for the CPU (or will be on first use).
-    pub fn is_packable(&self) -> bool {
-        self.packed.is_some()
+    /// Bytes of the packed copy (0 for weights that are not packed).
+    pub fn packed_size(&self) -> usize {
+        if self.packed.is_none() {
+            return 0;
+        }
+        tandem_cpu::packed::packed_size(self.ty, self.rows(), self.cols())
+    }
+
+    /// Makes [`Weight::pack_result`] say `why` instead of packing, unless the copy exists already.
+    pub fn keep_unpacked(&self, why: &str) {
+        if let Some(cell) = &self.packed {
+            let _ = cell.set(Err(why.to_string()));
+        }
+    }
+
+    /// [`Weight::pack`] with the reason a packable weight stays unpacked (e.g. no memory for the
+    /// copy); None for weights that are not packed at all.
+    pub fn pack_result(&self) -> Option<std::result::Result<&Packed, &str>> {
+        let cell = self.packed.as_ref()?;
+        let made =
+            cell.get_or_init(|| pack(self.ty, self.rows(), self.cols(), self.bytes()).map_err(|e| e.to_string()));
+        Some(made.as_ref().map_err(|e| e.as_str()))
     }
 
     /// Row `r` as f32.

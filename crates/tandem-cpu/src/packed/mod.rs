@@ -88,6 +88,14 @@ pub fn packing_pays() -> bool {
     cfg!(target_arch = "x86_64") && crate::Isa::detected() >= crate::Isa::Avx512Vnni
 }
 
+/// Bytes of the packed layout of a `rows x cols` tensor of `ty` (0 where it has none).
+pub fn packed_size(ty: GgmlType, rows: usize, cols: usize) -> usize {
+    if !packable(ty, rows, cols) {
+        return 0;
+    }
+    rows / PACK_ROWS * group_bytes(ty, cols)
+}
+
 /// Bytes of one packed group of 16 rows of `cols` elements of `ty`.
 pub(crate) fn group_bytes(ty: GgmlType, cols: usize) -> usize {
     let nb = cols / ty.block_size().max(1);
