@@ -5,12 +5,12 @@
 //! (ik_llama.cpp's `_R4`/`_R8` layouts do the same for its own kernels.)
 //!
 //! Each type fixes its arithmetic per (row, token, block), independent of how rows map to lanes:
-//! exact integer sums, then the same float steps block after block ([`q4k`], [`b32`]). So the
-//! scalar reference, the SIMD kernel, one token or a batch and any number of threads give the same
-//! bits. It is not the arithmetic of the row-major kernels (those keep 16 or 8 lanes of partial
+//! exact integer sums, then the same float steps block after block (`q4k.rs`, `q6k.rs`,
+//! `b32.rs`). So the scalar reference, the SIMD kernel, one token or a batch and any number of
+//! threads give the same bits. It is not the arithmetic of the row-major kernels (those keep 16 or 8 lanes of partial
 //! sums and add them at the end), so packed products differ from unpacked ones by rounding.
 //!
-//! Types: Q4_K and Q6_K ([`q4k`], [`q6k`], against Q8_K activations), Q8_0 and Q5_0 ([`b32`],
+//! Types: Q4_K and Q6_K (`q4k.rs`, `q6k.rs`, against Q8_K activations), Q8_0 and Q5_0 (`b32.rs`,
 //! against Q8_0).
 
 /// The body of a SIMD [`GroupFn`]: `by_ny!(ny, group[C..](args))` calls `group::<C.., NY>(args)`
