@@ -1,7 +1,9 @@
 //! A soak of `tandem serve`: 2,000 requests, valid and hostile mixed, 8 at a time, against the
 //! binary, after a warm-up (every slot at its full context, then 1,000 requests of the same mix).
-//! Afterwards the server still serves, its anonymous RSS grew by less than 5% over the level
-//! after the warm-up, and SIGTERM still ends it with exit code 0.
+//! Afterwards the server still serves, its anonymous RSS grew by less than 8% over the level
+//! after the warm-up (~330 KiB of ~4 MiB: a leak of 170 bytes per request or more), and SIGTERM
+//! still ends it with exit code 0. The RSS moves in allocator steps with no trend: 13 runs on one
+//! machine ended +2.6% to +5.4% above the warm-up level, so the bound once at 5% failed by chance.
 //! TANDEM_SOAK_REQUESTS overrides the count.
 
 mod serve_util;
@@ -208,7 +210,7 @@ async fn two_thousand_mixed_requests_leave_the_server_serving_without_growing() 
         "soak: {WARMUP} + {n} requests in {:.1} s; RssAnon {before} KiB after the warm-up, {after} KiB at the end ({growth:+.2}%)",
         start.elapsed().as_secs_f64()
     );
-    assert!(growth < 5.0, "anonymous RSS grew {growth:.2}% ({before} -> {after} KiB)");
+    assert!(growth < 8.0, "anonymous RSS grew {growth:.2}% ({before} -> {after} KiB)");
 
     let mut c = client.clone();
     let out = serve_util::generate(&mut c, greedy(PROMPTS[0], 2)).await.unwrap();
