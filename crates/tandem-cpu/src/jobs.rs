@@ -24,6 +24,8 @@ pub struct MatJob<'a> {
 struct Piece<'a> {
     w: WeightRef<'a>,
     acts: &'a QuantizedActs,
+    /// For a packed Q8_0-family weight: each activation block's quant sum (`[token][block]`).
+    sums: &'a [i32],
     out: OutPtr,
     /// Output row length (the job's weight rows).
     stride: usize,
@@ -75,8 +77,16 @@ pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
     }
     let threads = pool.current_num_threads().max(1);
     let block = (total_rows / (threads * 4)).clamp(4, 512);
+    // The activation block sums the packed Q8_0-family kernels need, once per job for all its pieces.
+    let sums: Vec<Vec<i32>> = jobs
+        .iter()
+        .map(|j| match j.w.packed {
+            true => act_sums(j.w.ty, &j.acts.data, j.acts.row_bytes, j.w.cols / j.w.ty.block_size()),
+            false => Vec::new(),
+        })
+        .collect();
     let mut pieces = Vec::new();
-    for j in jobs {
+    for (j, sums) in jobs.into_iter().zip(&sums) {
         let n = j.acts.n_rows();
         if n == 0 {
             continue;
@@ -87,7 +97,7 @@ pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
         let mut r0 = 0;
         while r0 < j.w.rows {
             let nr = block.min(j.w.rows - r0);
-            pieces.push(Piece { w: j.w.rows(r0, nr)?, acts: j.acts, out, stride: j.w.rows, r0 });
+            pieces.push(Piece { w: j.w.rows(r0, nr)?, acts: j.acts, sums, out, stride: j.w.rows, r0 });
             r0 += nr;
         }
     }
@@ -175,7 +185,8 @@ fn run_packed_piece(p: Piece) {
             && p.r0 + p.w.rows <= p.stride
     );
     let Some(kernel) = group_kernel(p.w.ty) else { return };
-    let sums = act_sums(p.w.ty, &p.acts.data, yb, nb);
+    let sums = p.sums;
+    assert!(sums.is_empty() || sums.len() == n * nb);
     for (g, w) in p.w.data.chunks_exact(gb).enumerate() {
         for t0 in (0..n).step_by(MAX_NY) {
             let nt = MAX_NY.min(n - t0);

@@ -5,6 +5,26 @@
 //! These kernels are the scalar reference path; the performance issue adds run-time-selected SIMD
 //! kernels that are tested against them.
 
+/// Calls `$f::<G.., NY>(args)` for `by_ny!(ny, f[G..](args))` with the run-time `ny` (1..=8,
+/// checked by the callers) as the constant `NY`, so per-token accumulators live in registers; the
+/// generic arguments `G` may be types or constants.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_ny {
+    ($ny:expr, $f:ident[$($g:tt),*]($($a:expr),*)) => {
+        match $ny {
+            1 => $f::<$($g,)* 1>($($a),*),
+            2 => $f::<$($g,)* 2>($($a),*),
+            3 => $f::<$($g,)* 3>($($a),*),
+            4 => $f::<$($g,)* 4>($($a),*),
+            5 => $f::<$($g,)* 5>($($a),*),
+            6 => $f::<$($g,)* 6>($($a),*),
+            7 => $f::<$($g,)* 7>($($a),*),
+            8 => $f::<$($g,)* 8>($($a),*),
+            _ => {}
+        }
+    };
+}
+
 mod attention;
 mod jobs;
 pub mod kernels;

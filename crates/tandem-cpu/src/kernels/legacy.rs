@@ -88,27 +88,6 @@ pub(super) fn lookup_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
     None
 }
 
-/// Calls `$f::<..., NY>` with the run-time `ny` (1..=8, checked by `Kernel::run`) as a constant, so
-/// the per-row accumulators live in registers.
-#[cfg(target_arch = "x86_64")]
-macro_rules! by_ny {
-    ($ny:expr, $f:ident::<$($g:ty),*>($($a:expr),*)) => {
-        match $ny {
-            1 => $f::<$($g,)* 1>($($a),*),
-            2 => $f::<$($g,)* 2>($($a),*),
-            3 => $f::<$($g,)* 3>($($a),*),
-            4 => $f::<$($g,)* 4>($($a),*),
-            5 => $f::<$($g,)* 5>($($a),*),
-            6 => $f::<$($g,)* 6>($($a),*),
-            7 => $f::<$($g,)* 7>($($a),*),
-            8 => $f::<$($g,)* 8>($($a),*),
-            _ => {}
-        }
-    };
-}
-#[cfg(target_arch = "x86_64")]
-use by_ny;
-
 #[cfg(all(test, target_arch = "x86_64"))]
 mod bench;
 

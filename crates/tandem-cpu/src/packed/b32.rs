@@ -108,7 +108,7 @@ pub(super) unsafe fn group_scalar<const OFF: i32>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::bcast;
+    use super::super::x86::{bcast, prefetch_ahead};
     use super::{GroupActs, LEVELS, PACK_ROWS, Q8_0_BYTES, Q8_0_QS};
     use std::arch::x86_64::*;
 
@@ -148,11 +148,7 @@ mod x86 {
             unsafe {
                 let wb = w.add(b * LEVELS);
                 if NY == 1 {
-                    // One token streams the weights once: ask for the lines 4 KiB ahead (the
-                    // hardware prefetchers stop at page boundaries).
-                    for l in (0..LEVELS).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(wb.add(l + 4096) as *const i8);
-                    }
+                    prefetch_ahead(wb, LEVELS);
                 }
                 let mut wv = [_mm512_setzero_si512(); 8];
                 for (q, v) in wv.iter_mut().enumerate() {

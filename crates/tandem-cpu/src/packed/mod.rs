@@ -13,25 +13,6 @@
 //! Types: Q4_K and Q6_K (`q4k.rs`, `q6k.rs`, against Q8_K activations), Q8_0 and Q5_0 (`b32.rs`,
 //! against Q8_0).
 
-/// The body of a SIMD [`GroupFn`]: `by_ny!(ny, group[C..](args))` calls `group::<C.., NY>(args)`
-/// with the token count `ny` (1..=8) as the constant `NY`, so the per-token accumulators live in
-/// registers.
-#[cfg(target_arch = "x86_64")]
-macro_rules! by_ny {
-    ($ny:expr, $group:ident[$($c:expr),*]($($arg:expr),*)) => {
-        match $ny {
-            1 => $group::<$($c,)* 1>($($arg),*),
-            2 => $group::<$($c,)* 2>($($arg),*),
-            3 => $group::<$($c,)* 3>($($arg),*),
-            4 => $group::<$($c,)* 4>($($arg),*),
-            5 => $group::<$($c,)* 5>($($arg),*),
-            6 => $group::<$($c,)* 6>($($arg),*),
-            7 => $group::<$($c,)* 7>($($arg),*),
-            _ => $group::<$($c,)* 8>($($arg),*),
-        }
-    };
-}
-
 mod b32;
 mod q4k;
 mod q6k;
@@ -199,6 +180,16 @@ mod x86 {
     pub(super) unsafe fn bcast(p: *const u8) -> __m512i {
         // SAFETY: the caller guarantees 4 readable bytes.
         _mm512_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+    }
+
+    /// Prefetch hints for the `len` bytes 4 KiB past `p`: a single token streams the weights once,
+    /// and the hardware prefetchers stop at page boundaries.
+    #[inline(always)]
+    pub(super) fn prefetch_ahead(p: *const u8, len: usize) {
+        for l in (0..len).step_by(64) {
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l + 4096) as *const i8) };
+        }
     }
 
     /// Each token's 16 results into `out` (`ostride` floats apart).

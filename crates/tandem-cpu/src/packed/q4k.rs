@@ -101,7 +101,7 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::bcast;
+    use super::super::x86::{bcast, prefetch_ahead};
     use super::{GroupActs, D, DMIN, GROUP_BLOCK, MN, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, SC, SUBS};
     use std::arch::x86_64::*;
 
@@ -127,11 +127,7 @@ mod x86 {
             unsafe {
                 let wb = w.add(b * GROUP_BLOCK);
                 if NY == 1 {
-                    // One token streams the weights once: ask for the lines 4 KiB ahead (the
-                    // hardware prefetchers stop at page boundaries).
-                    for l in (0..GROUP_BLOCK).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(wb.add(l + 4096) as *const i8);
-                    }
+                    prefetch_ahead(wb, GROUP_BLOCK);
                 }
                 let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
                 let mut isum = [_mm512_setzero_si512(); NY];

@@ -8,7 +8,6 @@
 // Block and row indices address several arrays at once (weights, rows, scales, accumulators).
 #![allow(clippy::needless_range_loop)]
 
-use super::by_ny;
 use std::arch::x86_64::*;
 use tandem_quant::blocks::KVALUES_IQ4NL;
 
@@ -361,7 +360,7 @@ macro_rules! entry {
         #[target_feature(enable = $feat)]
         pub(super) unsafe fn $name(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
             // SAFETY: this function's contract, forwarded.
-            unsafe { by_ny!(ny, $body::<$($g),*>(n, w.as_ptr(), ys.as_ptr(), out)) }
+            unsafe { by_ny!(ny, $body[$($g),*](n, w.as_ptr(), ys.as_ptr(), out)) }
         }
     };
 }

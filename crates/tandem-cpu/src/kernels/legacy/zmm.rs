@@ -7,7 +7,6 @@
 // Block and row indices address several arrays at once (weights, rows, scales, accumulators).
 #![allow(clippy::needless_range_loop)]
 
-use super::by_ny;
 use super::quant::{
     f16_splat, group_scales, hsum_ps, iq4_xs_scales, iq4nl_table, word_splat_idx, Block32, G, IQ4NL, IQ4_XS_BYTES,
     Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_0_BYTES, Q8_1_BYTES, Q8_K_BYTES, QK, QK_K,
@@ -189,11 +188,8 @@ unsafe fn q8_0_act<W: Pair, D: Dot512, const NY: usize>(n: usize, w: *const u8, 
                 let idx = join(_mm256_set1_epi32(b as i32), _mm256_set1_epi32((b + two as usize) as i32));
                 for (j, a) in acc.iter_mut().enumerate() {
                     let yb = ys.add(j * yrow + (b0 + b) * Q8_0_BYTES + 2);
-                    let y1 = if two {
-                        _mm256_loadu_si256(yb.add(Q8_0_BYTES) as *const __m256i)
-                    } else {
-                        _mm256_setzero_si256()
-                    };
+                    let y1 =
+                        if two { _mm256_loadu_si256(yb.add(Q8_0_BYTES) as *const __m256i) } else { _mm256_setzero_si256() };
                     let y = join(_mm256_loadu_si256(yb as *const __m256i), y1);
                     let p = D::dot(ax, apply_sign(y, neg));
                     let dj = _mm512_castps256_ps512(_mm256_loadu_ps(d[j].as_ptr()));
@@ -383,7 +379,7 @@ macro_rules! entry {
         #[target_feature(enable = $feat)]
         pub(super) unsafe fn $name(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
             // SAFETY: this function's contract, forwarded.
-            unsafe { by_ny!(ny, $body::<$($g),*>(n, w.as_ptr(), ys.as_ptr(), out)) }
+            unsafe { by_ny!(ny, $body[$($g),*](n, w.as_ptr(), ys.as_ptr(), out)) }
         }
     };
 }
