@@ -199,27 +199,29 @@ fn smollm2_greedy_continuations_match_llama_cpp() {
     println!("smollm2: {matched} of {total} greedy tokens identical to llama.cpp");
 }
 
+/// The first 70 tokens of `f` give the same logits bit for bit with `-t 1 -ub 64`, with each
+/// `(threads, ubatch)` of `runs`, and decoded token by token.
+fn assert_invariant(model: &Arc<Model>, f: &Fixture, name: &str, runs: &[(usize, usize)]) {
+    let toks = &f.tokens[..70];
+    let base = context(model, 1, 64, "f16", "f16").decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
+    for &(threads, ub) in runs {
+        let got = context(model, threads, ub, "f16", "f16").decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
+        assert_eq!(compare(&got, &base, f.n_vocab).0, 0.0, "{name}: -t {threads} -ub {ub} differs from -t 1 -ub 64");
+    }
+    let mut ctx = context(model, 2, 64, "f16", "f16");
+    let mut one_by_one = Vec::new();
+    for (i, &t) in toks.iter().enumerate() {
+        one_by_one.extend(ctx.decode(&Batch::sequence(&[t], i as u32, 0, true)).unwrap());
+    }
+    assert_eq!(compare(&one_by_one, &base, f.n_vocab).0, 0.0, "{name}: token by token differs from one batch");
+}
+
 #[test]
 fn threads_ubatch_and_token_by_token_give_the_same_logits() {
     for name in ["deepseek2-mla-q4_k_m.gguf", "qwen3moe-q4_k_m.gguf", "llama-gqa-q8_0.gguf"] {
         let f = fixtures().into_iter().find(|f| f.name == name).unwrap();
         let model = load(&f.model);
-        let toks = &f.tokens[..70];
-        let base = context(&model, 1, 64, "f16", "f16").decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
-        for (threads, ub) in [(2, 64), (1, 1), (2, 7)] {
-            let got = context(&model, threads, ub, "f16", "f16").decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
-            assert_eq!(
-                compare(&got, &base, f.n_vocab).0,
-                0.0,
-                "{name}: -t {threads} -ub {ub} differs from -t 1 -ub 64"
-            );
-        }
-        let mut ctx = context(&model, 2, 64, "f16", "f16");
-        let mut one_by_one = Vec::new();
-        for (i, &t) in toks.iter().enumerate() {
-            one_by_one.extend(ctx.decode(&Batch::sequence(&[t], i as u32, 0, true)).unwrap());
-        }
-        assert_eq!(compare(&one_by_one, &base, f.n_vocab).0, 0.0, "{name}: token by token differs from one batch");
+        assert_invariant(&model, &f, name, &[(2, 64), (1, 1), (2, 7)]);
     }
 }
 
@@ -267,26 +269,7 @@ fn repacked_weights_match_llama_cpp_and_are_invariant() {
         assert!(r2.tensors == 0 && r2.failed.len() == n && r2.failed[0].1 == "not enough memory", "{r2:?}");
         let got = context(&kept, 2, 512, &f.ctk, &f.ctv).decode(&Batch::sequence(&f.tokens, 0, 0, true)).unwrap();
         assert_eq!(compare(&got, &plain, f.n_vocab).0, 0.0, "{name}: kept unpacked differs from unpacked");
-        let toks = &f.tokens[..70];
-        let base = context(&model, 1, 64, "f16", "f16").decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
-        for (threads, ub) in [(2, 64), (2, 7)] {
-            let got = context(&model, threads, ub, "f16", "f16").decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
-            assert_eq!(
-                compare(&got, &base, f.n_vocab).0,
-                0.0,
-                "{name} --repack: -t {threads} -ub {ub} differs from -t 1 -ub 64"
-            );
-        }
-        let mut ctx = context(&model, 2, 64, "f16", "f16");
-        let mut one_by_one = Vec::new();
-        for (i, &t) in toks.iter().enumerate() {
-            one_by_one.extend(ctx.decode(&Batch::sequence(&[t], i as u32, 0, true)).unwrap());
-        }
-        assert_eq!(
-            compare(&one_by_one, &base, f.n_vocab).0,
-            0.0,
-            "{name} --repack: token by token differs from one batch"
-        );
+        assert_invariant(&model, &f, &format!("{name} --repack"), &[(2, 64), (2, 7)]);
     }
 }
 
