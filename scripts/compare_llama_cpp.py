@@ -4,13 +4,18 @@
     /work/venv/bin/python scripts/compare_llama_cpp.py [--out results.json]
         [--models Q4_K_M,Q8_0] [--threads 1,2] [--depths 0,3072] [--tests tg32,pp256,pp512]
         [--rounds 5] [--pair] [--fa off,on] [--model-dir /work/bench-models] [--tandem target/release/tandem]
+        [--cache-type-k f16] [--cache-type-v f16]
 
 For every model x threads x depth x test, each round runs, as separate subprocesses and in an
 order that rotates from round to round:
 
-  tandem     target/release/tandem bench -m F -t T -p P -n N -d D -r 1 --json --no-progress [--tandem-args]
+  tandem     target/release/tandem bench -m F -t T -p P -n N -d D -r 1 --json --no-progress
+             -ctk K -ctv V [--tandem-args]
   llama.cpp  scripts/llama_cpp_bench.py --model F --threads T --pp P --tg N --depth D --reps 1
-             --ubatch 512 --flash-attn off   (and again with --flash-attn on)
+             --ubatch 512 --flash-attn off -ctk K -ctv V   (and again with --flash-attn on)
+
+(llama.cpp refuses a quantized V cache without flash attention: pass --fa on for -ctv q8_0; a
+failed engine is reported as errors and left out of the ratio.)
 
 A test is `ppP` (prefill P tokens on top of D, `-n 0`) or `tgN` (N single-token decodes from
 depth D, `-p 0`); with --pair one invocation measures one pp and one tg test together
@@ -137,6 +142,8 @@ def main() -> int:
     ap.add_argument("--no-tandem", action="store_true", help="only measure llama.cpp")
     ap.add_argument("--python", default=sys.executable, help="Python with llama-cpp-python")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
+    ap.add_argument("--cache-type-k", "-ctk", default="f16", help="KV cache type for K, for both engines (default f16)")
+    ap.add_argument("--cache-type-v", "-ctv", default="f16", help="KV cache type for V, for both engines (default f16)")
     ap.add_argument("--out", type=Path, help="JSON with every raw sample")
     args = ap.parse_args()
     if args.rounds < 1:
@@ -161,15 +168,17 @@ def main() -> int:
     def command(engine: str, model: Path, t: int, d: int, pp: int, tg: int) -> list[str]:
         if engine == "tandem":
             return [args.tandem, "bench", "-m", str(model), "-t", str(t), "-p", str(pp), "-n", str(tg),
-                    "-d", str(d), "-r", "1", "--json", "--no-progress"] + shlex.split(args.tandem_args)
+                    "-d", str(d), "-r", "1", "--json", "--no-progress", "-ctk", args.cache_type_k,
+                    "-ctv", args.cache_type_v] + shlex.split(args.tandem_args)
         fa = engine.split("=")[1]
         return [args.python, str(LLAMA_BENCH), "--model", str(model), "--threads", str(t), "--pp", str(pp),
-                "--tg", str(tg), "--depth", str(d), "--reps", "1", "--ubatch", str(args.ubatch), "--flash-attn", fa]
+                "--tg", str(tg), "--depth", str(d), "--reps", "1", "--ubatch", str(args.ubatch), "--flash-attn", fa,
+                "--cache-type-k", args.cache_type_k, "--cache-type-v", args.cache_type_v]
 
     samples: list[dict] = []
     config = dict(models={m: str(p) for m, p in models.items()}, threads=args.threads, depths=args.depths,
                   tests=[f"{k}{n}" for k, n in args.tests], rounds=args.rounds, pair=args.pair, engines=engines,
-                  ubatch=args.ubatch, tandem=args.tandem, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), host=os.uname().nodename, cpus=os.cpu_count(),
+                  ubatch=args.ubatch, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, tandem=args.tandem, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), host=os.uname().nodename, cpus=os.cpu_count(),
                   started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     def save(summary: list[dict] | None = None) -> None:

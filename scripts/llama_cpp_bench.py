@@ -3,7 +3,7 @@
 through llama-cpp-python's low-level API (llama_decode on explicit batches).
 
     /work/venv/bin/python scripts/llama_cpp_bench.py --model F --threads 2 --pp 512 --tg 32 \
-        --depth 3072 --reps 3 [--ubatch 512] [--flash-attn off|on]
+        --depth 3072 --reps 3 [--ubatch 512] [--flash-attn off|on] [--cache-type-k f16] [--cache-type-v f16]
 
 --pp and --threads take comma lists (--pp 256,512: one row per size, the decode test on the
 first row, all from one depth fill).
@@ -22,7 +22,7 @@ test starts from exactly those D tokens (later positions dropped with llama_memo
 prefill = P random ids decoded as one batch (n_batch >= P, n_ubatch 512, logits of the last
 token only), decode = N single-token llama_decode calls from depth D (one logit row each,
 llama_synchronize after each). Times are medians over the reps; n_threads = n_threads_batch = T;
-n_ctx = D + P + N; F16 KV cache; CPU only.
+n_ctx = D + P + N; an F16 KV cache unless -ctk/-ctv say otherwise; CPU only.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class Bench:
         self.rng = np.random.default_rng(SEED)
         self.ctx = None
 
-    def new_context(self, threads: int, n_ctx: int, n_batch: int, n_ubatch: int, flash_attn: bool) -> None:
+    def new_context(self, threads: int, n_ctx: int, n_batch: int, n_ubatch: int, flash_attn: bool,
+                    cache: tuple[int, int]) -> None:
         self.free_context()
         cp = L.llama_context_default_params()
         cp.n_ctx = n_ctx
@@ -74,10 +75,11 @@ class Bench:
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.type_k, cp.type_v = cache
         cp.no_perf = True
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
-            raise SystemExit("llama_init_from_model failed")
+            raise SystemExit("llama_init_from_model failed (llama.cpp needs --flash-attn on for a quantized V cache)")
         self.mem = L.llama_get_memory(self.ctx)
         self.n_batch = n_batch
         L.llama_set_n_threads(self.ctx, threads, threads)
@@ -118,11 +120,11 @@ class Bench:
         assert L.llama_memory_seq_pos_max(self.mem, 0) == depth - 1
 
     def run(self, threads: int, pps: list[int], tg: int, depth: int, reps: int, ubatch: int,
-            flash_attn: bool) -> list[dict]:
+            flash_attn: bool, cache: tuple[int, int]) -> list[dict]:
         """One row per prefill size (the decode test rides on the first row), all from one depth fill."""
         pps = pps or [0]
         n_batch = max(max(pps), ubatch)
-        self.new_context(threads, depth + max(pps) + tg, n_batch, ubatch, flash_attn)
+        self.new_context(threads, depth + max(pps) + tg, n_batch, ubatch, flash_attn, cache)
         # warmup, as llama-bench: prefill P from an empty cache, one decode
         if max(pps) > 0:
             self.prompt(max(pps))
@@ -173,6 +175,17 @@ def on_off(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected on|off, got {s!r}")
 
 
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def cache_type(s: str) -> int:
+    """A -ctk/-ctv name (llama.cpp's common/arg.cpp list) as a GGML_TYPE_* value."""
+    if s.lower() not in CACHE_TYPES:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a KV cache type; use one of {', '.join(CACHE_TYPES)}")
+    # llama-cpp-python's constants stop before BF16 (ggml.h: GGML_TYPE_BF16 = 30)
+    return getattr(L, f"GGML_TYPE_{s.upper()}", 30 if s.lower() == "bf16" else None)
+
+
 def int_list(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
@@ -188,18 +201,25 @@ def main() -> int:
     ap.add_argument("--reps", "-r", type=int, default=3)
     ap.add_argument("--ubatch", "-ub", type=int, default=512)
     ap.add_argument("--flash-attn", "-fa", type=on_off, default=False, help="on|off (default off)")
+    ap.add_argument("--cache-type-k", "-ctk", default="f16", help="KV cache type for K (default f16)")
+    ap.add_argument("--cache-type-v", "-ctv", default="f16", help="KV cache type for V (default f16)")
     ap.add_argument("--verbose", action="store_true", help="keep llama.cpp's own log on stderr")
     args = ap.parse_args()
     if args.reps < 1 or min(args.pp) < 0 or args.tg < 0 or args.depth < 0 or (max(args.pp) == 0 and args.tg == 0):
         ap.error("need reps >= 1, pp/tg/depth >= 0 and pp + tg > 0")
 
+    try:
+        cache = (cache_type(args.cache_type_k), cache_type(args.cache_type_v))
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
     t0 = time.perf_counter()
     b = Bench(args.model, quiet=not args.verbose)
     log(f"llama.cpp (llama-cpp-python {L.__version__}): loaded {args.model} in {time.perf_counter() - t0:.1f} s")
-    rows = [r for t in args.threads for r in b.run(t, args.pp, args.tg, args.depth, args.reps, args.ubatch, args.flash_attn)]
+    rows = [r for t in args.threads for r in b.run(t, args.pp, args.tg, args.depth, args.reps, args.ubatch, args.flash_attn, cache)]
     L.llama_model_free(b.model)
     out = dict(model=args.model, threads=args.threads, rows=rows, engine=f"llama.cpp (llama-cpp-python {L.__version__})",
-               flash_attn=args.flash_attn, ubatch=args.ubatch, reps=args.reps)
+               flash_attn=args.flash_attn, ubatch=args.ubatch, reps=args.reps,
+               cache_type_k=args.cache_type_k.lower(), cache_type_v=args.cache_type_v.lower())
     print(json.dumps(out))
     return 0
 

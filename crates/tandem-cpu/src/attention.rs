@@ -1,54 +1,141 @@
-//! Attention of one token over an f16 KV cache, as ggml's non-flash path computes it
-//! (`kq = mul_mat(k, q)` with q converted to f16, `soft_max_ext` with the scale, the probabilities
-//! converted to f16 for `kqv = mul_mat(v, kq)`), but organized for speed: every cached row is read
-//! once for all the heads that share it (all of them under MLA), the rows are split into chunks
-//! that run in parallel (flash-decoding style for one token), and the inner loops are AVX-512 when
-//! the machine has it.
+//! Attention of one token over a KV cache of f16, bf16, f32 or q8_0 rows, as ggml's non-flash
+//! path computes it (`kq = mul_mat(k, q)` with q converted to the cache's dot type: f16, bf16 or
+//! Q8_0 blocks; `soft_max_ext` with the scale; the probabilities converted to V's dot type, f16 or
+//! bf16, for `kqv = mul_mat(v, kq)`), but organized for speed: every cached row is read once for
+//! all the heads that share it (all of them under MLA), the rows are split into chunks that run in
+//! parallel (flash-decoding style for one token), and the inner loops are AVX-512 when the machine
+//! has it (every row format converted to f32 on the fly, q8_0 as `d * q`).
 
 use crate::kernels::Isa;
 use half::f16;
 use rayon::prelude::*;
+use tandem_quant::GgmlType;
 
 /// Rows per chunk: the unit of parallel work and of the partial sums.
 const CHUNK: usize = 256;
 
-/// One token's attention over rows `0..n_kv` of an f16 cache.
-pub struct AttnF16<'a> {
+/// The formats of cached rows the fast path reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvType {
+    F32,
+    F16,
+    BF16,
+    Q8_0,
+}
+
+impl KvType {
+    /// The fast path's format for a cache type, if it has one.
+    pub fn of(ty: GgmlType) -> Option<KvType> {
+        match ty {
+            GgmlType::F32 => Some(KvType::F32),
+            GgmlType::F16 => Some(KvType::F16),
+            GgmlType::BF16 => Some(KvType::BF16),
+            GgmlType::Q8_0 => Some(KvType::Q8_0),
+            _ => None,
+        }
+    }
+
+    /// Values per block: heads and rows start at whole blocks.
+    fn block(self) -> usize {
+        if self == KvType::Q8_0 {
+            32
+        } else {
+            1
+        }
+    }
+
+    /// Bytes of `n` values, `n` a whole number of blocks.
+    fn bytes(self, n: usize) -> usize {
+        match self {
+            KvType::F32 => 4 * n,
+            KvType::F16 | KvType::BF16 => 2 * n,
+            KvType::Q8_0 => n / 32 * 34,
+        }
+    }
+}
+
+/// One token's attention over rows `0..n_kv` of a cache.
+pub struct Attn<'a> {
     /// `[n_head][dk]`
     pub q: &'a [f32],
     pub n_head: usize,
     pub n_head_kv: usize,
     pub dk: usize,
     pub dv: usize,
-    /// K rows, `k_row` f16 values apart; head `kvh` starts at `kvh * dk` in a row.
+    /// K rows, `k_row` values apart; head `kvh` starts at value `kvh * dk` of a row.
     pub k: &'a [u8],
+    pub k_type: KvType,
     pub k_row: usize,
-    /// V rows, `v_row` f16 values apart, head `kvh` at `kvh * dv`; `None`: V is the first `dv`
-    /// values of each K head (MLA).
+    /// V rows, `v_row` values apart, head `kvh` at `kvh * dv`; `None`: V is the first `dv`
+    /// values of each K head (MLA), and `v_type` is `k_type`.
     pub v: Option<&'a [u8]>,
+    pub v_type: KvType,
     pub v_row: usize,
     pub n_kv: usize,
     pub scale: f32,
 }
 
-impl AttnF16<'_> {
+impl Attn<'_> {
     fn check(&self, out: &[f32]) -> bool {
-        let k_need = self.n_kv.saturating_sub(1) * self.k_row + self.n_head_kv * self.dk;
+        let (kt, vt) = (self.k_type, self.v_type);
         let (v_bytes, v_row, v_need_head) = match self.v {
             Some(v) => (v.len(), self.v_row, self.n_head_kv * self.dv),
-            None => (self.k.len(), self.k_row, (self.n_head_kv - 1) * self.dk + self.dv),
+            None => (self.k.len(), self.k_row, (self.n_head_kv - 1).saturating_mul(self.dk) + self.dv),
         };
-        let v_need = self.n_kv.saturating_sub(1) * v_row + v_need_head;
-        self.n_head_kv > 0
+        let whole = |t: KvType, n: usize| n.is_multiple_of(t.block());
+        let need = |t: KvType, rows: usize, row: usize, head: usize| {
+            rows.checked_mul(row).and_then(|n| n.checked_add(head)).map(|n| t.bytes(n))
+        };
+        let shape = self.n_head_kv > 0
             && self.n_head.is_multiple_of(self.n_head_kv)
             && self.q.len() == self.n_head * self.dk
             && out.len() == self.n_head * self.dv
-            && (self.v.is_some() || self.dv <= self.dk)
-            && (self.n_kv == 0 || (self.k.len() >= 2 * k_need && v_bytes >= 2 * v_need))
+            && whole(kt, self.dk)
+            && whole(kt, self.k_row)
+            && whole(vt, self.dv)
+            && whole(vt, v_row)
+            && (self.v.is_some() || (self.dv <= self.dk && vt == kt));
+        shape
+            && (self.n_kv == 0
+                || (need(kt, self.n_kv - 1, self.k_row, self.n_head_kv * self.dk).is_some_and(|n| self.k.len() >= n)
+                    && need(vt, self.n_kv - 1, v_row, v_need_head).is_some_and(|n| v_bytes >= n)))
     }
 
     fn group(&self) -> usize {
         self.n_head / self.n_head_kv
+    }
+
+    /// The V rows: bytes, values per row, values from one head to the next.
+    fn v_rows(&self) -> (&[u8], usize, usize) {
+        match self.v {
+            Some(v) => (v, self.v_row, self.dv),
+            None => (self.k, self.k_row, self.dk),
+        }
+    }
+
+    /// q converted to K's dot type and back to f32: rounded to f16 or bf16, or quantized to Q8_0
+    /// blocks (as llama.cpp's x86 build quantizes activations) and each value taken as `d * q`.
+    fn prepared_q(&self) -> crate::Result<Vec<f32>> {
+        let mut r = self.q.to_vec();
+        match self.k_type {
+            KvType::F32 => {}
+            KvType::F16 => {
+                use half::slice::HalfFloatSliceExt;
+                let mut h = vec![f16::ZERO; r.len()];
+                h.convert_from_f32_slice(&r);
+                h.convert_to_f32_slice(&mut r);
+            }
+            KvType::BF16 => {
+                r.iter_mut().for_each(|v| *v = tandem_quant::bf16_to_f32(tandem_quant::f32_to_bf16(*v)));
+            }
+            KvType::Q8_0 => {
+                let acts = crate::quantize_activations(GgmlType::Q8_0, self.q, self.dk)?;
+                for (t, out) in r.chunks_exact_mut(self.dk).enumerate() {
+                    tandem_quant::dequantize_row(GgmlType::Q8_0, acts.row(t), out)?;
+                }
+            }
+        }
+        Ok(r)
     }
 }
 
@@ -58,17 +145,15 @@ impl AttnF16<'_> {
 /// then exactly what [`one_token`] does, so a token gets the same bits alone or in a batch, on any
 /// number of threads); with fewer heads than threads the rows are split instead, flash-decoding
 /// style, with partial sums per chunk of rows.
-pub fn attention_f16(pool: &rayon::ThreadPool, a: &AttnF16, out: &mut [f32]) -> crate::Result<()> {
+pub fn attention(pool: &rayon::ThreadPool, a: &Attn, out: &mut [f32]) -> crate::Result<()> {
     if !a.check(out) {
-        return Err(crate::Error::Shape(format!(
-            "attention of {} heads ({} kv heads, dk {}, dv {}) over {} rows: cache or output too short",
-            a.n_head, a.n_head_kv, a.dk, a.dv, a.n_kv
-        )));
+        return Err(shape_error(a));
     }
-    let qr = round_q(a.q);
+    let qr = a.prepared_q()?;
+    let simd = simd();
     let threads = pool.current_num_threads();
     if threads <= 1 || a.n_kv < 2 * CHUNK {
-        one_token(a, &qr, out);
+        one_token(a, &qr, out, simd);
         return Ok(());
     }
     let g = a.group();
@@ -88,7 +173,7 @@ pub fn attention_f16(pool: &rayon::ThreadPool, a: &AttnF16, out: &mut [f32]) -> 
                 rest = r;
             }
         }
-        pool.install(|| units.into_par_iter().with_max_len(1).for_each(|(kvh, hs, o)| heads(a, &qr, kvh, hs, o)));
+        pool.install(|| units.into_par_iter().with_max_len(1).for_each(|(kvh, hs, o)| heads(a, &qr, kvh, hs, o, simd)));
         return Ok(());
     }
     let n_chunks = a.n_kv.div_ceil(CHUNK);
@@ -100,11 +185,11 @@ pub fn attention_f16(pool: &rayon::ThreadPool, a: &AttnF16, out: &mut [f32]) -> 
             let rows = c * CHUNK..(c * CHUNK + CHUNK).min(a.n_kv);
             for kvh in 0..a.n_head_kv {
                 let q = &qr[kvh * g * a.dk..(kvh + 1) * g * a.dk];
-                scores(a, kvh, q, g, rows.clone(), &mut sc[kvh * g * CHUNK..(kvh + 1) * g * CHUNK], CHUNK);
+                scores(a, kvh, q, g, rows.clone(), &mut sc[kvh * g * CHUNK..(kvh + 1) * g * CHUNK], CHUNK, simd);
             }
         })
     });
-    softmax_rows(a.n_kv, nh, &mut s, n_chunks);
+    softmax_rows(a.n_kv, nh, &mut s, n_chunks, a.v_type, simd);
     let mut part = vec![0f32; n_chunks * nh * a.dv];
     pool.install(|| {
         part.par_chunks_mut(nh * a.dv).enumerate().for_each(|(c, pc)| {
@@ -112,7 +197,7 @@ pub fn attention_f16(pool: &rayon::ThreadPool, a: &AttnF16, out: &mut [f32]) -> 
             let sc = &s[c * nh * CHUNK..(c + 1) * nh * CHUNK];
             for kvh in 0..a.n_head_kv {
                 let p = &sc[kvh * g * CHUNK..(kvh + 1) * g * CHUNK];
-                weighted_values(a, kvh, p, g, CHUNK, rows.clone(), &mut pc[kvh * g * a.dv..(kvh + 1) * g * a.dv]);
+                weighted_values(a, kvh, p, g, CHUNK, rows.clone(), &mut pc[kvh * g * a.dv..(kvh + 1) * g * a.dv], simd);
             }
         })
     });
@@ -125,66 +210,67 @@ pub fn attention_f16(pool: &rayon::ThreadPool, a: &AttnF16, out: &mut [f32]) -> 
     Ok(())
 }
 
+fn shape_error(a: &Attn) -> crate::Error {
+    crate::Error::Shape(format!(
+        "attention of {} heads ({} kv heads, dk {}, dv {}) over {} rows of a {:?}/{:?} cache: cache or output too short, or heads not whole blocks",
+        a.n_head, a.n_head_kv, a.dk, a.dv, a.n_kv, a.k_type, a.v_type
+    ))
+}
+
 /// Several tokens' attention (a micro-batch), one token per task when there are enough of them.
-pub fn attention_f16_many(pool: &rayon::ThreadPool, items: &[AttnF16], outs: &mut [&mut [f32]]) -> crate::Result<()> {
+pub fn attention_many(pool: &rayon::ThreadPool, items: &[Attn], outs: &mut [&mut [f32]]) -> crate::Result<()> {
     if items.len() < 2 * pool.current_num_threads() {
         for (a, o) in items.iter().zip(outs.iter_mut()) {
-            attention_f16(pool, a, o)?;
+            attention(pool, a, o)?;
         }
         return Ok(());
     }
     if let Some((a, _)) = items.iter().zip(outs.iter()).find(|(a, o)| !a.check(o)) {
-        return Err(crate::Error::Shape(format!(
-            "attention of {} heads over {} rows: cache or output too short",
-            a.n_head, a.n_kv
-        )));
+        return Err(shape_error(a));
     }
     pool.install(|| {
-        items.par_iter().zip(outs.par_iter_mut()).with_max_len(1).for_each(|(a, o)| one_token(a, &round_q(a.q), o))
-    });
-    Ok(())
+        items.par_iter().zip(outs.par_iter_mut()).with_max_len(1).try_for_each(|(a, o)| {
+            one_token(a, &a.prepared_q()?, o, simd());
+            Ok(())
+        })
+    })
 }
 
-/// q rounded to f16, as ggml converts it to the cache's dot type.
-fn round_q(q: &[f32]) -> Vec<f32> {
-    use half::slice::HalfFloatSliceExt;
-    let mut h = vec![f16::ZERO; q.len()];
-    h.convert_from_f32_slice(q);
-    let mut r = vec![0f32; q.len()];
-    h.convert_to_f32_slice(&mut r);
-    r
+/// Whether the AVX-512 kernels run (the scalar code otherwise).
+fn simd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return Isa::detected() >= Isa::Avx512;
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// The whole computation of one token on the calling thread.
-fn one_token(a: &AttnF16, qr: &[f32], out: &mut [f32]) {
+fn one_token(a: &Attn, qr: &[f32], out: &mut [f32], simd: bool) {
     let g = a.group();
     for (kvh, o) in out.chunks_exact_mut(g * a.dv).enumerate() {
-        heads(a, qr, kvh, 0..g, o);
+        heads(a, qr, kvh, 0..g, o, simd);
     }
 }
 
 /// Heads `hs` (numbered within KV head `kvh`'s group) of one token over all rows; `out` holds
 /// their `dv` values each. Each head's result depends on nothing but its own query and the cache.
-fn heads(a: &AttnF16, qr: &[f32], kvh: usize, hs: std::ops::Range<usize>, out: &mut [f32]) {
+fn heads(a: &Attn, qr: &[f32], kvh: usize, hs: std::ops::Range<usize>, out: &mut [f32], simd: bool) {
     let n = hs.len();
     let first = kvh * a.group() + hs.start;
     let q = &qr[first * a.dk..(first + n) * a.dk];
     let stride = a.n_kv.max(1);
     let mut s = vec![0f32; n * stride];
-    scores(a, kvh, q, n, 0..a.n_kv, &mut s, stride);
-    softmax_rows(a.n_kv, n, &mut s, 1);
-    weighted_values(a, kvh, &s, n, stride, 0..a.n_kv, out);
+    scores(a, kvh, q, n, 0..a.n_kv, &mut s, stride, simd);
+    softmax_rows(a.n_kv, n, &mut s, 1, a.v_type, simd);
+    weighted_values(a, kvh, &s, n, stride, 0..a.n_kv, out, simd);
 }
 
 /// Softmax over each head's scores laid out as `[chunk][head][stride]` (`stride = len / (n_chunks *
-/// n_head)`), then rounded to f16 as ggml converts the probabilities for the V product.
-fn softmax_rows(n_kv: usize, nh: usize, s: &mut [f32], n_chunks: usize) {
+/// n_head)`), then rounded to f16 or bf16 as ggml converts the probabilities for the V product
+/// (kept as they are for f32 and q8_0 V rows).
+fn softmax_rows(n_kv: usize, nh: usize, s: &mut [f32], n_chunks: usize, v_type: KvType, simd: bool) {
     let stride = s.len() / (n_chunks * nh).max(1);
     let len = |c: usize| (n_kv - c * stride).min(stride);
-    #[cfg(target_arch = "x86_64")]
-    let simd = Isa::detected() >= Isa::Avx512;
-    #[cfg(not(target_arch = "x86_64"))]
-    let simd = false;
     for h in 0..nh {
         let mut max = f32::NEG_INFINITY;
         for c in 0..n_chunks {
@@ -211,37 +297,48 @@ fn softmax_rows(n_kv: usize, nh: usize, s: &mut [f32], n_chunks: usize) {
             #[cfg(target_arch = "x86_64")]
             if simd {
                 // SAFETY: AVX-512 is present.
-                unsafe { x86::scale_round_f16(r, inv) };
+                unsafe { x86::scale_round(r, inv, v_type) };
                 continue;
             }
             for v in r.iter_mut() {
-                *v = f16::from_f32(*v * inv).to_f32();
+                *v = round_p(*v * inv, v_type);
             }
         }
     }
 }
 
+/// A probability as V's dot type holds it.
+fn round_p(p: f32, v_type: KvType) -> f32 {
+    match v_type {
+        KvType::F16 => f16::from_f32(p).to_f32(),
+        KvType::BF16 => tandem_quant::bf16_to_f32(tandem_quant::f32_to_bf16(p)),
+        KvType::F32 | KvType::Q8_0 => p,
+    }
+}
+
 /// `s[h * stride + (j - rows.start)] = scale * dot(q_h, k_j)` for the `n` heads of `q` (all
 /// sharing K head `kvh`) and the rows given.
+#[allow(clippy::too_many_arguments)]
 fn scores(
-    a: &AttnF16,
+    a: &Attn,
     kvh: usize,
     q: &[f32],
     n: usize,
     rows: std::ops::Range<usize>,
     out: &mut [f32],
     stride: usize,
+    simd: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if Isa::detected() >= Isa::Avx512 && a.dk.is_multiple_of(16) {
+    if simd && a.dk.is_multiple_of(16) {
         // SAFETY: AVX-512 is present; `check` bounded every row read below.
         unsafe { x86::scores(a, kvh, q, n, rows, out, stride) };
         return;
     }
     let mut kf = vec![0f32; a.dk];
     for j in rows.clone() {
-        let at = 2 * (j * a.k_row + kvh * a.dk);
-        f16_row(&a.k[at..at + 2 * a.dk], &mut kf);
+        let at = a.k_type.bytes(j * a.k_row + kvh * a.dk);
+        row_f32(a.k_type, &a.k[at..at + a.k_type.bytes(a.dk)], &mut kf);
         for (h, qh) in q.chunks_exact(a.dk).take(n).enumerate() {
             out[h * stride + j - rows.start] = dot(qh, &kf) * a.scale;
         }
@@ -250,30 +347,29 @@ fn scores(
 
 /// `out[h] = sum_j p[h][j] * v_j` over the rows given for the `n` heads of `p` (`out` is
 /// `[n][dv]`, overwritten), all reading V head `kvh`.
+#[allow(clippy::too_many_arguments)]
 fn weighted_values(
-    a: &AttnF16,
+    a: &Attn,
     kvh: usize,
     p: &[f32],
     n: usize,
     stride: usize,
     rows: std::ops::Range<usize>,
     out: &mut [f32],
+    simd: bool,
 ) {
-    let (v, v_row, v_head) = match a.v {
-        Some(v) => (v, a.v_row, a.dv),
-        None => (a.k, a.k_row, a.dk),
-    };
+    let (v, v_row, v_head) = a.v_rows();
     out.fill(0.0);
     #[cfg(target_arch = "x86_64")]
-    if Isa::detected() >= Isa::Avx512 && a.dv.is_multiple_of(32) {
+    if simd && a.dv.is_multiple_of(32) {
         // SAFETY: AVX-512 is present; `check` bounded every row read below.
-        unsafe { x86::weighted_values(v, v_row, kvh * v_head, a.dv, p, n, stride, rows, out) };
+        unsafe { x86::weighted_values(v, a.v_type, v_row, kvh * v_head, a.dv, p, n, stride, rows, out) };
         return;
     }
     let mut vf = vec![0f32; a.dv];
     for j in rows.clone() {
-        let at = 2 * (j * v_row + kvh * v_head);
-        f16_row(&v[at..at + 2 * a.dv], &mut vf);
+        let at = a.v_type.bytes(j * v_row + kvh * v_head);
+        row_f32(a.v_type, &v[at..at + a.v_type.bytes(a.dv)], &mut vf);
         for h in 0..n {
             let pj = p[h * stride + j - rows.start];
             for (o, v) in out[h * a.dv..(h + 1) * a.dv].iter_mut().zip(&vf) {
@@ -283,9 +379,32 @@ fn weighted_values(
     }
 }
 
-fn f16_row(bytes: &[u8], out: &mut [f32]) {
-    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-        *o = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+/// Cached values as f32 (`out.len()` of them, a whole number of blocks).
+fn row_f32(ty: KvType, bytes: &[u8], out: &mut [f32]) {
+    match ty {
+        KvType::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        KvType::F16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+        KvType::BF16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = tandem_quant::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+            }
+        }
+        KvType::Q8_0 => {
+            for (o, b) in out.chunks_exact_mut(32).zip(bytes.chunks_exact(34)) {
+                let d = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                for (o, q) in o.iter_mut().zip(&b[2..]) {
+                    *o = d * (*q as i8) as f32;
+                }
+            }
+        }
     }
 }
 
@@ -305,7 +424,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
-    use super::AttnF16;
+    use super::{Attn, KvType};
     use std::arch::x86_64::*;
 
     /// ggml's `ggml_v_expf` (ggml-cpu/vec.h, AVX-512): e^x to about 1 ulp, with the same
@@ -389,35 +508,91 @@ pub(crate) mod x86 {
         sum
     }
 
-    /// `x = f16(x * s)` as f32, rounding to nearest even.
+    /// `x = x * s` as V's dot type holds it: rounded to nearest even f16 or bf16 (ggml's
+    /// conversions), or kept.
     #[target_feature(enable = "avx512f,avx512dq,f16c")]
-    pub(super) unsafe fn scale_round_f16(x: &mut [f32], s: f32) {
+    pub(super) unsafe fn scale_round(x: &mut [f32], s: f32, v_type: KvType) {
         let sv = _mm512_set1_ps(s);
         let mut chunks = x.chunks_exact_mut(16);
         for c in &mut chunks {
             let v = _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), sv);
-            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
-            _mm512_storeu_ps(c.as_mut_ptr(), _mm512_cvtph_ps(h));
+            let r = match v_type {
+                KvType::F16 => _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v)),
+                KvType::BF16 => {
+                    // ggml_compute_fp32_to_bf16 for the finite values probabilities are.
+                    let u = _mm512_castps_si512(v);
+                    let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(u), _mm512_set1_epi32(1));
+                    let up = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+                    _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(0xffff_0000u32 as i32)))
+                }
+                KvType::F32 | KvType::Q8_0 => v,
+            };
+            _mm512_storeu_ps(c.as_mut_ptr(), r);
         }
         for v in chunks.into_remainder() {
-            *v = half::f16::from_f32(*v * s).to_f32();
+            *v = super::round_p(*v * s, v_type);
         }
     }
 
-    /// Calls `$f::<HB>(...)` with the head count `$hb` (1..=8) as the constant `HB`.
-    macro_rules! by_heads {
-        ($hb:expr, $f:ident($($a:expr),*)) => {
-            match $hb {
-                8 => $f::<8>($($a),*),
-                7 => $f::<7>($($a),*),
-                6 => $f::<6>($($a),*),
-                5 => $f::<5>($($a),*),
-                4 => $f::<4>($($a),*),
-                3 => $f::<3>($($a),*),
-                2 => $f::<2>($($a),*),
-                _ => $f::<1>($($a),*),
+    /// Row formats as constants, for kernels compiled once per format.
+    const F32: u8 = 0;
+    const F16: u8 = 1;
+    const BF16: u8 = 2;
+    const Q8_0: u8 = 3;
+
+    /// Calls `$f::<T, HB>(...)` with the row format `$t` as the constant `T` and the head count
+    /// `$hb` (1..=8) as the constant `HB`.
+    macro_rules! by_kv {
+        ($t:expr, $hb:expr, $f:ident($($a:expr),*)) => {
+            match $t {
+                KvType::F32 => by_ny!($hb, $f[F32]($($a),*)),
+                KvType::F16 => by_ny!($hb, $f[F16]($($a),*)),
+                KvType::BF16 => by_ny!($hb, $f[BF16]($($a),*)),
+                KvType::Q8_0 => by_ny!($hb, $f[Q8_0]($($a),*)),
             }
         };
+    }
+
+    /// Bytes of `n` values of format `T` (`n` a whole number of blocks).
+    #[inline(always)]
+    fn bytes<const T: u8>(n: usize) -> usize {
+        match T {
+            F32 => 4 * n,
+            F16 | BF16 => 2 * n,
+            _ => n / 32 * 34,
+        }
+    }
+
+    /// Where value `d` of a row of format `T` lies (for prefetching).
+    #[inline(always)]
+    fn offset<const T: u8>(d: usize) -> usize {
+        match T {
+            F32 => 4 * d,
+            F16 | BF16 => 2 * d,
+            _ => d / 32 * 34 + 2 + d % 32,
+        }
+    }
+
+    /// Values `d..d + 16` of a row of format `T` as f32 (`d` a multiple of 16): exact
+    /// conversions, q8_0 as `d * q`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn load16<const T: u8>(row: *const u8, d: usize) -> __m512 {
+        match T {
+            F32 => _mm512_loadu_ps(row.add(4 * d) as *const f32),
+            F16 => _mm512_cvtph_ps(_mm256_loadu_si256(row.add(2 * d) as *const __m256i)),
+            BF16 => {
+                let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(row.add(2 * d) as *const __m256i));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
+            }
+            _ => {
+                let b = row.add(d / 32 * 34);
+                let scale = (b as *const u16).read_unaligned();
+                let d16 = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(scale as i32)));
+                let q = _mm_loadu_si128(b.add(2 + d % 32) as *const __m128i);
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d16)
+            }
+        }
     }
 
     /// Sums of sixteen vectors: lane `i` of the result is the sum of the lanes of `v[i]`
@@ -430,9 +605,8 @@ pub(crate) mod x86 {
         // Lanes 2i and 2i+1 of every step's inputs always belong to the same original vector, so
         // adding the even lanes to the odd ones halves each vector's partial sums while keeping
         // them together, in order.
-        let pair = |a: __m512, b: __m512| {
-            _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b))
-        };
+        let pair =
+            |a: __m512, b: __m512| _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
         let l1: [__m512; 8] = std::array::from_fn(|i| pair(v[2 * i], v[2 * i + 1]));
         let l2: [__m512; 4] = std::array::from_fn(|i| pair(l1[2 * i], l1[2 * i + 1]));
         let l3: [__m512; 2] = std::array::from_fn(|i| pair(l2[2 * i], l2[2 * i + 1]));
@@ -457,7 +631,7 @@ pub(crate) mod x86 {
     /// against up to eight heads, every K chunk converted once for all of them.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
     pub(super) unsafe fn scores(
-        a: &AttnF16,
+        a: &Attn,
         kvh: usize,
         q: &[f32],
         g: usize,
@@ -469,17 +643,18 @@ pub(crate) mod x86 {
         while h0 < g {
             let hb = (g - h0).min(8);
             let (q, o) = (&q[h0 * a.dk..], &mut out[h0 * stride..]);
-            by_heads!(hb, scores_heads(a, kvh, q, rows.clone(), o, stride));
+            by_kv!(a.k_type, hb, scores_heads(a, kvh, q, rows.clone(), o, stride));
             h0 += hb;
         }
     }
 
-    /// [`scores`] for `HB` heads: the accumulators stay in registers (a loop bound known at
-    /// compile time), and with eight heads the sixteen sums of two rows are reduced together.
+    /// [`scores`] for `HB` heads and rows of format `T`: the accumulators stay in registers (a
+    /// loop bound known at compile time), and with eight heads the sixteen sums of two rows are
+    /// reduced together.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
-    unsafe fn scores_heads<const HB: usize>(
-        a: &AttnF16,
+    unsafe fn scores_heads<const T: u8, const HB: usize>(
+        a: &Attn,
         kvh: usize,
         q: &[f32],
         rows: std::ops::Range<usize>,
@@ -488,7 +663,9 @@ pub(crate) mod x86 {
     ) {
         let dk = a.dk;
         let kp = a.k.as_ptr();
-        let row_ptr = |j: usize| unsafe { kp.add(2 * (j * a.k_row + kvh * dk)) };
+        let row_ptr = |j: usize| unsafe { kp.add(bytes::<T>(j * a.k_row + kvh * dk)) };
+        // A prefetch per 64 bytes of a row (q8_0: per 34-byte block, which touches every line).
+        let pf_every = if T == F32 { 16 } else { 32 };
         let qb = q.as_ptr();
         let op = out.as_mut_ptr();
         let mut j = rows.start;
@@ -497,18 +674,18 @@ pub(crate) mod x86 {
             let (k0, k1) = (row_ptr(j), row_ptr(if two { j + 1 } else { j }));
             let mut acc0 = [_mm512_setzero_ps(); HB];
             let mut acc1 = [_mm512_setzero_ps(); HB];
-            // The rows stream from memory: ask for the pair eight rows ahead, a cache line per
-            // two steps of 16 values (the hardware prefetchers stop at every 4 KiB page).
+            // The rows stream from memory: ask for the pair eight rows ahead (the hardware
+            // prefetchers stop at every 4 KiB page).
             let ahead = (j + 8).min(rows.end - 1);
             let (p0, p1) = (row_ptr(ahead), row_ptr((ahead + 1).min(rows.end - 1)));
             let mut d = 0;
             while d < dk {
-                if d % 32 == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(p0.add(2 * d) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T0>(p1.add(2 * d) as *const i8);
+                if d % pf_every == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(p0.add(offset::<T>(d)) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(p1.add(offset::<T>(d)) as *const i8);
                 }
-                let x0 = _mm512_cvtph_ps(_mm256_loadu_si256(k0.add(2 * d) as *const __m256i));
-                let x1 = _mm512_cvtph_ps(_mm256_loadu_si256(k1.add(2 * d) as *const __m256i));
+                let x0 = load16::<T>(k0, d);
+                let x1 = load16::<T>(k1, d);
                 for h in 0..HB {
                     let qv = _mm512_loadu_ps(qb.add(h * dk + d));
                     acc0[h] = _mm512_fmadd_ps(x0, qv, acc0[h]);
@@ -543,6 +720,7 @@ pub(crate) mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
     pub(super) unsafe fn weighted_values(
         v: &[u8],
+        ty: KvType,
         v_row: usize,
         head_off: usize,
         dv: usize,
@@ -557,16 +735,16 @@ pub(crate) mod x86 {
             let hb = (g - h0).min(8);
             let (p, o) = (&p[h0 * stride..], &mut o[h0 * dv..]);
             let r = rows.clone();
-            by_heads!(hb, values_heads(v, v_row, head_off, dv, p, stride, r, o));
+            by_kv!(ty, hb, values_heads(v, v_row, head_off, dv, p, stride, r, o));
             h0 += hb;
         }
     }
 
-    /// [`weighted_values`] for `HB` heads, accumulators in registers.
+    /// [`weighted_values`] for `HB` heads and rows of format `T`, accumulators in registers.
     #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
-    unsafe fn values_heads<const HB: usize>(
+    unsafe fn values_heads<const T: u8, const HB: usize>(
         v: &[u8],
         v_row: usize,
         head_off: usize,
@@ -577,6 +755,7 @@ pub(crate) mod x86 {
         o: &mut [f32],
     ) {
         let vp = v.as_ptr();
+        let row_ptr = |j: usize| unsafe { vp.add(bytes::<T>(j * v_row + head_off)) };
         let pp: [*const f32; HB] = std::array::from_fn(|h| p.as_ptr().wrapping_add(h * stride));
         // Blocks of rows small enough to stay in the first-level cache while every 32 values of
         // them are added into the output; the next block is fetched meanwhile.
@@ -588,14 +767,17 @@ pub(crate) mod x86 {
             let mut d = 0;
             while d < dv {
                 for j in next.clone() {
-                    _mm_prefetch::<_MM_HINT_T0>(vp.add(2 * (j * v_row + head_off + d)) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d)) as *const i8);
+                    if T == F32 {
+                        _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d + 16)) as *const i8);
+                    }
                 }
                 let mut acc = [[_mm512_setzero_ps(); 2]; HB];
                 for j in b0..b1 {
                     let i = j - rows.start;
-                    let r = vp.add(2 * (j * v_row + head_off + d));
-                    let x0 = _mm512_cvtph_ps(_mm256_loadu_si256(r as *const __m256i));
-                    let x1 = _mm512_cvtph_ps(_mm256_loadu_si256(r.add(32) as *const __m256i));
+                    let r = row_ptr(j);
+                    let x0 = load16::<T>(r, d);
+                    let x1 = load16::<T>(r, d + 16);
                     for h in 0..HB {
                         let pj = _mm512_set1_ps(*pp[h].add(i));
                         acc[h][0] = _mm512_fmadd_ps(pj, x0, acc[h][0]);
@@ -618,8 +800,23 @@ pub(crate) mod x86 {
 mod tests {
     use super::*;
 
+    /// Rows of random values in a cache format.
+    fn cache_rows(ty: KvType, x: &[f32]) -> Vec<u8> {
+        match ty {
+            KvType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            KvType::F16 => x.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect(),
+            KvType::BF16 => x.iter().flat_map(|v| tandem_quant::f32_to_bf16(*v).to_le_bytes()).collect(),
+            KvType::Q8_0 => {
+                let mut out = vec![0u8; x.len() / 32 * 34];
+                tandem_quant::quantize_row(GgmlType::Q8_0, x, &mut out).unwrap();
+                out
+            }
+        }
+    }
+
     /// A prefill's tokens (each seeing one more row of the same cache, as a causal batch does),
-    /// and tokens of another sequence, give in a batch exactly the bits they give one at a time.
+    /// and tokens of another sequence, give in a batch exactly the bits they give one at a time,
+    /// for every cache format.
     #[test]
     fn a_batch_of_tokens_equals_each_token_alone_bit_for_bit() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
@@ -632,41 +829,131 @@ mod tests {
             (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
         };
         // (n_head, n_head_kv, dk, dv, separate V)
-        for &(nh, nkv, dk, dv, sep) in &[(16, 1, 576, 512, false), (12, 4, 64, 64, true), (6, 2, 48, 32, true)] {
-            let rows = 300;
-            let k: Vec<u8> = (0..rows * nkv * dk).flat_map(|_| f16::from_f32(rnd()).to_le_bytes()).collect();
-            let v: Vec<u8> = (0..rows * nkv * dv).flat_map(|_| f16::from_f32(rnd()).to_le_bytes()).collect();
-            let k2: Vec<u8> = (0..rows * nkv * dk).flat_map(|_| f16::from_f32(rnd()).to_le_bytes()).collect();
-            let n_tok = 37;
-            let qs: Vec<Vec<f32>> = (0..n_tok).map(|_| (0..nh * dk).map(|_| rnd()).collect()).collect();
-            let items: Vec<AttnF16> = (0..n_tok)
-                .map(|t| AttnF16 {
-                    q: &qs[t],
+        for &(nh, nkv, dk, dv, sep) in
+            &[(16usize, 1usize, 576usize, 512usize, false), (12, 4, 64, 64, true), (6, 2, 48, 32, true)]
+        {
+            for ty in [KvType::F16, KvType::BF16, KvType::F32, KvType::Q8_0] {
+                if !dk.is_multiple_of(ty.block()) {
+                    continue;
+                }
+                let rows = 300;
+                let mut values = |n: usize| -> Vec<u8> { cache_rows(ty, &(0..n).map(|_| rnd()).collect::<Vec<f32>>()) };
+                let (k, v, k2) = (values(rows * nkv * dk), values(rows * nkv * dv), values(rows * nkv * dk));
+                let n_tok = 37;
+                let qs: Vec<Vec<f32>> = (0..n_tok).map(|_| (0..nh * dk).map(|_| rnd()).collect()).collect();
+                let items: Vec<Attn> = (0..n_tok)
+                    .map(|t| Attn {
+                        q: &qs[t],
+                        n_head: nh,
+                        n_head_kv: nkv,
+                        dk,
+                        dv,
+                        // The last tokens read another cache (another sequence).
+                        k: if t < 30 { &k } else { &k2 },
+                        k_type: ty,
+                        k_row: nkv * dk,
+                        v: sep.then_some(&v[..]),
+                        v_type: ty,
+                        v_row: nkv * dv,
+                        n_kv: if t < 30 { 200 + t } else { 1 + 17 * (t - 30) },
+                        scale: 0.125,
+                    })
+                    .collect();
+                let mut batch = vec![vec![f32::NAN; nh * dv]; n_tok];
+                let mut outs: Vec<&mut [f32]> = batch.iter_mut().map(|o| &mut o[..]).collect();
+                attention_many(&pool, &items, &mut outs).unwrap();
+                for (t, a) in items.iter().enumerate() {
+                    let mut alone = vec![f32::NAN; nh * dv];
+                    attention(&one, a, &mut alone).unwrap();
+                    assert!(
+                        batch[t].iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{ty:?} {nh}/{nkv}/{dk}/{dv} token {t}: batch differs from alone"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The AVX-512 kernels against the scalar code of this file, for every cache format (the
+    /// reference that follows ggml's order is in tandem-model's backend tests).
+    #[test]
+    fn simd_kernels_match_the_scalar_code() {
+        if !simd() {
+            println!("SKIPPED AVX-512 attention kernels: this machine (or TANDEM_CPU_ISA) does not run them");
+            return;
+        }
+        let mut seed = 5u64;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        };
+        for &(nh, nkv, dk, dv, sep, n_kv) in
+            &[(16usize, 1usize, 576usize, 512usize, false, 300usize), (8, 2, 64, 64, true, 77), (2, 1, 32, 32, true, 1)]
+        {
+            for ty in [KvType::F16, KvType::BF16, KvType::F32, KvType::Q8_0] {
+                let mut values = |n: usize| -> Vec<u8> { cache_rows(ty, &(0..n).map(|_| rnd()).collect::<Vec<f32>>()) };
+                let (k, v) = (values(n_kv * nkv * dk), values(n_kv * nkv * dv));
+                let q: Vec<f32> = (0..nh * dk).map(|_| rnd()).collect();
+                let a = Attn {
+                    q: &q,
                     n_head: nh,
                     n_head_kv: nkv,
                     dk,
                     dv,
-                    // The last tokens read another cache (another sequence).
-                    k: if t < 30 { &k } else { &k2 },
+                    k: &k,
+                    k_type: ty,
                     k_row: nkv * dk,
                     v: sep.then_some(&v[..]),
+                    v_type: ty,
                     v_row: nkv * dv,
-                    n_kv: if t < 30 { 200 + t } else { 1 + 17 * (t - 30) },
+                    n_kv,
                     scale: 0.125,
-                })
-                .collect();
-            let mut batch = vec![vec![f32::NAN; nh * dv]; n_tok];
-            let mut outs: Vec<&mut [f32]> = batch.iter_mut().map(|o| &mut o[..]).collect();
-            attention_f16_many(&pool, &items, &mut outs).unwrap();
-            for (t, a) in items.iter().enumerate() {
-                let mut alone = vec![f32::NAN; nh * dv];
-                attention_f16(&one, a, &mut alone).unwrap();
-                assert!(
-                    batch[t].iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "{nh}/{nkv}/{dk}/{dv} token {t}: batch differs from alone"
-                );
+                };
+                assert!(a.check(&vec![0f32; nh * dv]));
+                let qr = a.prepared_q().unwrap();
+                let (mut fast, mut slow) = (vec![0f32; nh * dv], vec![0f32; nh * dv]);
+                one_token(&a, &qr, &mut fast, true);
+                one_token(&a, &qr, &mut slow, false);
+                let max = slow.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (i, (f, s)) in fast.iter().zip(&slow).enumerate() {
+                    assert!((f - s).abs() <= 1e-4 * max, "{ty:?} {nh}/{nkv}/{dk}/{dv} [{i}]: {f} vs {s}");
+                }
             }
         }
+    }
+
+    /// Heads that are not whole q8_0 blocks, and caches too short for their rows, are refused.
+    #[test]
+    fn bad_shapes_are_refused() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let q = vec![0.5f32; 2 * 48];
+        let k = vec![0u8; 10 * 48 * 4]; // ten f32 rows
+        let a = |ty: KvType, n_kv: usize| Attn {
+            q: &q,
+            n_head: 2,
+            n_head_kv: 1,
+            dk: 48,
+            dv: 32,
+            k: &k,
+            k_type: ty,
+            k_row: 48,
+            v: None,
+            v_type: ty,
+            v_row: 0,
+            n_kv,
+            scale: 1.0,
+        };
+        let mut out = vec![0f32; 64];
+        assert!(attention(&pool, &a(KvType::F16, 10), &mut out).is_ok());
+        let e = attention(&pool, &a(KvType::Q8_0, 10), &mut out).unwrap_err().to_string();
+        assert!(e.contains("Q8_0") && e.contains("whole blocks"), "{e}");
+        assert!(attention(&pool, &a(KvType::F32, 11), &mut out).is_err());
+        assert!(attention(&pool, &a(KvType::F32, 10), &mut out).is_ok());
+        let mut mixed = a(KvType::F16, 10);
+        mixed.v_type = KvType::BF16;
+        assert!(attention(&pool, &mixed, &mut out).is_err(), "MLA's V is K's rows: one format");
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -683,7 +970,10 @@ mod tests {
         unsafe { super::x86::swiglu(&mut got, &up) };
         for ((x, u), g) in x.iter().zip(&up).zip(&got) {
             let want = x / (1.0 + (-x).exp()) * u;
-            assert!((g - want).abs() <= 4.0 * f32::EPSILON * want.abs() + f32::MIN_POSITIVE, "silu({x}) * {u} = {g}, libm {want}");
+            assert!(
+                (g - want).abs() <= 4.0 * f32::EPSILON * want.abs() + f32::MIN_POSITIVE,
+                "silu({x}) * {u} = {g}, libm {want}"
+            );
         }
         // The same element at another offset (in the masked tail or not) gets the same bits.
         for start in [1usize, 5, 17, 990] {

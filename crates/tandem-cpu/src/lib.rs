@@ -33,7 +33,7 @@ mod ops;
 pub mod packed;
 mod pool;
 
-pub use attention::{attention_f16, attention_f16_many, AttnF16};
+pub use attention::{attention, attention_many, Attn, KvType};
 pub use jobs::{ffn_jobs, matmul_jobs, FfnJob, MatJob};
 pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY};
 pub use matmul::{matmul, matmul_quantized, quantize_activations, QuantizedActs, WeightRef};

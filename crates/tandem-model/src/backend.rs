@@ -196,19 +196,19 @@ impl Backend for CpuBackend {
     }
 
     fn attention(&self, a: &AttnInput, out: &mut [f32]) -> Result<()> {
-        match f16_view(a) {
-            Some(f) => Ok(tandem_cpu::attention_f16(self.threads.for_tokens(1), &f, out)?),
+        match fast_view(a) {
+            Some(f) => Ok(tandem_cpu::attention(self.threads.for_tokens(1), &f, out)?),
             None => attention_cpu(self.threads.for_tokens(1), a, out),
         }
     }
 
     fn attention_batch(&self, items: &[AttnInput], out: &mut [f32]) -> Result<()> {
         let per = out.len() / items.len().max(1);
-        let views: Option<Vec<tandem_cpu::AttnF16>> = items.iter().map(f16_view).collect();
+        let views: Option<Vec<tandem_cpu::Attn>> = items.iter().map(fast_view).collect();
         match views {
             Some(views) if per > 0 && out.len() == per * items.len() => {
                 let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(per).collect();
-                Ok(tandem_cpu::attention_f16_many(self.threads.for_tokens(items.len()), &views, &mut outs)?)
+                Ok(tandem_cpu::attention_many(self.threads.for_tokens(items.len()), &views, &mut outs)?)
             }
             _ => {
                 for (a, o) in items.iter().zip(out.chunks_exact_mut(per.max(1))) {
@@ -228,18 +228,23 @@ impl Backend for CpuBackend {
     }
 }
 
-/// An f16 cache (K, and V when separate) takes the fast path of tandem-cpu.
-fn f16_view<'a>(a: &AttnInput<'a>) -> Option<tandem_cpu::AttnF16<'a>> {
-    let v_ok = a.v.is_none() || a.v_type == GgmlType::F16;
-    (a.k_type == GgmlType::F16 && v_ok).then(|| tandem_cpu::AttnF16 {
+/// An f16, bf16, f32 or q8_0 cache whose heads are whole blocks takes the fast path of tandem-cpu.
+fn fast_view<'a>(a: &AttnInput<'a>) -> Option<tandem_cpu::Attn<'a>> {
+    let k_type = tandem_cpu::KvType::of(a.k_type)?;
+    let v_type = if a.v.is_some() { tandem_cpu::KvType::of(a.v_type)? } else { k_type };
+    let whole = |ty: GgmlType, n: usize| n.is_multiple_of(ty.block_size());
+    let v_ty = if a.v.is_some() { a.v_type } else { a.k_type };
+    (whole(a.k_type, a.dk) && whole(v_ty, a.dv)).then(|| tandem_cpu::Attn {
         q: a.q,
         n_head: a.n_head,
         n_head_kv: a.n_head_kv,
         dk: a.dk,
         dv: a.dv,
         k: a.k,
+        k_type,
         k_row: a.n_head_kv * a.dk,
         v: a.v,
+        v_type,
         v_row: a.n_head_kv * a.dv,
         n_kv: a.n_kv,
         scale: a.scale,
@@ -311,19 +316,29 @@ mod tests {
             .collect()
     }
 
-    fn f16_bytes(x: &[f32]) -> Vec<u8> {
-        x.iter().flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes()).collect()
+    fn cache_bytes(ty: GgmlType, x: &[f32]) -> Vec<u8> {
+        match ty {
+            GgmlType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            GgmlType::F16 => x.iter().flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes()).collect(),
+            GgmlType::BF16 => x.iter().flat_map(|v| tandem_quant::f32_to_bf16(*v).to_le_bytes()).collect(),
+            _ => {
+                let mut out = vec![0u8; row_size(ty, x.len()).unwrap()];
+                tandem_quant::quantize_row(ty, x, &mut out).unwrap();
+                out
+            }
+        }
     }
 
-    /// The f16 fast path (chunked, SIMD, one pass per row for all heads) against the reference
-    /// that follows ggml's order, for MLA, GQA and MHA shapes, with and without a thread split.
+    /// The fast path (chunked, SIMD, one pass per row for all heads) against the reference that
+    /// follows ggml's order, for MLA, GQA and MHA shapes, every cache format it reads, with and
+    /// without a thread split.
     #[test]
-    fn fast_f16_attention_matches_the_reference() {
+    fn fast_attention_matches_the_reference() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         // (n_head, n_head_kv, dk, dv, separate V, n_kv)
         for &(nh, nkv, dk, dv, sep, n_kv) in &[
-            (16, 1, 576, 512, false, 700),
+            (16usize, 1usize, 576usize, 512usize, false, 700usize),
             (8, 2, 64, 64, true, 300),
             (4, 4, 192, 128, true, 1),
             (16, 1, 576, 512, false, 33),
@@ -331,49 +346,78 @@ mod tests {
             (1, 1, 64, 64, true, 1000),
             (32, 8, 128, 128, true, 777),
         ] {
-            let q = rand(1, nh * dk, 1.0);
-            let k = f16_bytes(&rand(2, n_kv * nkv * dk, 1.0));
-            let v = f16_bytes(&rand(3, n_kv * nkv * dv, 1.0));
-            let a = AttnInput {
-                q: &q,
-                n_head: nh,
-                n_head_kv: nkv,
-                dk,
-                dv,
-                k: &k,
-                k_type: GgmlType::F16,
-                v: sep.then_some(&v[..]),
-                v_type: GgmlType::F16,
-                n_kv,
-                scale: 1.0 / (dk as f32).sqrt(),
-            };
-            let mut want = vec![0f32; nh * dv];
-            attention_cpu(&pool, &a, &mut want).unwrap();
-            let mut alone = vec![0f32; nh * dv];
-            tandem_cpu::attention_f16(&one, &f16_view(&a).unwrap(), &mut alone).unwrap();
-            for p in [&pool, &one] {
-                let mut got = vec![0f32; nh * dv];
-                tandem_cpu::attention_f16(p, &f16_view(&a).unwrap(), &mut got).unwrap();
-                if nh >= 2 {
-                    // Heads split over the threads: every head computed exactly as on one thread.
-                    assert!(got == alone, "shape {nh}/{nkv}/{dk}/{dv} n_kv {n_kv}: 2 threads differ from 1 in bits");
+            for ty in [GgmlType::F16, GgmlType::BF16, GgmlType::F32, GgmlType::Q8_0] {
+                let q = rand(1, nh * dk, 1.0);
+                if !dk.is_multiple_of(ty.block_size()) || !dv.is_multiple_of(ty.block_size()) {
+                    continue;
                 }
+                let k = cache_bytes(ty, &rand(2, n_kv * nkv * dk, 1.0));
+                let v = cache_bytes(ty, &rand(3, n_kv * nkv * dv, 1.0));
+                let a = AttnInput {
+                    q: &q,
+                    n_head: nh,
+                    n_head_kv: nkv,
+                    dk,
+                    dv,
+                    k: &k,
+                    k_type: ty,
+                    v: sep.then_some(&v[..]),
+                    v_type: ty,
+                    n_kv,
+                    scale: 1.0 / (dk as f32).sqrt(),
+                };
+                let mut want = vec![0f32; nh * dv];
+                attention_cpu(&pool, &a, &mut want).unwrap();
+                let mut alone = vec![0f32; nh * dv];
+                tandem_cpu::attention(&one, &fast_view(&a).unwrap(), &mut alone).unwrap();
                 let max = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert!(
-                        (g - w).abs() <= 2e-3 * max + 1e-6,
-                        "shape {nh}/{nkv}/{dk}/{dv} n_kv {n_kv} [{i}]: {g} vs {w}"
-                    );
+                for p in [&pool, &one] {
+                    let mut got = vec![0f32; nh * dv];
+                    tandem_cpu::attention(p, &fast_view(&a).unwrap(), &mut got).unwrap();
+                    if nh >= 2 {
+                        // Heads split over the threads: every head computed exactly as on one thread.
+                        assert!(got == alone, "{ty} {nh}/{nkv}/{dk}/{dv} n_kv {n_kv}: 2 threads differ from 1 in bits");
+                    }
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - w).abs() <= 2e-3 * max + 1e-6,
+                            "{ty} {nh}/{nkv}/{dk}/{dv} n_kv {n_kv} [{i}]: {g} vs {w}"
+                        );
+                    }
                 }
-            }
-            let mut outs = vec![0f32; 5 * nh * dv];
-            let items: Vec<AttnInput> = (0..5).map(|_| AttnInput { ..a }).collect();
-            CpuBackend::new(Threads::new(2, 2).unwrap()).attention_batch(&items, &mut outs).unwrap();
-            for o in outs.chunks_exact(nh * dv) {
-                let max = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-                assert!(o.iter().zip(&want).all(|(g, w)| (g - w).abs() <= 2e-3 * max + 1e-6));
+                let mut outs = vec![0f32; 5 * nh * dv];
+                let items: Vec<AttnInput> = (0..5).map(|_| AttnInput { ..a }).collect();
+                CpuBackend::new(Threads::new(2, 2).unwrap()).attention_batch(&items, &mut outs).unwrap();
+                for o in outs.chunks_exact(nh * dv) {
+                    assert!(o.iter().zip(&want).all(|(g, w)| (g - w).abs() <= 2e-3 * max + 1e-6), "{ty} batch");
+                }
             }
         }
+    }
+
+    /// A q8_0 cache whose heads are not whole blocks, and cache types without a fast path, go to
+    /// the reference.
+    #[test]
+    fn other_caches_take_the_reference_path() {
+        let q = vec![0f32; 2 * 48];
+        let k = vec![0u8; 4096];
+        let a = |ty: GgmlType, dk: usize| AttnInput {
+            q: &q[..2 * dk],
+            n_head: 2,
+            n_head_kv: 1,
+            dk,
+            dv: dk,
+            k: &k,
+            k_type: ty,
+            v: None,
+            v_type: ty,
+            n_kv: 3,
+            scale: 1.0,
+        };
+        assert!(fast_view(&a(GgmlType::Q8_0, 32)).is_some());
+        assert!(fast_view(&a(GgmlType::Q8_0, 48)).is_none());
+        assert!(fast_view(&a(GgmlType::Q4_0, 32)).is_none());
+        assert!(fast_view(&a(GgmlType::BF16, 48)).is_some());
     }
 
     #[test]
