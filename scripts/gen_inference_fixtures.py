@@ -142,6 +142,11 @@ MODELS: list[dict] = [
          gating=SIGMOID, exp_probs_b=True, n_groups=4, n_group_used=2,
          weights_norm=True, weights_scale=2.827, yarn=YARN_KIMI, tokenizer="kimi-k2",
          note="DeepSeek-V3 / Kimi-K2 shape (one MoE layer) with llama.cpp's real Q4_K_M mix"),
+    dict(name="deepseek2-mla-q4_0", arch="deepseek2", weights="Q4_0", cache="f16", seed=41, **DS_KQ,
+         mla=True, n_layer=1, n_dense_lead=0, n_expert_used=2, n_expert_shared=1,
+         gating=SIGMOID, exp_probs_b=True, n_groups=4, n_group_used=2,
+         weights_norm=True, weights_scale=2.827, yarn=YARN_KIMI, tokenizer="kimi-k2",
+         note="Kimi-K2 shape (one MoE layer) with llama.cpp's Q4_0 mix (the format of Kimi's int4 experts)"),
     dict(name="deepseek2-legacy-q2_k", arch="deepseek2", weights="Q2_K", cache="f16", seed=36, **DS_KQ,
          mla=False, n_layer=1, n_dense_lead=0, n_expert_used=2, n_expert_shared=2,
          gating=SOFTMAX, exp_probs_b=False, n_groups=0, n_group_used=0,
@@ -170,6 +175,7 @@ BY_NAME = {m["name"]: m for m in MODELS}
 QUANT_FTYPE = {
     "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
     "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+    "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
     "Q2_K": "LLAMA_FTYPE_MOSTLY_Q2_K",
 }
 

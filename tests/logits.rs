@@ -225,7 +225,7 @@ fn threads_ubatch_and_token_by_token_give_the_same_logits() {
     }
 }
 
-/// `--repack` (Q4_K, Q6_K, Q8_0, Q5_0 matrices in 16-row groups, `tandem_cpu::packed`): the logits stay within the
+/// `--repack` (Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 matrices in 16-row groups, `tandem_cpu::packed`): the logits stay within the
 /// tolerance of `logits_match_llama_cpp` for rounded files, and threads, micro-batch size and
 /// token-by-token decoding still give the same bits (one arithmetic per row, token and block).
 #[test]
@@ -234,8 +234,13 @@ fn repacked_weights_match_llama_cpp_and_are_invariant() {
         println!("SKIPPED --repack: this machine has no AVX-512 VNNI, so nothing is repacked (the scalar packed kernel is tested in tandem-cpu)");
         return;
     }
-    for name in ["deepseek2-mla-q4_k_m.gguf", "qwen3moe-q4_k_m.gguf", "deepseek2-mla-q8_0.gguf", "llama-gqa-q8_0.gguf"]
-    {
+    for name in [
+        "deepseek2-mla-q4_k_m.gguf",
+        "qwen3moe-q4_k_m.gguf",
+        "deepseek2-mla-q8_0.gguf",
+        "llama-gqa-q8_0.gguf",
+        "deepseek2-mla-q4_0.gguf",
+    ] {
         let f = fixtures().into_iter().find(|f| f.name == name).unwrap();
         let gguf = GgufModel::open(&f.model, LoadOptions::default()).unwrap();
         let model = Arc::new(Model::load_with(Arc::new(gguf), true).unwrap());

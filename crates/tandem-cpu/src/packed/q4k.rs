@@ -1,49 +1,81 @@
-//! Packed Q4_K against Q8_K activations. Per (row, token, block) the integer sums
-//! `isum = sum_j sc_j * sum_e q_e * a_e` and `imin = sum_j m_j * bsum_j` are exact, then
-//! `v = isum * d - imin * dmin` (one fused multiply-add) and `acc = v * yd + acc` (fused).
+//! Packed Q4_K and Q5_K against Q8_K activations (`HIGH`: the fifth bit of Q5_K's levels). Per
+//! (row, token, block) the integer sums `isum = sum_j sc_j * sum_e q_e * a_e` and `imin = sum_j
+//! m_j * bsum_j` are exact, then `v = isum * d - imin * dmin` (one fused multiply-add) and `acc = v
+//! * yd + acc` (fused).
 //!
-//! Layout of one group of 16 rows: its blocks one after another, each [`GROUP_BLOCK`] bytes:
-//! `qs[8 groups of 32][4][16 rows][4 bytes]` (byte `k` of lane `r` in load `l` of group `j` holds
-//! element `8l + k` in its low nibble and `8l + 4 + k` in its high one), then `sc[8][16]` and
-//! `m[8][16]` (the 6-bit scales and mins, one byte each), then `d[16]` and `dmin[16]` (fp16).
+//! Layout of one group of 16 rows: its blocks one after another, each [`GROUP_BLOCK`] (Q4_K) or
+//! [`GROUP_BLOCK_Q5K`] bytes: `qs[8 groups of 32][4][16 rows][4 bytes]` (byte `k` of lane `r` in
+//! load `l` of group `j` holds element `8l + k` in its low nibble and `8l + 4 + k` in its high
+//! one); for Q5_K then `qh[8 groups][16 rows][4 bytes]`, the fifth bits: bit `2l + n` of byte `k`
+//! of lane `r` in group `j` is the fifth bit of the level in nibble `n` of that byte of load `l`
+//! (one vector per group: shifted to bit 4 and merged into each nibble vector); then `sc[8][16]` and `m[8][16]` (the 6-bit scales and mins, one byte each), then `d[16]` and
+//! `dmin[16]` (fp16).
 
 use super::{GroupActs, GroupFn, PACK_ROWS};
-use tandem_quant::blocks::{BlockQ4K, BlockQ8K};
+use tandem_quant::blocks::{BlockQ4K, BlockQ5K, BlockQ8K};
 use tandem_quant::{get_scale_min_k4, QK_K};
 
 const SUBS: usize = QK_K / 32;
 const QS: usize = 0;
-const SC: usize = QS + QK_K / 2 * PACK_ROWS;
-const MN: usize = SC + SUBS * PACK_ROWS;
-const D: usize = MN + SUBS * PACK_ROWS;
-const DMIN: usize = D + 2 * PACK_ROWS;
-/// Bytes of one block of one group of 16 rows (2368, a whole number of cache lines).
-pub(super) const GROUP_BLOCK: usize = DMIN + 2 * PACK_ROWS;
-const _: () = assert!(GROUP_BLOCK == 2368 && GROUP_BLOCK.is_multiple_of(64));
+
+/// Where the parts of a packed block lie, without (Q4_K) or with (Q5_K) the fifth bits.
+struct Layout {
+    qh: usize,
+    sc: usize,
+    mn: usize,
+    d: usize,
+    dmin: usize,
+    size: usize,
+}
+
+const fn layout(high: bool) -> Layout {
+    let qh = QS + QK_K / 2 * PACK_ROWS;
+    let sc = qh + if high { QK_K / 8 * PACK_ROWS } else { 0 };
+    let mn = sc + SUBS * PACK_ROWS;
+    let d = mn + SUBS * PACK_ROWS;
+    let dmin = d + 2 * PACK_ROWS;
+    Layout { qh, sc, mn, d, dmin, size: dmin + 2 * PACK_ROWS }
+}
+
+/// Bytes of one Q4_K block of one group of 16 rows (2368, a whole number of cache lines).
+pub(super) const GROUP_BLOCK: usize = layout(false).size;
+/// Bytes of one Q5_K block of one group of 16 rows (2880, a whole number of cache lines).
+pub(super) const GROUP_BLOCK_Q5K: usize = layout(true).size;
+const _: () = assert!(GROUP_BLOCK == 2368 && GROUP_BLOCK_Q5K == 2880 && GROUP_BLOCK_Q5K.is_multiple_of(64));
 
 /// ggml block_q8_K: f32 d, i8 qs[256], i16 bsums[16].
 const Q8K_BYTES: usize = std::mem::size_of::<BlockQ8K>();
 const Q8K_QS: usize = std::mem::offset_of!(BlockQ8K, qs);
 const Q8K_BSUMS: usize = std::mem::offset_of!(BlockQ8K, bsums);
 const Q4K_BYTES: usize = std::mem::size_of::<BlockQ4K>();
+const Q5K_BYTES: usize = std::mem::size_of::<BlockQ5K>();
+const Q5K_QH: usize = std::mem::offset_of!(BlockQ5K, qh);
+const Q5K_QS: usize = std::mem::offset_of!(BlockQ5K, qs);
 
-/// One group: 16 rows of `nb` Q4_K blocks (`rb` bytes each) into `dst` (zeroed).
-pub(super) fn pack_group(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
+/// One group: 16 rows of `nb` Q4_K (or, with `HIGH`, Q5_K) blocks (`rb` bytes each) into `dst`
+/// (zeroed).
+pub(super) fn pack_group<const HIGH: bool>(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
+    let l = layout(HIGH);
+    let (bs, qs_at_src) = if HIGH { (Q5K_BYTES, Q5K_QS) } else { (Q4K_BYTES, 16) };
     for b in 0..nb {
-        let out = &mut dst[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
+        let out = &mut dst[b * l.size..(b + 1) * l.size];
         for r in 0..PACK_ROWS {
-            let blk = &src[r * rb + b * Q4K_BYTES..r * rb + (b + 1) * Q4K_BYTES];
-            out[D + 2 * r..D + 2 * r + 2].copy_from_slice(&blk[0..2]);
-            out[DMIN + 2 * r..DMIN + 2 * r + 2].copy_from_slice(&blk[2..4]);
+            let blk = &src[r * rb + b * bs..r * rb + (b + 1) * bs];
+            out[l.d + 2 * r..l.d + 2 * r + 2].copy_from_slice(&blk[0..2]);
+            out[l.dmin + 2 * r..l.dmin + 2 * r + 2].copy_from_slice(&blk[2..4]);
             let scales: &[u8; 12] = blk[4..16].try_into().expect("12 bytes");
-            let qs = &blk[16..Q4K_BYTES];
+            let qs = &blk[qs_at_src..bs];
             for j in 0..SUBS {
                 let (sc, m) = get_scale_min_k4(j, scales);
-                out[SC + PACK_ROWS * j + r] = sc;
-                out[MN + PACK_ROWS * j + r] = m;
+                out[l.sc + PACK_ROWS * j + r] = sc;
+                out[l.mn + PACK_ROWS * j + r] = m;
                 for e in 0..32 {
                     let q = (qs[32 * (j / 2) + e] >> (4 * (j % 2))) & 0x0F;
                     out[qs_at(j, r, e)] |= q << (4 * ((e % 8) / 4));
+                    if HIGH && (blk[Q5K_QH + e] >> j) & 1 == 1 {
+                        let (byte, bit) = qh_at(j, r, e);
+                        out[l.qh + byte] |= 1 << bit;
+                    }
                 }
             }
         }
@@ -56,24 +88,56 @@ fn qs_at(j: usize, r: usize, e: usize) -> usize {
     QS + 256 * j + 64 * (e / 8) + 4 * r + e % 4
 }
 
-/// The AVX-512 VNNI kernel, where this build has one.
+/// The byte (from the start of `qh`) and bit holding the fifth bit of element `e` of group `j` of
+/// row `r`: the byte of [`qs_at`]'s within its load, bit `2 * load + nibble`.
+#[inline]
+fn qh_at(j: usize, r: usize, e: usize) -> (usize, usize) {
+    (64 * j + 4 * r + e % 4, 2 * (e / 8) + (e % 8) / 4)
+}
+
+/// Level `e` (0..32) of group `j` of row `r` in a packed block.
+#[inline]
+fn level<const HIGH: bool>(blk: &[u8], j: usize, r: usize, e: usize) -> i32 {
+    let q = (blk[qs_at(j, r, e)] >> (4 * ((e % 8) / 4))) & 0x0F;
+    let h = if HIGH {
+        let (byte, bit) = qh_at(j, r, e);
+        (blk[layout(true).qh + byte] >> bit) & 1
+    } else {
+        0
+    };
+    (q | h << 4) as i32
+}
+
+/// The AVX-512 VNNI kernels, where this build has them.
 #[cfg(target_arch = "x86_64")]
-pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni);
+pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni::<false>);
+#[cfg(target_arch = "x86_64")]
+pub(super) const SIMD_Q5K: Option<GroupFn> = Some(x86::group_vnni::<true>);
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) const SIMD: Option<GroupFn> = None;
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const SIMD_Q5K: Option<GroupFn> = None;
 
 /// The scalar reference: the arithmetic of the module docs, spelled out.
 ///
 /// # Safety
 /// As [`GroupFn`].
-pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+pub(super) unsafe fn group_scalar<const HIGH: bool>(
+    nb: usize,
+    w: *const u8,
+    a: GroupActs,
+    ny: usize,
+    out: *mut f32,
+    ostride: usize,
+) {
     let yb = a.yb;
+    let l = layout(HIGH);
     // SAFETY: forwarded from the caller.
-    let (w, ys) = unsafe { super::scalar_views(nb, w, GROUP_BLOCK, &a, ny, Q8K_BYTES) };
+    let (w, ys) = unsafe { super::scalar_views(nb, w, l.size, &a, ny, Q8K_BYTES) };
     for t in 0..ny {
         let mut acc = [0f32; PACK_ROWS];
         for b in 0..nb {
-            let blk = &w[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
+            let blk = &w[b * l.size..(b + 1) * l.size];
             let y = &ys[t * yb + b * Q8K_BYTES..t * yb + (b + 1) * Q8K_BYTES];
             let yd = f32::from_le_bytes(y[0..4].try_into().expect("4 bytes"));
             let bsum = |g: usize| i16::from_le_bytes([y[Q8K_BSUMS + 2 * g], y[Q8K_BSUMS + 2 * g + 1]]) as i32;
@@ -82,14 +146,13 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
                 for j in 0..SUBS {
                     let mut s = 0i32;
                     for e in 0..32 {
-                        let q = (blk[qs_at(j, r, e)] >> (4 * ((e % 8) / 4))) & 0x0F;
-                        s += q as i32 * y[Q8K_QS + 32 * j + e] as i8 as i32;
+                        s += level::<HIGH>(blk, j, r, e) * y[Q8K_QS + 32 * j + e] as i8 as i32;
                     }
-                    isum += blk[SC + PACK_ROWS * j + r] as i32 * s;
-                    imin += blk[MN + PACK_ROWS * j + r] as i32 * (bsum(2 * j) + bsum(2 * j + 1));
+                    isum += blk[l.sc + PACK_ROWS * j + r] as i32 * s;
+                    imin += blk[l.mn + PACK_ROWS * j + r] as i32 * (bsum(2 * j) + bsum(2 * j + 1));
                 }
                 let f16 = |at: usize| half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32();
-                let (d, dmin) = (f16(D + 2 * r), f16(DMIN + 2 * r));
+                let (d, dmin) = (f16(l.d + 2 * r), f16(l.dmin + 2 * r));
                 let v = (-(imin as f32)).mul_add(dmin, isum as f32 * d);
                 *acc = v.mul_add(yd, *acc);
             }
@@ -102,47 +165,69 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::x86::{bcast, prefetch_ahead};
-    use super::{GroupActs, D, DMIN, GROUP_BLOCK, MN, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, SC, SUBS};
+    use super::{layout, GroupActs, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, SUBS};
     use std::arch::x86_64::*;
 
-    /// A [`super::GroupFn`] for AVX-512 VNNI.
+    /// A [`super::GroupFn`] for AVX-512 VNNI (Q4_K, or with `HIGH` Q5_K).
     ///
     /// # Safety
     /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
-    pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+    pub(super) unsafe fn group_vnni<const HIGH: bool>(
+        nb: usize,
+        w: *const u8,
+        a: GroupActs,
+        ny: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
         let (ys, yb) = (a.ys, a.yb);
         // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny!(ny, group[](nb, w, ys, yb, out, ostride)) }
+        unsafe { by_ny!(ny, group[HIGH](nb, w, ys, yb, out, ostride)) }
     }
 
     /// # Safety
     /// As [`super::GroupFn`] with `ny == NY`, and the machine has AVX-512 VNNI.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group<const NY: usize>(nb: usize, w: *const u8, ys: *const u8, yb: usize, out: *mut f32, ostride: usize) {
+    unsafe fn group<const HIGH: bool, const NY: usize>(
+        nb: usize,
+        w: *const u8,
+        ys: *const u8,
+        yb: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
+        let lay = const { layout(HIGH) };
         let nib = _mm512_set1_epi8(0x0F);
+        let bit4 = _mm512_set1_epi8(0x10);
         let mut acc = [_mm512_setzero_ps(); NY];
         for b in 0..nb {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
-                let wb = w.add(b * GROUP_BLOCK);
+                let wb = w.add(b * lay.size);
                 if NY == 1 {
-                    prefetch_ahead(wb, GROUP_BLOCK);
+                    prefetch_ahead(wb, lay.size);
                 }
                 let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
                 let mut isum = [_mm512_setzero_si512(); NY];
                 let mut imin = [_mm512_setzero_si512(); NY];
                 for j in 0..SUBS {
-                    let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(SC + 16 * j) as *const __m128i));
-                    let mz = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(MN + 16 * j) as *const __m128i));
+                    let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(lay.sc + 16 * j) as *const __m128i));
+                    let mz = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(lay.mn + 16 * j) as *const __m128i));
                     // (m, m) as an i16 pair per lane, against the pair (bsums[2j], bsums[2j + 1]).
                     let mm = _mm512_or_si512(mz, _mm512_slli_epi32::<16>(mz));
                     let mut lo = [_mm512_setzero_si512(); 4];
                     let mut hi = [_mm512_setzero_si512(); 4];
+                    let fifth = if HIGH { _mm512_loadu_si512(wb.add(lay.qh + 64 * j) as *const __m512i) } else { nib };
                     for l in 0..4 {
                         let raw = _mm512_loadu_si512(wb.add(256 * j + 64 * l) as *const __m512i);
                         lo[l] = _mm512_and_si512(raw, nib);
                         hi[l] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
+                        if HIGH {
+                            // level | (bit 2l (+1) of `fifth`, moved to bit 4 of its byte)
+                            lo[l] = _mm512_ternarylogic_epi32::<0xF8>(lo[l], to_bit4(fifth, 2 * l), bit4);
+                            hi[l] = _mm512_ternarylogic_epi32::<0xF8>(hi[l], to_bit4(fifth, 2 * l + 1), bit4);
+                        }
                     }
                     for t in 0..NY {
                         let q = y[t].add(Q8K_QS + 32 * j);
@@ -155,8 +240,8 @@ mod x86 {
                         imin[t] = _mm512_dpwssd_epi32(imin[t], mm, bcast(y[t].add(Q8K_BSUMS + 4 * j)));
                     }
                 }
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(D) as *const __m256i));
-                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(DMIN) as *const __m256i));
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(lay.d) as *const __m256i));
+                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(lay.dmin) as *const __m256i));
                 for t in 0..NY {
                     let v = _mm512_fnmadd_ps(
                         _mm512_cvtepi32_ps(imin[t]),
@@ -171,6 +256,25 @@ mod x86 {
         // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
         unsafe { super::super::x86::store(&acc, out, ostride) };
     }
+
+    /// `v` shifted so that bit `p` of every byte lands on bit 4 of that byte (other bits are
+    /// garbage for the caller to mask off).
+    #[inline(always)]
+    unsafe fn to_bit4(v: __m512i, p: usize) -> __m512i {
+        // SAFETY: only called from functions enabling AVX-512 BW.
+        unsafe {
+            match p {
+                0 => _mm512_slli_epi16::<4>(v),
+                1 => _mm512_slli_epi16::<3>(v),
+                2 => _mm512_slli_epi16::<2>(v),
+                3 => _mm512_slli_epi16::<1>(v),
+                4 => v,
+                5 => _mm512_srli_epi16::<1>(v),
+                6 => _mm512_srli_epi16::<2>(v),
+                _ => _mm512_srli_epi16::<3>(v),
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -183,32 +287,35 @@ mod tests {
     #[test]
     fn the_layout_keeps_every_level_scale_and_factor() {
         // Unpacking the packed bytes by the layout gives back ggml's dequantized rows exactly.
-        let (rows, n) = (32, 512);
-        let mut rng = Rng(7);
-        let w = random_rows(GgmlType::Q4_K, rows, n, &mut rng);
-        let p = pack(GgmlType::Q4_K, rows, n, &w).unwrap();
-        let rb = row_size(GgmlType::Q4_K, n).unwrap();
-        let gb = group_bytes(GgmlType::Q4_K, n);
-        for row in 0..rows {
-            let mut want = vec![0f32; n];
-            tandem_quant::dequantize_row(GgmlType::Q4_K, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
-            let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
-            for b in 0..n / QK_K {
-                let blk = &p.bytes()[g * gb + b * GROUP_BLOCK..g * gb + (b + 1) * GROUP_BLOCK];
-                let f16 = |at: usize| half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32();
-                for j in 0..SUBS {
-                    let d = f16(D + 2 * r) * blk[SC + 16 * j + r] as f32;
-                    let m = f16(DMIN + 2 * r) * blk[MN + 16 * j + r] as f32;
-                    for e in 0..32 {
-                        let q = (blk[qs_at(j, r, e)] >> (4 * ((e % 8) / 4))) & 0x0F;
-                        assert_eq!(
-                            d * q as f32 - m,
-                            want[b * QK_K + 32 * j + e],
-                            "row {row} block {b} group {j} element {e}"
-                        );
+        fn check<const HIGH: bool>(ty: GgmlType) {
+            let (rows, n) = (32, 512);
+            let mut rng = Rng(7);
+            let w = random_rows(ty, rows, n, &mut rng);
+            let p = pack(ty, rows, n, &w).unwrap();
+            let (rb, gb, l) = (row_size(ty, n).unwrap(), group_bytes(ty, n), layout(HIGH));
+            assert_eq!(gb, n / QK_K * l.size);
+            for row in 0..rows {
+                let mut want = vec![0f32; n];
+                tandem_quant::dequantize_row(ty, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
+                let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
+                for b in 0..n / QK_K {
+                    let blk = &p.bytes()[g * gb + b * l.size..g * gb + (b + 1) * l.size];
+                    let f16 = |at: usize| half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32();
+                    for j in 0..SUBS {
+                        let d = f16(l.d + 2 * r) * blk[l.sc + 16 * j + r] as f32;
+                        let m = f16(l.dmin + 2 * r) * blk[l.mn + 16 * j + r] as f32;
+                        for e in 0..32 {
+                            assert_eq!(
+                                d * level::<HIGH>(blk, j, r, e) as f32 - m,
+                                want[b * QK_K + 32 * j + e],
+                                "{ty} row {row} block {b} group {j} element {e}"
+                            );
+                        }
                     }
                 }
             }
         }
+        check::<false>(GgmlType::Q4_K);
+        check::<true>(GgmlType::Q5_K);
     }
 }

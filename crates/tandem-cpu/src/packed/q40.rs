@@ -1,0 +1,174 @@
+//! Packed Q4_0 against Q8_0 activations. The 4-bit codes `u = q + 8` stay nibbles (the packed
+//! matrix is as large as the original), and `vpdpbusd` takes them as unsigned bytes once masked
+//! out. Per (row, token, block) the integer sum `isum = sum_e u_e * a_e - 8 * sum_e a_e` is exact,
+//! then `acc = (dw * da) * isum + acc`: the arithmetic of the Q8_0 / Q5_0 layouts (`b32.rs`).
+//!
+//! Layout of one group of 16 rows: first every block's codes, `[block][4][16 rows][4 bytes]` (byte
+//! `k` of row `r` in vector `v` is byte `4v + k` of the row's ggml block: element `4v + k` in its
+//! low nibble, `16 + 4v + k` in its high one), then every block's factors `d[block][16]` (fp16).
+
+use super::b32::{block_sum, Q8_0_BYTES};
+use super::{GroupActs, GroupFn, PACK_ROWS};
+use tandem_quant::blocks::BlockQ4_0;
+
+/// Bytes of one block's codes in a group (16 rows x 16 bytes).
+const CODES: usize = 16 * PACK_ROWS;
+/// Bytes of one block of one group: codes and factor.
+pub(super) const GROUP_BLOCK: usize = CODES + 2 * PACK_ROWS;
+const Q4_0_BYTES: usize = std::mem::size_of::<BlockQ4_0>();
+const Q8_0_QS: usize = 2;
+
+/// One group: 16 rows of `nb` Q4_0 blocks (`rb` bytes per row) into `dst`.
+pub(super) fn pack_group(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
+    for r in 0..PACK_ROWS {
+        for b in 0..nb {
+            let blk = &src[r * rb + b * Q4_0_BYTES..r * rb + (b + 1) * Q4_0_BYTES];
+            let d = nb * CODES + b * 2 * PACK_ROWS + 2 * r;
+            dst[d..d + 2].copy_from_slice(&blk[0..2]);
+            for v in 0..4 {
+                let at = b * CODES + 64 * v + 4 * r;
+                dst[at..at + 4].copy_from_slice(&blk[2 + 4 * v..2 + 4 * v + 4]);
+            }
+        }
+    }
+}
+
+/// Element `e` (0..32) of row `r` in a block's codes: the unsigned 4-bit code `q + 8`.
+#[inline]
+fn code(codes: &[u8], r: usize, e: usize) -> u8 {
+    let byte = codes[64 * ((e % 16) / 4) + 4 * r + e % 4];
+    if e < 16 {
+        byte & 0x0F
+    } else {
+        byte >> 4
+    }
+}
+
+fn f16_at(p: &[u8], at: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([p[at], p[at + 1]])).to_f32()
+}
+
+/// The AVX-512 VNNI kernel, where this build has one.
+#[cfg(target_arch = "x86_64")]
+pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni);
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const SIMD: Option<GroupFn> = None;
+
+/// The scalar reference: the arithmetic of the module docs, spelled out. Computes the block sums
+/// itself (`a.sums` is not read).
+///
+/// # Safety
+/// As [`GroupFn`] (Q8_0 activations).
+pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+    // SAFETY: forwarded from the caller.
+    let (w, ys) = unsafe { super::scalar_views(nb, w, GROUP_BLOCK, &a, ny, Q8_0_BYTES) };
+    for t in 0..ny {
+        let mut acc = [0f32; PACK_ROWS];
+        for b in 0..nb {
+            let y = &ys[t * a.yb + b * Q8_0_BYTES..t * a.yb + (b + 1) * Q8_0_BYTES];
+            let corr = 8 * block_sum(y);
+            let codes = &w[b * CODES..(b + 1) * CODES];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let mut isum = 0i32;
+                for e in 0..32 {
+                    isum += code(codes, r, e) as i32 * y[Q8_0_QS + e] as i8 as i32;
+                }
+                let dd = f16_at(w, nb * CODES + b * 2 * PACK_ROWS + 2 * r) * f16_at(y, 0);
+                *acc = dd.mul_add((isum - corr) as f32, *acc);
+            }
+        }
+        // SAFETY: t < ny (see `GroupFn`).
+        unsafe { super::store_scalar(out, t, ostride, &acc) };
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::super::x86::{bcast, prefetch_ahead};
+    use super::{GroupActs, CODES, PACK_ROWS, Q8_0_BYTES, Q8_0_QS};
+    use std::arch::x86_64::*;
+
+    /// A [`super::GroupFn`] for AVX-512 VNNI.
+    ///
+    /// # Safety
+    /// As [`super::GroupFn`] (Q8_0 activations with their block sums), and the machine has
+    /// AVX-512 VNNI.
+    pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+        // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
+        unsafe { by_ny!(ny, group[](nb, w, a, out, ostride)) }
+    }
+
+    /// # Safety
+    /// As [`group_vnni`] with `ny == NY`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
+    unsafe fn group<const NY: usize>(nb: usize, w: *const u8, a: GroupActs, out: *mut f32, ostride: usize) {
+        let nib = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); NY];
+        // SAFETY: the factors follow the codes of all `nb` blocks (see the layout).
+        let factors = unsafe { w.add(nb * CODES) };
+        for b in 0..nb {
+            // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
+            unsafe {
+                let wb = w.add(b * CODES);
+                if NY == 1 {
+                    prefetch_ahead(wb, CODES);
+                }
+                let mut lo = [_mm512_setzero_si512(); 4];
+                let mut hi = [_mm512_setzero_si512(); 4];
+                for v in 0..4 {
+                    let raw = _mm512_loadu_si512(wb.add(64 * v) as *const __m512i);
+                    lo[v] = _mm512_and_si512(raw, nib);
+                    hi[v] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
+                }
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(factors.add(b * 2 * PACK_ROWS) as *const __m256i));
+                for t in 0..NY {
+                    let y = a.ys.add(t * a.yb + b * Q8_0_BYTES);
+                    let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                    for v in 0..4 {
+                        s0 = _mm512_dpbusd_epi32(s0, lo[v], bcast(y.add(Q8_0_QS + 4 * v)));
+                        s1 = _mm512_dpbusd_epi32(s1, hi[v], bcast(y.add(Q8_0_QS + 16 + 4 * v)));
+                    }
+                    let corr = _mm512_set1_epi32(8 * *a.sums.add(t * nb + b));
+                    let isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr);
+                    let da = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((y as *const u16).read_unaligned() as i32)));
+                    acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(da)), _mm512_cvtepi32_ps(isum), acc[t]);
+                }
+            }
+        }
+        // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
+        unsafe { super::super::x86::store(&acc, out, ostride) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{random_rows, Rng};
+    use super::super::{group_bytes, pack};
+    use super::*;
+    use tandem_quant::{row_size, GgmlType};
+
+    #[test]
+    fn the_layout_keeps_every_code_and_factor() {
+        // (code - 8) times d, read back by the layout, is ggml's dequantized value exactly.
+        let (rows, n) = (32, 128);
+        let mut rng = Rng(23);
+        let w = random_rows(GgmlType::Q4_0, rows, n, &mut rng);
+        let p = pack(GgmlType::Q4_0, rows, n, &w).unwrap();
+        let (rb, gb, nb) = (row_size(GgmlType::Q4_0, n).unwrap(), group_bytes(GgmlType::Q4_0, n), n / 32);
+        assert_eq!(gb * (rows / PACK_ROWS), w.len(), "as large as the original");
+        for row in 0..rows {
+            let mut want = vec![0f32; n];
+            tandem_quant::dequantize_row(GgmlType::Q4_0, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
+            let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
+            let grp = &p.bytes()[g * gb..(g + 1) * gb];
+            for b in 0..nb {
+                let d = f16_at(grp, nb * CODES + b * 2 * PACK_ROWS + 2 * r);
+                for e in 0..32 {
+                    let q = code(&grp[b * CODES..(b + 1) * CODES], r, e) as i32 - 8;
+                    assert_eq!(q as f32 * d, want[b * 32 + e], "row {row} block {b} element {e}");
+                }
+            }
+        }
+    }
+}
