@@ -44,9 +44,9 @@ pub(super) const GROUP_BLOCK_Q5K: usize = layout(true).size;
 const _: () = assert!(GROUP_BLOCK == 2368 && GROUP_BLOCK_Q5K == 2880 && GROUP_BLOCK_Q5K.is_multiple_of(64));
 
 /// ggml block_q8_K: f32 d, i8 qs[256], i16 bsums[16].
-const Q8K_BYTES: usize = std::mem::size_of::<BlockQ8K>();
-const Q8K_QS: usize = std::mem::offset_of!(BlockQ8K, qs);
-const Q8K_BSUMS: usize = std::mem::offset_of!(BlockQ8K, bsums);
+pub(super) const Q8K_BYTES: usize = std::mem::size_of::<BlockQ8K>();
+pub(super) const Q8K_QS: usize = std::mem::offset_of!(BlockQ8K, qs);
+pub(super) const Q8K_BSUMS: usize = std::mem::offset_of!(BlockQ8K, bsums);
 const Q4K_BYTES: usize = std::mem::size_of::<BlockQ4K>();
 const Q5K_BYTES: usize = std::mem::size_of::<BlockQ5K>();
 const Q5K_QH: usize = std::mem::offset_of!(BlockQ5K, qh);
