@@ -225,7 +225,7 @@ fn threads_ubatch_and_token_by_token_give_the_same_logits() {
     }
 }
 
-/// `--repack` (Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS, Q8_0, Q5_0 matrices in 16-row groups, `tandem_cpu::packed`): the logits stay within the
+/// `--repack` (Q2_K, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS, Q8_0, Q5_0 matrices in 16-row groups, `tandem_cpu::packed`): the logits stay within the
 /// tolerance of `logits_match_llama_cpp` for rounded files, and threads, micro-batch size and
 /// token-by-token decoding still give the same bits (one arithmetic per row, token and block).
 #[test]
@@ -241,6 +241,7 @@ fn repacked_weights_match_llama_cpp_and_are_invariant() {
         "llama-gqa-q8_0.gguf",
         "deepseek2-mla-q4_0.gguf",
         "deepseek2-mla-iq4_xs.gguf",
+        "deepseek2-legacy-q2_k.gguf",
     ] {
         let f = fixtures().into_iter().find(|f| f.name == name).unwrap();
         let gguf = GgufModel::open(&f.model, LoadOptions::default()).unwrap();
