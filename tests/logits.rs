@@ -225,7 +225,7 @@ fn threads_ubatch_and_token_by_token_give_the_same_logits() {
     }
 }
 
-/// `--repack` (Q2_K, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS, Q8_0, Q5_0 matrices in 16-row groups, `tandem_cpu::packed`): the logits stay within the
+/// `--repack` (every type `tandem_cpu::packed` has a layout for, in 16-row groups): the logits stay within the
 /// tolerance of `logits_match_llama_cpp` for rounded files, and threads, micro-batch size and
 /// token-by-token decoding still give the same bits (one arithmetic per row, token and block).
 #[test]

@@ -294,7 +294,7 @@ pub fn get_scale_min_k4(j: usize, q: &[u8; K_SCALE_SIZE]) -> (u8, u8) {
 /// The 16 signed 6-bit group scales of a Q3_K block, still biased by 32 (the `aux`/`kmask`
 /// unpacking of ggml `dequantize_row_q3_K`).
 #[inline]
-pub(crate) fn unpack_q3k_scales(scales: &[u8; 12]) -> [i8; 16] {
+pub fn unpack_q3k_scales(scales: &[u8; 12]) -> [i8; 16] {
     const KMASK1: u32 = 0x0303_0303;
     const KMASK2: u32 = 0x0f0f_0f0f;
     let word = |k: usize| u32::from_le_bytes([scales[4 * k], scales[4 * k + 1], scales[4 * k + 2], scales[4 * k + 3]]);

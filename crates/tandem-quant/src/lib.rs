@@ -18,7 +18,7 @@ mod quant;
 mod vec_dot;
 
 pub use blocks::{bf16_to_f32, f32_to_bf16, f32_to_fp16, fp16_to_f32};
-pub use kquant_helpers::get_scale_min_k4;
+pub use kquant_helpers::{get_scale_min_k4, unpack_q3k_scales};
 pub use tandem_gguf::{GgmlType, QK_K};
 
 /// Errors of tandem-quant.

@@ -10,12 +10,13 @@
 //! threads give the same bits. It is not the arithmetic of the row-major kernels (those keep 16 or 8 lanes of partial
 //! sums and add them at the end), so packed products differ from unpacked ones by rounding.
 //!
-//! Types: Q2_K, Q4_K, Q5_K, Q6_K and IQ4_XS (`q2k.rs`, `q4k.rs`, `q6k.rs`, `iq4xs.rs`, against
-//! Q8_K activations), Q8_0 and Q5_0 (`b32.rs`) and Q4_0 (`q40.rs`, against Q8_0).
+//! Types: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS (`q2k.rs`, `q3k.rs`, `q4k.rs`, `q6k.rs`,
+//! `iq4xs.rs`, against Q8_K activations), Q8_0 and Q5_0 (`b32.rs`) and Q4_0 (`q40.rs`, against Q8_0).
 
 mod b32;
 mod iq4xs;
 mod q2k;
+mod q3k;
 mod q40;
 mod q4k;
 mod q6k;
@@ -54,8 +55,9 @@ impl Packed {
 }
 
 /// The types with a packed layout.
-pub const PACKED_TYPES: [GgmlType; 8] = [
+pub const PACKED_TYPES: [GgmlType; 9] = [
     GgmlType::Q2_K,
+    GgmlType::Q3_K,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
@@ -98,6 +100,7 @@ pub(crate) fn group_bytes(ty: GgmlType, cols: usize) -> usize {
         GgmlType::Q6_K => nb * q6k::GROUP_BLOCK,
         GgmlType::IQ4_XS => nb * iq4xs::GROUP_BLOCK,
         GgmlType::Q2_K => nb * q2k::GROUP_BLOCK,
+        GgmlType::Q3_K => nb * q3k::GROUP_BLOCK,
         GgmlType::Q4_0 => nb * q40::GROUP_BLOCK,
         _ => nb * b32::GROUP_BLOCK,
     }
@@ -132,6 +135,7 @@ pub fn pack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<Packe
         GgmlType::Q6_K => q6k::pack_group(src, rb, nb, dst),
         GgmlType::IQ4_XS => iq4xs::pack_group(src, rb, nb, dst),
         GgmlType::Q2_K => q2k::pack_group(src, rb, nb, dst),
+        GgmlType::Q3_K => q3k::pack_group(src, rb, nb, dst),
         GgmlType::Q4_0 => q40::pack_group(src, rb, nb, dst),
         _ => b32::pack_group(ty, src, rb, nb, dst),
     });
@@ -239,6 +243,7 @@ pub(crate) fn group_kernel(ty: GgmlType) -> Option<GroupFn> {
         GgmlType::Q6_K => Some(if simd { q6k::SIMD.unwrap_or(q6k::group_scalar) } else { q6k::group_scalar }),
         GgmlType::IQ4_XS => Some(if simd { iq4xs::SIMD.unwrap_or(iq4xs::group_scalar) } else { iq4xs::group_scalar }),
         GgmlType::Q2_K => Some(if simd { q2k::SIMD.unwrap_or(q2k::group_scalar) } else { q2k::group_scalar }),
+        GgmlType::Q3_K => Some(if simd { q3k::SIMD.unwrap_or(q3k::group_scalar) } else { q3k::group_scalar }),
         GgmlType::Q4_0 => Some(if simd { q40::SIMD.unwrap_or(q40::group_scalar) } else { q40::group_scalar }),
         GgmlType::Q8_0 => {
             Some(if simd { b32::SIMD_Q8_0.unwrap_or(b32::group_scalar::<128>) } else { b32::group_scalar::<128> })
@@ -259,6 +264,7 @@ fn scalar_kernel(ty: GgmlType) -> GroupFn {
         GgmlType::Q6_K => q6k::group_scalar,
         GgmlType::IQ4_XS => iq4xs::group_scalar,
         GgmlType::Q2_K => q2k::group_scalar,
+        GgmlType::Q3_K => q3k::group_scalar,
         GgmlType::Q4_0 => q40::group_scalar,
         GgmlType::Q8_0 => b32::group_scalar::<128>,
         _ => b32::group_scalar::<16>,
@@ -268,7 +274,7 @@ fn scalar_kernel(ty: GgmlType) -> GroupFn {
 /// The sums a group kernel of `ty` needs besides the activations: each Q8_0 block's quant sum
 /// (`[token][block]`); empty for the k-quants (their Q8_K blocks carry `bsums`).
 pub(crate) fn act_sums(ty: GgmlType, ys: &[u8], yb: usize, nb: usize) -> Vec<i32> {
-    if matches!(ty, GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS) || yb == 0 {
+    if tandem_quant::vec_dot_type(ty) == GgmlType::Q8_K || yb == 0 {
         return Vec::new();
     }
     ys.chunks_exact(yb).flat_map(|row| (0..nb).map(move |b| b32::block_sum(&row[b * b32::Q8_0_BYTES..]))).collect()
@@ -297,6 +303,7 @@ mod tests {
             GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
             GgmlType::Q6_K => &[208],
             GgmlType::Q2_K => &[80, 82],
+            GgmlType::Q3_K => &[108],
             _ => &[0],
         };
         for b in w.chunks_exact_mut(ty.type_size()) {
@@ -402,7 +409,7 @@ mod tests {
     fn shapes_without_a_packed_layout_are_refused() {
         let e = pack(GgmlType::Q4_K, 8, 256, &[0u8; 8 * 144]).unwrap_err().to_string();
         assert!(e.contains("no packed layout for a 8 x 256 q4_K tensor"), "{e}");
-        let e = pack(GgmlType::Q3_K, 16, 256, &[0u8; 16 * 110]).unwrap_err().to_string();
+        let e = pack(GgmlType::IQ2_XS, 16, 256, &[0u8; 16 * 74]).unwrap_err().to_string();
         assert!(e.contains("no packed layout"), "{e}");
         let e = pack(GgmlType::Q8_0, 16, 48, &[0u8; 16 * 34]).unwrap_err().to_string();
         assert!(e.contains("no packed layout for a 16 x 48 q8_0 tensor"), "{e}");
