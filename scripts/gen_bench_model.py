@@ -2,12 +2,15 @@
 """Generate the benchmark models: a 12-layer deepseek2 GGUF with Kimi-K2's real attention shapes.
 
     /work/venv/bin/python scripts/gen_bench_model.py [--out-dir /work/bench-models]
-        [--types Q4_K_M,Q8_0] [--keep-f16] [--verify-only]
+        [--types Q4_K_M,Q8_0] [--keep-f16] [--verify-only] [--from bench-Q8_0.gguf]
 
 Writes <out-dir>/bench-Q4_K_M.gguf (about 2.2 GB) and <out-dir>/bench-Q8_0.gguf (about 3.9 GB),
 quantized by llama.cpp's own quantizer (llama_model_quantize, nthread 2) from an F16 source
 (about 7.3 GB) that is deleted afterwards unless --keep-f16. The models are far too big for the
 repository: keep them outside it. Needs a Python with gguf, numpy and llama-cpp-python.
+With --from FILE the types are requantized from that GGUF instead (llama.cpp's allow_requantize:
+no F16 source, the weights of FILE rounded again), e.g. --from bench-Q8_0.gguf --types Q4_0,Q2_K
+where the disk has no room for the F16 source.
 
 Shapes (per layer where it applies), everything else as scripts/gen_model_fixtures.py writes it
 (mainline MLA layout attn_k_b + attn_v_b, Kimi-K2 tokenizer layout and chat template):
@@ -78,6 +81,9 @@ YARN_BETA_SLOW = 1.0
 FTYPES = {
     "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
     "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+    "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+    "Q2_K": "LLAMA_FTYPE_MOSTLY_Q2_K",
+    "IQ4_XS": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
 }
 
 
@@ -250,7 +256,7 @@ def write_f16(path: Path) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def quantize(src: Path, dst: Path, qtype: str) -> None:
+def quantize(src: Path, dst: Path, qtype: str, requantize: bool = False) -> None:
     import llama_cpp
 
     llama_cpp.llama_backend_init()
@@ -258,6 +264,7 @@ def quantize(src: Path, dst: Path, qtype: str) -> None:
     params.ftype = getattr(llama_cpp, FTYPES[qtype])
     params.nthread = 2
     params.pure = False
+    params.allow_requantize = requantize
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize({qtype}) failed with {rc}")
@@ -292,6 +299,7 @@ def main() -> int:
     ap.add_argument("--keep-f16", action="store_true", help="keep bench-F16.gguf")
     ap.add_argument("--verify-only", action="store_true", help="only run the llama.cpp check")
     ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument("--from", dest="source", type=Path, help="requantize from this GGUF instead of an F16 source")
     args = ap.parse_args()
 
     types = [t for t in args.types.split(",") if t]
@@ -303,7 +311,15 @@ def main() -> int:
     outs = {t: args.out_dir / f"bench-{t}.gguf" for t in types}
 
     t_all = time.time()
-    if not args.verify_only:
+    if args.source and not args.verify_only:
+        if not args.source.is_file():
+            ap.error(f"--from {args.source}: not a file")
+        for t, out in outs.items():
+            t0 = time.time()
+            print(f"requantizing {args.source} -> {out} ({t}, llama_model_quantize, nthread 2)", flush=True)
+            quantize(args.source, out, t, requantize=True)
+            print(f"  {out.stat().st_size:,d} bytes in {time.time() - t0:.0f} s", flush=True)
+    elif not args.verify_only:
         t0 = time.time()
         print(f"writing {f16}", flush=True)
         write_f16(f16)
