@@ -86,7 +86,7 @@ pub struct ModelArgs {
     pub mlock: bool,
     /// Repack the Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, Q5_0 and Q8_0 matrices the CPU
     /// multiplies into 16-row interleaved groups at load (faster prefill and decode on CPUs with
-    /// AVX-512 VNNI; a second copy of those weights in memory).
+    /// AVX-512 VNNI; with AVX2 only, Q4_0 and Q4_K; a second copy of those weights in memory).
     #[arg(long)]
     pub repack: bool,
 }
@@ -110,9 +110,11 @@ const REPACK_HEADROOM: u64 = 1 << 30;
 /// `--repack`: packs every packable matrix `backend` leaves to the CPU now (with a progress bar on
 /// stderr when `progress`), and says in one line what it did.
 pub fn repack(model: &tandem_model::Model, backend: &dyn tandem_model::Backend, progress: bool) -> String {
-    if !tandem_cpu::packed::packing_pays() {
-        return "--repack: this CPU has no AVX-512 VNNI (or TANDEM_CPU_ISA caps it below avx512vnni); weights are used as they are".into();
+    let paying = tandem_cpu::packed::paying_types();
+    if paying.is_empty() {
+        return "--repack: this CPU runs no packed kernel (they need AVX2, most of them AVX-512 VNNI; or TANDEM_CPU_ISA caps the level); weights are used as they are".into();
     }
+    let names: Vec<String> = paying.iter().map(|t| t.to_string().to_uppercase()).collect();
     let skip = |name: &str| backend.holds(name);
     let need = model.packed_bytes(&skip);
     if let Some(free) = available_memory().filter(|&free| need.saturating_add(REPACK_HEADROOM) > free) {
@@ -143,7 +145,8 @@ pub fn repack(model: &tandem_model::Model, backend: &dyn tandem_model::Backend, 
     };
     if r.tensors == 0 {
         return format!(
-            "--repack: no Q4_K, Q6_K, Q8_0 or Q5_0 matrix with whole groups of 16 rows on the CPU; nothing repacked{failed}"
+            "--repack: no {} matrix with whole groups of 16 rows on the CPU (the types this CPU has packed kernels for); nothing repacked{failed}",
+            names.join(" / ")
         );
     }
     let types: Vec<String> = r.types.iter().map(|t| t.to_string().to_uppercase()).collect();

@@ -34,7 +34,7 @@ pub struct ServeArgs {
     pub mlock: bool,
     /// Repack the Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, Q5_0 and Q8_0 matrices the CPU
     /// multiplies into 16-row interleaved groups at load (faster prefill and decode on CPUs with
-    /// AVX-512 VNNI; a second copy of those weights in memory).
+    /// AVX-512 VNNI; with AVX2 only, Q4_0 and Q4_K; a second copy of those weights in memory).
     #[arg(long)]
     pub repack: bool,
     /// Address to listen on.

@@ -4,7 +4,7 @@ use crate::{model_err, Result};
 use std::cell::RefCell;
 use std::collections::HashSet;
 use std::sync::{Arc, OnceLock};
-use tandem_cpu::packed::{pack, packable, packing_pays, Packed};
+use tandem_cpu::packed::{pack, packable, packing_pays, packing_pays_for, Packed};
 use tandem_cpu::WeightRef;
 use tandem_gguf::{GgmlType, GgufModel};
 use tandem_quant::{dequantize_row, DEQUANTIZE_TYPES, VEC_DOT_TYPES};
@@ -178,6 +178,7 @@ impl WeightLoader {
         let pack = may_pack
             && self.repack
             && dims.len() > 1
+            && packing_pays_for(ty)
             && packable(ty, dims[1] as usize, dims[0] as usize)
             && packable(ty, rows, dims[0] as usize);
         let w = Weight {

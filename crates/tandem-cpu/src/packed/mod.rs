@@ -77,10 +77,15 @@ pub fn packable(ty: GgmlType, rows: usize, cols: usize) -> bool {
         && cols.is_multiple_of(ty.block_size())
 }
 
-/// Whether packing pays on this machine: its kernels need AVX-512 VNNI (within `TANDEM_CPU_ISA`);
-/// elsewhere only the scalar references would run them.
+/// Whether packing pays on this machine for some type (see [`packing_pays_for`]): every type has
+/// an AVX-512 VNNI kernel, Q4_0 and Q4_K an AVX2 one too.
 pub fn packing_pays() -> bool {
-    cfg!(target_arch = "x86_64") && crate::Isa::detected() >= crate::Isa::Avx512Vnni
+    !paying_types().is_empty()
+}
+
+/// The types packing pays for on this machine.
+pub fn paying_types() -> Vec<GgmlType> {
+    PACKED_TYPES.into_iter().filter(|&ty| packing_pays_for(ty)).collect()
 }
 
 /// Bytes of the packed layout of a `rows x cols` tensor of `ty` (0 where it has none).
@@ -230,41 +235,50 @@ mod x86 {
     }
 }
 
-/// The best group kernel for `ty` this machine runs (within `TANDEM_CPU_ISA`).
-pub(crate) fn group_kernel(ty: GgmlType) -> Option<GroupFn> {
-    let simd = packing_pays();
+/// The SIMD group kernels of `ty` in this build: (AVX-512 VNNI, AVX2).
+fn simd_kernels(ty: GgmlType) -> (Option<GroupFn>, Option<GroupFn>) {
     match ty {
-        GgmlType::Q4_K => {
-            Some(if simd { q4k::SIMD.unwrap_or(q4k::group_scalar::<false>) } else { q4k::group_scalar::<false> })
-        }
-        GgmlType::Q5_K => {
-            Some(if simd { q4k::SIMD_Q5K.unwrap_or(q4k::group_scalar::<true>) } else { q4k::group_scalar::<true> })
-        }
-        GgmlType::Q6_K => Some(if simd { q6k::SIMD.unwrap_or(q6k::group_scalar) } else { q6k::group_scalar }),
-        GgmlType::IQ4_XS => Some(if simd { iq4xs::SIMD.unwrap_or(iq4xs::group_scalar) } else { iq4xs::group_scalar }),
-        GgmlType::Q2_K => Some(if simd { q2k::SIMD.unwrap_or(q2k::group_scalar) } else { q2k::group_scalar }),
-        GgmlType::Q3_K => Some(if simd { q3k::SIMD.unwrap_or(q3k::group_scalar) } else { q3k::group_scalar }),
-        GgmlType::Q4_0 => Some(if simd { q40::SIMD.unwrap_or(q40::group_scalar) } else { q40::group_scalar }),
-        GgmlType::Q8_0 => {
-            Some(if simd { b32::SIMD_Q8_0.unwrap_or(b32::group_scalar::<128>) } else { b32::group_scalar::<128> })
-        }
-        GgmlType::Q5_0 => {
-            Some(if simd { b32::SIMD_Q5_0.unwrap_or(b32::group_scalar::<16>) } else { b32::group_scalar::<16> })
-        }
-        _ => None,
+        GgmlType::Q2_K => (q2k::SIMD, None),
+        GgmlType::Q3_K => (q3k::SIMD, None),
+        GgmlType::Q4_K => (q4k::SIMD, q4k::AVX2),
+        GgmlType::Q5_K => (q4k::SIMD_Q5K, None),
+        GgmlType::Q6_K => (q6k::SIMD, None),
+        GgmlType::IQ4_XS => (iq4xs::SIMD, None),
+        GgmlType::Q4_0 => (q40::SIMD, q40::AVX2),
+        GgmlType::Q5_0 => (b32::SIMD_Q5_0, None),
+        GgmlType::Q8_0 => (b32::SIMD_Q8_0, None),
+        _ => (None, None),
     }
 }
 
-/// The scalar reference group kernel of `ty`.
-#[cfg(test)]
+/// The best group kernel for `ty` this machine runs (within `TANDEM_CPU_ISA`): AVX-512 VNNI, else
+/// AVX2, else the scalar reference.
+pub(crate) fn group_kernel(ty: GgmlType) -> Option<GroupFn> {
+    if !PACKED_TYPES.contains(&ty) {
+        return None;
+    }
+    let isa = crate::Isa::detected();
+    let (vnni, avx2) = simd_kernels(ty);
+    let vnni = vnni.filter(|_| isa >= crate::Isa::Avx512Vnni);
+    let avx2 = avx2.filter(|_| isa >= crate::Isa::Avx2);
+    Some(vnni.or(avx2).unwrap_or(scalar_kernel(ty)))
+}
+
+/// Whether packing `ty` pays on this machine: a SIMD group kernel of it runs here (within
+/// `TANDEM_CPU_ISA`); elsewhere only the scalar reference would.
+pub fn packing_pays_for(ty: GgmlType) -> bool {
+    group_kernel(ty).is_some_and(|k| k as usize != scalar_kernel(ty) as usize)
+}
+
+/// The scalar reference group kernel of `ty` (one of [`PACKED_TYPES`]).
 fn scalar_kernel(ty: GgmlType) -> GroupFn {
     match ty {
+        GgmlType::Q2_K => q2k::group_scalar,
+        GgmlType::Q3_K => q3k::group_scalar,
         GgmlType::Q4_K => q4k::group_scalar::<false>,
         GgmlType::Q5_K => q4k::group_scalar::<true>,
         GgmlType::Q6_K => q6k::group_scalar,
         GgmlType::IQ4_XS => iq4xs::group_scalar,
-        GgmlType::Q2_K => q2k::group_scalar,
-        GgmlType::Q3_K => q3k::group_scalar,
         GgmlType::Q4_0 => q40::group_scalar,
         GgmlType::Q8_0 => b32::group_scalar::<128>,
         _ => b32::group_scalar::<16>,
@@ -360,26 +374,48 @@ mod tests {
     fn the_simd_group_kernels_equal_the_scalar_ones_bit_for_bit() {
         let mut rng = Rng(13);
         for ty in PACKED_TYPES {
-            let k = group_kernel(ty).unwrap();
-            if k as usize == scalar_kernel(ty) as usize {
-                println!("SKIPPED AVX-512 VNNI packed {ty} kernel: this machine (or TANDEM_CPU_ISA) does not run it");
-                continue;
-            }
-            for n in [256, 2048] {
-                let w = random_rows(ty, PACK_ROWS, n, &mut rng);
-                let p = pack(ty, PACK_ROWS, n, &w).unwrap();
-                for ny in 1..=MAX_NY {
-                    let mut ys = acts(ty, n, ny, &mut rng);
-                    // An extreme activation too (-128 is never produced by the quantizers, but legal).
-                    ys[if ty.block_size() == 256 { 4 } else { 2 }] = 0x80;
-                    let (mut a, mut b) = (vec![0f32; ny * 20], vec![0f32; ny * 20]);
-                    run(scalar_kernel(ty), ty, p.bytes(), n, &ys, ny, &mut a, 20);
-                    run(k, ty, p.bytes(), n, &ys, ny, &mut b, 20);
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&a), bits(&b), "{ty} n {n}, {ny} tokens");
+            let (vnni, avx2) = simd_kernels(ty);
+            let levels = [(crate::Isa::Avx512Vnni, vnni), (crate::Isa::Avx2, avx2)];
+            for (isa, k) in levels.into_iter().filter_map(|(isa, k)| k.map(|k| (isa, k))) {
+                if !isa.supported() {
+                    println!("SKIPPED {isa} packed {ty} kernel: this machine (or TANDEM_CPU_ISA) does not run it");
+                    continue;
+                }
+                for n in [256, 2048] {
+                    let w = random_rows(ty, PACK_ROWS, n, &mut rng);
+                    let p = pack(ty, PACK_ROWS, n, &w).unwrap();
+                    for ny in 1..=MAX_NY {
+                        let mut ys = acts(ty, n, ny, &mut rng);
+                        // An extreme activation too (-128 is never produced by the quantizers, but legal).
+                        ys[if ty.block_size() == 256 { 4 } else { 2 }] = 0x80;
+                        let (mut a, mut b) = (vec![0f32; ny * 20], vec![0f32; ny * 20]);
+                        run(scalar_kernel(ty), ty, p.bytes(), n, &ys, ny, &mut a, 20);
+                        run(k, ty, p.bytes(), n, &ys, ny, &mut b, 20);
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&a), bits(&b), "{ty} {isa} n {n}, {ny} tokens");
+                    }
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_kernel_follows_the_instruction_set() {
+        let isa = crate::Isa::detected();
+        for ty in PACKED_TYPES {
+            let (vnni, avx2) = simd_kernels(ty);
+            let want = if isa >= crate::Isa::Avx512Vnni && vnni.is_some() {
+                vnni
+            } else if isa >= crate::Isa::Avx2 && avx2.is_some() {
+                avx2
+            } else {
+                None
+            };
+            let got = group_kernel(ty).unwrap();
+            assert_eq!(got as usize, want.unwrap_or(scalar_kernel(ty)) as usize, "{ty} at {isa}");
+            assert_eq!(packing_pays_for(ty), want.is_some(), "{ty} at {isa}");
+        }
+        assert!(group_kernel(GgmlType::Q4_1).is_none() && !packing_pays_for(GgmlType::Q4_1));
     }
 
     #[test]

@@ -53,6 +53,11 @@ fn f16_at(p: &[u8], at: usize) -> f32 {
 pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni);
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) const SIMD: Option<GroupFn> = None;
+/// The AVX2 kernel, where this build has one.
+#[cfg(target_arch = "x86_64")]
+pub(super) const AVX2: Option<GroupFn> = Some(x86::group_avx2);
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const AVX2: Option<GroupFn> = None;
 
 /// The scalar reference: the arithmetic of the module docs, spelled out. Computes the block sums
 /// itself (`a.sums` is not read).
@@ -138,6 +143,78 @@ mod x86 {
         }
         // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
         unsafe { super::super::x86::store(&acc, out, ostride) };
+    }
+
+    /// A [`super::GroupFn`] for AVX2: each half of the 16 rows in a ymm register, `vpmaddubsw`
+    /// (codes <= 15, so the i16 pair sums of eight of them stay below 2^15) and one `vpmaddwd`
+    /// per block give the same exact integer sums as `vpdpbusd`.
+    ///
+    /// # Safety
+    /// As [`super::GroupFn`] (Q8_0 activations with their block sums), and the machine has AVX2.
+    pub(super) unsafe fn group_avx2(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+        // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
+        unsafe { by_ny!(ny, group2[](nb, w, a, out, ostride)) }
+    }
+
+    /// # Safety
+    /// As [`group_avx2`] with `ny == NY`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
+    unsafe fn group2<const NY: usize>(nb: usize, w: *const u8, a: GroupActs, out: *mut f32, ostride: usize) {
+        let nib = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); 2]; NY];
+        // SAFETY: the factors follow the codes of all `nb` blocks (see the layout).
+        let factors = unsafe { w.add(nb * CODES) };
+        for b in 0..nb {
+            // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
+            unsafe {
+                let wb = w.add(b * CODES);
+                if NY == 1 {
+                    prefetch_ahead(wb, CODES);
+                }
+                for hf in 0..2 {
+                    let mut lo = [_mm256_setzero_si256(); 4];
+                    let mut hi = [_mm256_setzero_si256(); 4];
+                    for v in 0..4 {
+                        let raw = _mm256_loadu_si256(wb.add(64 * v + 32 * hf) as *const __m256i);
+                        lo[v] = _mm256_and_si256(raw, nib);
+                        hi[v] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), nib);
+                    }
+                    let d =
+                        _mm256_cvtph_ps(_mm_loadu_si128(factors.add(b * 2 * PACK_ROWS + 16 * hf) as *const __m128i));
+                    for t in 0..NY {
+                        let y = a.ys.add(t * a.yb + b * Q8_0_BYTES);
+                        let mut s = _mm256_setzero_si256();
+                        for v in 0..4 {
+                            let q = y.add(Q8_0_QS + 4 * v);
+                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[v], bcast2(q)));
+                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[v], bcast2(q.add(16))));
+                        }
+                        let corr = _mm256_set1_epi32(8 * *a.sums.add(t * nb + b));
+                        let isum = _mm256_sub_epi32(_mm256_madd_epi16(s, ones), corr);
+                        let da =
+                            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((y as *const u16).read_unaligned() as i32)));
+                        acc[t][hf] =
+                            _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(da)), _mm256_cvtepi32_ps(isum), acc[t][hf]);
+                    }
+                }
+            }
+        }
+        for (t, a) in acc.iter().enumerate() {
+            // SAFETY: 16 writable floats per token row (see `GroupFn`).
+            unsafe {
+                _mm256_storeu_ps(out.add(t * ostride), a[0]);
+                _mm256_storeu_ps(out.add(t * ostride + 8), a[1]);
+            }
+        }
+    }
+
+    /// Four bytes at `p` in every 32-bit lane of a ymm register.
+    #[inline(always)]
+    unsafe fn bcast2(p: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees 4 readable bytes.
+        _mm256_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
     }
 }
 

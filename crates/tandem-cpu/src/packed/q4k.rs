@@ -117,6 +117,11 @@ pub(super) const SIMD_Q5K: Option<GroupFn> = Some(x86::group_vnni::<true>);
 pub(super) const SIMD: Option<GroupFn> = None;
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) const SIMD_Q5K: Option<GroupFn> = None;
+/// The AVX2 kernel of Q4_K, where this build has one.
+#[cfg(target_arch = "x86_64")]
+pub(super) const AVX2: Option<GroupFn> = Some(x86::group_avx2);
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const AVX2: Option<GroupFn> = None;
 
 /// The scalar reference: the arithmetic of the module docs, spelled out.
 ///
@@ -255,6 +260,101 @@ mod x86 {
         }
         // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
         unsafe { super::super::x86::store(&acc, out, ostride) };
+    }
+
+    /// A [`super::GroupFn`] for Q4_K on AVX2: each half of the 16 rows in a ymm register;
+    /// `vpmaddubsw` (levels <= 15, so the i16 pair sums of the eight of a group stay below 2^15)
+    /// and one `vpmaddwd` per group give the exact integer sums of the VNNI kernel.
+    ///
+    /// # Safety
+    /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX2.
+    pub(super) unsafe fn group_avx2(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+        let (ys, yb) = (a.ys, a.yb);
+        // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
+        unsafe { by_ny!(ny, group2[](nb, w, ys, yb, out, ostride)) }
+    }
+
+    /// # Safety
+    /// As [`group_avx2`] with `ny == NY`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
+    unsafe fn group2<const NY: usize>(
+        nb: usize,
+        w: *const u8,
+        ys: *const u8,
+        yb: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
+        let lay = const { layout(false) };
+        let nib = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); 2]; NY];
+        for b in 0..nb {
+            // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
+            unsafe {
+                let wb = w.add(b * lay.size);
+                if NY == 1 {
+                    prefetch_ahead(wb, lay.size);
+                }
+                let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
+                for hf in 0..2 {
+                    let mut isum = [_mm256_setzero_si256(); NY];
+                    let mut imin = [_mm256_setzero_si256(); NY];
+                    for j in 0..SUBS {
+                        let sc =
+                            _mm256_cvtepu8_epi32(_mm_loadl_epi64(wb.add(lay.sc + 16 * j + 8 * hf) as *const __m128i));
+                        let mz =
+                            _mm256_cvtepu8_epi32(_mm_loadl_epi64(wb.add(lay.mn + 16 * j + 8 * hf) as *const __m128i));
+                        let mm = _mm256_or_si256(mz, _mm256_slli_epi32::<16>(mz));
+                        let mut lo = [_mm256_setzero_si256(); 4];
+                        let mut hi = [_mm256_setzero_si256(); 4];
+                        for l in 0..4 {
+                            let raw = _mm256_loadu_si256(wb.add(256 * j + 64 * l + 32 * hf) as *const __m256i);
+                            lo[l] = _mm256_and_si256(raw, nib);
+                            hi[l] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), nib);
+                        }
+                        for t in 0..NY {
+                            let q = y[t].add(Q8K_QS + 32 * j);
+                            let mut s = _mm256_setzero_si256();
+                            for l in 0..4 {
+                                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[l], bcast2(q.add(8 * l))));
+                                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[l], bcast2(q.add(8 * l + 4))));
+                            }
+                            let s = _mm256_madd_epi16(s, ones);
+                            isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(s, sc));
+                            let pair = bcast2(y[t].add(Q8K_BSUMS + 4 * j));
+                            imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(mm, pair));
+                        }
+                    }
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(lay.d + 16 * hf) as *const __m128i));
+                    let dmin = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(lay.dmin + 16 * hf) as *const __m128i));
+                    for t in 0..NY {
+                        let v = _mm256_fnmadd_ps(
+                            _mm256_cvtepi32_ps(imin[t]),
+                            dmin,
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(isum[t]), d),
+                        );
+                        let yd = _mm256_set1_ps((y[t] as *const f32).read_unaligned());
+                        acc[t][hf] = _mm256_fmadd_ps(v, yd, acc[t][hf]);
+                    }
+                }
+            }
+        }
+        for (t, a) in acc.iter().enumerate() {
+            // SAFETY: 16 writable floats per token row (see `GroupFn`).
+            unsafe {
+                _mm256_storeu_ps(out.add(t * ostride), a[0]);
+                _mm256_storeu_ps(out.add(t * ostride + 8), a[1]);
+            }
+        }
+    }
+
+    /// Four bytes at `p` in every 32-bit lane of a ymm register.
+    #[inline(always)]
+    unsafe fn bcast2(p: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees 4 readable bytes.
+        _mm256_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
     }
 
     /// `v` shifted so that bit `p` of every byte lands on bit 4 of that byte (other bits are
