@@ -150,10 +150,10 @@ pub fn attention(pool: &rayon::ThreadPool, a: &Attn, out: &mut [f32]) -> crate::
         return Err(shape_error(a));
     }
     let qr = a.prepared_q()?;
-    let simd = simd();
+    let level = Level::detected();
     let threads = pool.current_num_threads();
     if threads <= 1 || a.n_kv < 2 * CHUNK {
-        one_token(a, &qr, out, simd);
+        one_token(a, &qr, out, level);
         return Ok(());
     }
     let g = a.group();
@@ -173,7 +173,9 @@ pub fn attention(pool: &rayon::ThreadPool, a: &Attn, out: &mut [f32]) -> crate::
                 rest = r;
             }
         }
-        pool.install(|| units.into_par_iter().with_max_len(1).for_each(|(kvh, hs, o)| heads(a, &qr, kvh, hs, o, simd)));
+        pool.install(|| {
+            units.into_par_iter().with_max_len(1).for_each(|(kvh, hs, o)| heads(a, &qr, kvh, hs, o, level))
+        });
         return Ok(());
     }
     let n_chunks = a.n_kv.div_ceil(CHUNK);
@@ -185,11 +187,11 @@ pub fn attention(pool: &rayon::ThreadPool, a: &Attn, out: &mut [f32]) -> crate::
             let rows = c * CHUNK..(c * CHUNK + CHUNK).min(a.n_kv);
             for kvh in 0..a.n_head_kv {
                 let q = &qr[kvh * g * a.dk..(kvh + 1) * g * a.dk];
-                scores(a, kvh, q, g, rows.clone(), &mut sc[kvh * g * CHUNK..(kvh + 1) * g * CHUNK], CHUNK, simd);
+                scores(a, kvh, q, g, rows.clone(), &mut sc[kvh * g * CHUNK..(kvh + 1) * g * CHUNK], CHUNK, level);
             }
         })
     });
-    softmax_rows(a.n_kv, nh, &mut s, n_chunks, a.v_type, simd);
+    softmax_rows(a.n_kv, nh, &mut s, n_chunks, a.v_type, level);
     let mut part = vec![0f32; n_chunks * nh * a.dv];
     pool.install(|| {
         part.par_chunks_mut(nh * a.dv).enumerate().for_each(|(c, pc)| {
@@ -197,7 +199,16 @@ pub fn attention(pool: &rayon::ThreadPool, a: &Attn, out: &mut [f32]) -> crate::
             let sc = &s[c * nh * CHUNK..(c + 1) * nh * CHUNK];
             for kvh in 0..a.n_head_kv {
                 let p = &sc[kvh * g * CHUNK..(kvh + 1) * g * CHUNK];
-                weighted_values(a, kvh, p, g, CHUNK, rows.clone(), &mut pc[kvh * g * a.dv..(kvh + 1) * g * a.dv], simd);
+                weighted_values(
+                    a,
+                    kvh,
+                    p,
+                    g,
+                    CHUNK,
+                    rows.clone(),
+                    &mut pc[kvh * g * a.dv..(kvh + 1) * g * a.dv],
+                    level,
+                );
             }
         })
     });
@@ -230,45 +241,64 @@ pub fn attention_many(pool: &rayon::ThreadPool, items: &[Attn], outs: &mut [&mut
     }
     pool.install(|| {
         items.par_iter().zip(outs.par_iter_mut()).with_max_len(1).try_for_each(|(a, o)| {
-            one_token(a, &a.prepared_q()?, o, simd());
+            one_token(a, &a.prepared_q()?, o, Level::detected());
             Ok(())
         })
     })
 }
 
-/// Whether the AVX-512 kernels run (the scalar code otherwise).
-fn simd() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return Isa::detected() >= Isa::Avx512;
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+/// Which kernels run: AVX-512, AVX2 (with FMA and F16C) or the scalar code. Each level has its
+/// own arithmetic (lane counts); within a level a head's result depends only on its query and the
+/// cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Level {
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+impl Level {
+    fn detected() -> Level {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let isa = Isa::detected();
+            if isa >= Isa::Avx512 {
+                return Level::Avx512;
+            }
+            if isa >= Isa::Avx2 {
+                return Level::Avx2;
+            }
+        }
+        Level::Scalar
+    }
 }
 
 /// The whole computation of one token on the calling thread.
-fn one_token(a: &Attn, qr: &[f32], out: &mut [f32], simd: bool) {
+fn one_token(a: &Attn, qr: &[f32], out: &mut [f32], level: Level) {
     let g = a.group();
     for (kvh, o) in out.chunks_exact_mut(g * a.dv).enumerate() {
-        heads(a, qr, kvh, 0..g, o, simd);
+        heads(a, qr, kvh, 0..g, o, level);
     }
 }
 
 /// Heads `hs` (numbered within KV head `kvh`'s group) of one token over all rows; `out` holds
 /// their `dv` values each. Each head's result depends on nothing but its own query and the cache.
-fn heads(a: &Attn, qr: &[f32], kvh: usize, hs: std::ops::Range<usize>, out: &mut [f32], simd: bool) {
+fn heads(a: &Attn, qr: &[f32], kvh: usize, hs: std::ops::Range<usize>, out: &mut [f32], level: Level) {
     let n = hs.len();
     let first = kvh * a.group() + hs.start;
     let q = &qr[first * a.dk..(first + n) * a.dk];
     let stride = a.n_kv.max(1);
     let mut s = vec![0f32; n * stride];
-    scores(a, kvh, q, n, 0..a.n_kv, &mut s, stride, simd);
-    softmax_rows(a.n_kv, n, &mut s, 1, a.v_type, simd);
-    weighted_values(a, kvh, &s, n, stride, 0..a.n_kv, out, simd);
+    scores(a, kvh, q, n, 0..a.n_kv, &mut s, stride, level);
+    softmax_rows(a.n_kv, n, &mut s, 1, a.v_type, level);
+    weighted_values(a, kvh, &s, n, stride, 0..a.n_kv, out, level);
 }
 
 /// Softmax over each head's scores laid out as `[chunk][head][stride]` (`stride = len / (n_chunks *
 /// n_head)`), then rounded to f16 or bf16 as ggml converts the probabilities for the V product
 /// (kept as they are for f32 and q8_0 V rows).
-fn softmax_rows(n_kv: usize, nh: usize, s: &mut [f32], n_chunks: usize, v_type: KvType, simd: bool) {
+fn softmax_rows(n_kv: usize, nh: usize, s: &mut [f32], n_chunks: usize, v_type: KvType, level: Level) {
+    let simd = level == Level::Avx512;
     let stride = s.len() / (n_chunks * nh).max(1);
     let len = |c: usize| (n_kv - c * stride).min(stride);
     for h in 0..nh {
@@ -286,6 +316,12 @@ fn softmax_rows(n_kv: usize, nh: usize, s: &mut [f32], n_chunks: usize, v_type: 
                 sum += unsafe { x86::exp_sub(r, max) };
                 continue;
             }
+            #[cfg(target_arch = "x86_64")]
+            if level == Level::Avx2 {
+                // SAFETY: AVX2 and FMA are present.
+                sum += unsafe { x86::exp_sub_avx2(r, max) };
+                continue;
+            }
             for v in r.iter_mut() {
                 *v = (*v - max).exp();
                 sum += *v as f64;
@@ -298,6 +334,12 @@ fn softmax_rows(n_kv: usize, nh: usize, s: &mut [f32], n_chunks: usize, v_type: 
             if simd {
                 // SAFETY: AVX-512 is present.
                 unsafe { x86::scale_round(r, inv, v_type) };
+                continue;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if level == Level::Avx2 {
+                // SAFETY: AVX2 and F16C are present.
+                unsafe { x86::scale_round_avx2(r, inv, v_type) };
                 continue;
             }
             for v in r.iter_mut() {
@@ -327,12 +369,18 @@ fn scores(
     rows: std::ops::Range<usize>,
     out: &mut [f32],
     stride: usize,
-    simd: bool,
+    level: Level,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if simd && a.dk.is_multiple_of(16) {
+    if level == Level::Avx512 && a.dk.is_multiple_of(16) {
         // SAFETY: AVX-512 is present; `check` bounded every row read below.
         unsafe { x86::scores(a, kvh, q, n, rows, out, stride) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if level == Level::Avx2 && a.dk.is_multiple_of(16) {
+        // SAFETY: AVX2, FMA and F16C are present; `check` bounded every row read below.
+        unsafe { x86::scores_avx2(a, kvh, q, n, rows, out, stride) };
         return;
     }
     let mut kf = vec![0f32; a.dk];
@@ -356,14 +404,20 @@ fn weighted_values(
     stride: usize,
     rows: std::ops::Range<usize>,
     out: &mut [f32],
-    simd: bool,
+    level: Level,
 ) {
     let (v, v_row, v_head) = a.v_rows();
     out.fill(0.0);
     #[cfg(target_arch = "x86_64")]
-    if simd && a.dv.is_multiple_of(32) {
+    if level == Level::Avx512 && a.dv.is_multiple_of(32) {
         // SAFETY: AVX-512 is present; `check` bounded every row read below.
         unsafe { x86::weighted_values(v, a.v_type, v_row, kvh * v_head, a.dv, p, n, stride, rows, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if level == Level::Avx2 && a.dv.is_multiple_of(32) {
+        // SAFETY: AVX2, FMA and F16C are present; `check` bounded every row read below.
+        unsafe { x86::weighted_values_avx2(v, a.v_type, v_row, kvh * v_head, a.dv, p, n, stride, rows, out) };
         return;
     }
     let mut vf = vec![0f32; a.dv];
@@ -490,6 +544,111 @@ pub(crate) mod x86 {
         }
     }
 
+    /// The sum of 16 lanes (`lo` then `hi`) in one fixed order, shared by the AVX-512 and AVX2
+    /// softmax so that both give the same bits.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn sum16(lo: __m256, hi: __m256) -> f32 {
+        let s8 = _mm256_add_ps(lo, hi);
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
+    }
+
+    /// [`expf`] on 8 lanes with AVX2 and FMA: the same operations, and `scalef` (absent before
+    /// AVX-512) as two exact multiplications by powers of two, so every lane gets the bits
+    /// [`expf`] gives it (a result below the normal range is rounded once, by the second factor).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn expf8(x: __m256) -> __m256 {
+        let r = _mm256_set1_ps(f32::from_bits(0x4B40_0000)); // 0x1.8p23
+        let z = _mm256_fmadd_ps(x, _mm256_set1_ps(f32::from_bits(0x3FB8_AA3B)), r); // 0x1.715476p+0
+        let n = _mm256_sub_ps(z, r);
+        let b = _mm256_fnmadd_ps(
+            n,
+            _mm256_set1_ps(f32::from_bits(0x35BF_BE8E)), // 0x1.7f7d1cp-20
+            _mm256_fnmadd_ps(n, _mm256_set1_ps(f32::from_bits(0x3F31_7200)), x), // 0x1.62e4p-1
+        );
+        let abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
+        let d = _mm256_cmp_ps::<_CMP_GT_OQ>(abs, _mm256_set1_ps(192.0));
+        let u = _mm256_mul_ps(b, b);
+        let j = _mm256_fmadd_ps(
+            _mm256_fmadd_ps(
+                _mm256_fmadd_ps(
+                    _mm256_set1_ps(f32::from_bits(0x3C07_2010)),
+                    b,
+                    _mm256_set1_ps(f32::from_bits(0x3D2B_9F17)),
+                ),
+                u,
+                _mm256_fmadd_ps(
+                    _mm256_set1_ps(f32::from_bits(0x3E2A_AF33)),
+                    b,
+                    _mm256_set1_ps(f32::from_bits(0x3EFF_FEDB)),
+                ),
+            ),
+            u,
+            _mm256_fmadd_ps(_mm256_set1_ps(f32::from_bits(0x3F7F_FFF6)), b, _mm256_set1_ps(1.0)),
+        );
+        // 2^n for |n| <= 192 as 2^n1 * 2^(n - n1), n1 = trunc(n / 2): both factors are normal.
+        let ni = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(n, _mm256_set1_ps(-192.0)), _mm256_set1_ps(192.0)));
+        let n1 = _mm256_srai_epi32::<1>(ni);
+        let n2 = _mm256_sub_epi32(ni, n1);
+        let pow2 =
+            |k: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(k, _mm256_set1_epi32(127))));
+        let res = _mm256_mul_ps(_mm256_mul_ps(j, pow2(n1)), pow2(n2));
+        if _mm256_movemask_ps(d) == 0 {
+            return res;
+        }
+        let le0 = _mm256_cmp_ps::<_CMP_LE_OQ>(n, _mm256_setzero_ps());
+        let alt = _mm256_blendv_ps(_mm256_set1_ps(f32::INFINITY), _mm256_setzero_ps(), le0);
+        _mm256_blendv_ps(res, alt, d)
+    }
+
+    /// [`exp_sub`] with AVX2: the same bits.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_sub_avx2(x: &mut [f32], max: f32) -> f64 {
+        let mut sum = 0f64;
+        let m = _mm256_set1_ps(max);
+        let mut chunks = x.chunks_exact_mut(16);
+        for c in &mut chunks {
+            let p = c.as_mut_ptr();
+            let lo = expf8(_mm256_sub_ps(_mm256_loadu_ps(p), m));
+            let hi = expf8(_mm256_sub_ps(_mm256_loadu_ps(p.add(8)), m));
+            _mm256_storeu_ps(p, lo);
+            _mm256_storeu_ps(p.add(8), hi);
+            sum += sum16(lo, hi) as f64;
+        }
+        for v in chunks.into_remainder() {
+            *v = (*v - max).exp();
+            sum += *v as f64;
+        }
+        sum
+    }
+
+    /// [`scale_round`] with AVX2 and F16C: the same bits.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn scale_round_avx2(x: &mut [f32], s: f32, v_type: KvType) {
+        let sv = _mm256_set1_ps(s);
+        let mut chunks = x.chunks_exact_mut(8);
+        for c in &mut chunks {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), sv);
+            let r = match v_type {
+                KvType::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)),
+                KvType::BF16 => {
+                    let u = _mm256_castps_si256(v);
+                    let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(u), _mm256_set1_epi32(1));
+                    let up = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+                    _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(0xffff_0000u32 as i32)))
+                }
+                KvType::F32 | KvType::Q8_0 => v,
+            };
+            _mm256_storeu_ps(c.as_mut_ptr(), r);
+        }
+        for v in chunks.into_remainder() {
+            *v = super::round_p(*v * s, v_type);
+        }
+    }
+
     /// `x = e^(x - max)` in place; returns the sum, as `ggml_vec_soft_max_f32` (AVX-512).
     #[target_feature(enable = "avx512f,avx512dq")]
     pub(super) unsafe fn exp_sub(x: &mut [f32], max: f32) -> f64 {
@@ -499,7 +658,7 @@ pub(crate) mod x86 {
         for c in &mut chunks {
             let v = expf(_mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), m));
             _mm512_storeu_ps(c.as_mut_ptr(), v);
-            sum += _mm512_reduce_add_ps(v) as f64;
+            sum += sum16(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v)) as f64;
         }
         for v in chunks.into_remainder() {
             *v = (*v - max).exp();
@@ -794,6 +953,190 @@ pub(crate) mod x86 {
             b0 = b1;
         }
     }
+
+    /// Calls `$f::<T, HB>(...)` with the row format `$t` as the constant `T` and the head count
+    /// `$hb` (1..=4) as the constant `HB` (AVX2 has 16 registers: four heads of two rows).
+    macro_rules! by_kv4 {
+        ($t:expr, $hb:expr, $f:ident($($a:expr),*)) => {
+            match $t {
+                KvType::F32 => by_ny!($hb, $f[F32]($($a),*)),
+                KvType::F16 => by_ny!($hb, $f[F16]($($a),*)),
+                KvType::BF16 => by_ny!($hb, $f[BF16]($($a),*)),
+                KvType::Q8_0 => by_ny!($hb, $f[Q8_0]($($a),*)),
+            }
+        };
+    }
+
+    /// Values `d..d + 8` of a row of format `T` as f32 (`d` a multiple of 8), as [`load16`].
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8<const T: u8>(row: *const u8, d: usize) -> __m256 {
+        match T {
+            F32 => _mm256_loadu_ps(row.add(4 * d) as *const f32),
+            F16 => _mm256_cvtph_ps(_mm_loadu_si128(row.add(2 * d) as *const __m128i)),
+            BF16 => {
+                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(row.add(2 * d) as *const __m128i));
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+            }
+            _ => {
+                let b = row.add(d / 32 * 34);
+                let scale = (b as *const u16).read_unaligned();
+                let d16 = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(scale as i32)));
+                let q = _mm_loadl_epi64(b.add(2 + d % 32) as *const __m128i);
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d16)
+            }
+        }
+    }
+
+    /// The sum of the 16 lanes `lo`, `hi` in the order of [`hsum`] (pairs, then pairs of pairs),
+    /// so that AVX2 scores have the bits of the AVX-512 ones.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum16(lo: __m256, hi: __m256) -> f32 {
+        let h1 = _mm256_hadd_ps(lo, hi); // (0+1, 2+3, 8+9, 10+11 | 4+5, 6+7, 12+13, 14+15)
+        let h2 = _mm256_hadd_ps(h1, h1); // (0..3, 8..11, .. | 4..7, 12..15, ..)
+        let r = _mm_add_ps(_mm256_castps256_ps128(h2), _mm256_extractf128_ps::<1>(h2)); // (0..7, 8..15, ..)
+        _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)))
+    }
+
+    /// [`scores`] with AVX2: one row at a time against up to four heads, each sum kept in two
+    /// 8-lane halves of the AVX-512 kernel's 16 lanes and reduced in its order: the same bits.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores_avx2(
+        a: &Attn,
+        kvh: usize,
+        q: &[f32],
+        g: usize,
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let mut h0 = 0;
+        while h0 < g {
+            let hb = (g - h0).min(4);
+            let (q, o) = (&q[h0 * a.dk..], &mut out[h0 * stride..]);
+            by_kv4!(a.k_type, hb, scores_heads_avx2(a, kvh, q, rows.clone(), o, stride));
+            h0 += hb;
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scores_heads_avx2<const T: u8, const HB: usize>(
+        a: &Attn,
+        kvh: usize,
+        q: &[f32],
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let dk = a.dk;
+        let kp = a.k.as_ptr();
+        let row_ptr = |j: usize| unsafe { kp.add(bytes::<T>(j * a.k_row + kvh * dk)) };
+        let pf_every = if T == F32 { 16 } else { 32 };
+        let qb = q.as_ptr();
+        let op = out.as_mut_ptr();
+        for j in rows.clone() {
+            let k = row_ptr(j);
+            let pf = row_ptr((j + 8).min(rows.end - 1));
+            let mut lo = [_mm256_setzero_ps(); HB];
+            let mut hi = [_mm256_setzero_ps(); HB];
+            let mut d = 0;
+            while d < dk {
+                if d % pf_every == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.add(offset::<T>(d)) as *const i8);
+                }
+                let (x0, x1) = (load8::<T>(k, d), load8::<T>(k, d + 8));
+                for h in 0..HB {
+                    lo[h] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(qb.add(h * dk + d)), lo[h]);
+                    hi[h] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(qb.add(h * dk + d + 8)), hi[h]);
+                }
+                d += 16;
+            }
+            for h in 0..HB {
+                *op.add(h * stride + j - rows.start) = hsum16(lo[h], hi[h]) * a.scale;
+            }
+        }
+    }
+
+    /// [`weighted_values`] with AVX2: 16 values of V at a time against up to four heads.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn weighted_values_avx2(
+        v: &[u8],
+        ty: KvType,
+        v_row: usize,
+        head_off: usize,
+        dv: usize,
+        p: &[f32],
+        g: usize,
+        stride: usize,
+        rows: std::ops::Range<usize>,
+        o: &mut [f32],
+    ) {
+        let mut h0 = 0;
+        while h0 < g {
+            let hb = (g - h0).min(4);
+            let (p, o) = (&p[h0 * stride..], &mut o[h0 * dv..]);
+            let r = rows.clone();
+            by_kv4!(ty, hb, values_heads_avx2(v, v_row, head_off, dv, p, stride, r, o));
+            h0 += hb;
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn values_heads_avx2<const T: u8, const HB: usize>(
+        v: &[u8],
+        v_row: usize,
+        head_off: usize,
+        dv: usize,
+        p: &[f32],
+        stride: usize,
+        rows: std::ops::Range<usize>,
+        o: &mut [f32],
+    ) {
+        let vp = v.as_ptr();
+        let row_ptr = |j: usize| unsafe { vp.add(bytes::<T>(j * v_row + head_off)) };
+        let pp: [*const f32; HB] = std::array::from_fn(|h| p.as_ptr().wrapping_add(h * stride));
+        const BLOCK: usize = 16;
+        let mut b0 = rows.start;
+        while b0 < rows.end {
+            let b1 = (b0 + BLOCK).min(rows.end);
+            let next = b1.min(rows.end - 1)..(b1 + BLOCK).min(rows.end);
+            let mut d = 0;
+            while d < dv {
+                if d % 32 == 0 {
+                    for j in next.clone() {
+                        _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d)) as *const i8);
+                        if T == F32 {
+                            _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d + 16)) as *const i8);
+                        }
+                    }
+                }
+                let mut acc = [[_mm256_setzero_ps(); 2]; HB];
+                for j in b0..b1 {
+                    let i = j - rows.start;
+                    let r = row_ptr(j);
+                    let x0 = load8::<T>(r, d);
+                    let x1 = load8::<T>(r, d + 8);
+                    for h in 0..HB {
+                        let pj = _mm256_set1_ps(*pp[h].add(i));
+                        acc[h][0] = _mm256_fmadd_ps(pj, x0, acc[h][0]);
+                        acc[h][1] = _mm256_fmadd_ps(pj, x1, acc[h][1]);
+                    }
+                }
+                for (h, acc) in acc.iter().enumerate() {
+                    let dst = o.as_mut_ptr().add(h * dv + d);
+                    _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), acc[0]));
+                    _mm256_storeu_ps(dst.add(8), _mm256_add_ps(_mm256_loadu_ps(dst.add(8)), acc[1]));
+                }
+                d += 16;
+            }
+            b0 = b1;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -878,9 +1221,13 @@ mod tests {
     /// reference that follows ggml's order is in tandem-model's backend tests).
     #[test]
     fn simd_kernels_match_the_scalar_code() {
-        if !simd() {
-            println!("SKIPPED AVX-512 attention kernels: this machine (or TANDEM_CPU_ISA) does not run them");
-            return;
+        let mut levels = Vec::new();
+        for (level, isa) in [(Level::Avx512, Isa::Avx512), (Level::Avx2, Isa::Avx2)] {
+            if isa.supported() {
+                levels.push(level);
+            } else {
+                println!("SKIPPED {isa} attention kernels: this machine does not run them");
+            }
         }
         let mut seed = 5u64;
         let mut rnd = move || {
@@ -889,9 +1236,12 @@ mod tests {
             seed ^= seed << 17;
             (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
         };
-        for &(nh, nkv, dk, dv, sep, n_kv) in
-            &[(16usize, 1usize, 576usize, 512usize, false, 300usize), (8, 2, 64, 64, true, 77), (2, 1, 32, 32, true, 1)]
-        {
+        for &(nh, nkv, dk, dv, sep, n_kv) in &[
+            (16usize, 1usize, 576usize, 512usize, false, 300usize),
+            (8, 2, 64, 64, true, 77),
+            (2, 1, 32, 32, true, 1),
+            (4, 4, 128, 128, true, 1000),
+        ] {
             for ty in [KvType::F16, KvType::BF16, KvType::F32, KvType::Q8_0] {
                 let mut values = |n: usize| -> Vec<u8> { cache_rows(ty, &(0..n).map(|_| rnd()).collect::<Vec<f32>>()) };
                 let (k, v) = (values(n_kv * nkv * dk), values(n_kv * nkv * dv));
@@ -913,12 +1263,24 @@ mod tests {
                 };
                 assert!(a.check(&vec![0f32; nh * dv]));
                 let qr = a.prepared_q().unwrap();
-                let (mut fast, mut slow) = (vec![0f32; nh * dv], vec![0f32; nh * dv]);
-                one_token(&a, &qr, &mut fast, true);
-                one_token(&a, &qr, &mut slow, false);
+                let mut slow = vec![0f32; nh * dv];
+                one_token(&a, &qr, &mut slow, Level::Scalar);
                 let max = slow.iter().fold(0f32, |m, v| m.max(v.abs()));
-                for (i, (f, s)) in fast.iter().zip(&slow).enumerate() {
-                    assert!((f - s).abs() <= 1e-4 * max, "{ty:?} {nh}/{nkv}/{dk}/{dv} [{i}]: {f} vs {s}");
+                let mut outs = Vec::new();
+                for &level in &levels {
+                    let mut fast = vec![0f32; nh * dv];
+                    one_token(&a, &qr, &mut fast, level);
+                    for (i, (f, s)) in fast.iter().zip(&slow).enumerate() {
+                        assert!((f - s).abs() <= 1e-4 * max, "{level:?} {ty:?} {nh}/{nkv}/{dk}/{dv} [{i}]: {f} vs {s}");
+                    }
+                    outs.push(fast);
+                }
+                // The AVX2 kernels keep the AVX-512 kernels' lanes and orders: the same bits.
+                if let [a512, a2] = &outs[..] {
+                    assert!(
+                        a512.iter().zip(a2).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{ty:?} {nh}/{nkv}/{dk}/{dv}: AVX2 differs from AVX-512 in bits"
+                    );
                 }
             }
         }
@@ -981,6 +1343,33 @@ mod tests {
             // SAFETY: as above.
             unsafe { super::x86::swiglu(&mut part, &up[start..]) };
             assert!(part.iter().zip(&got[start..]).all(|(a, b)| a.to_bits() == b.to_bits()), "offset {start}");
+        }
+    }
+
+    /// The AVX2 softmax (exp, sum, scale and rounding) gives the AVX-512 one's bits, across the
+    /// whole range a softmax sees (down to the flush to zero below e^-133 and through the
+    /// subnormal results between).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_softmax_has_the_bits_of_the_avx512_one() {
+        if !(super::Isa::Avx512.supported() && super::Isa::Avx2.supported()) {
+            println!("SKIPPED AVX2 vs AVX-512 softmax: this machine lacks one of them");
+            return;
+        }
+        let xs: Vec<f32> =
+            (0..50_003).map(|i| -200.0 + i as f32 * 0.004).chain([0.0, -0.0, -1e-30, -87.5, -103.9]).collect();
+        for ty in [KvType::F16, KvType::BF16, KvType::F32] {
+            let (mut a, mut b) = (xs.clone(), xs.clone());
+            // SAFETY: both levels checked above.
+            let (sa, sb) = unsafe { (super::x86::exp_sub(&mut a, 0.0), super::x86::exp_sub_avx2(&mut b, 0.0)) };
+            assert_eq!(sa.to_bits(), sb.to_bits(), "sums");
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "exp");
+            // SAFETY: as above.
+            unsafe {
+                super::x86::scale_round(&mut a, 0.37, ty);
+                super::x86::scale_round_avx2(&mut b, 0.37, ty);
+            }
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{ty:?} rounding");
         }
     }
 

@@ -264,7 +264,8 @@ mod x86 {
 
     /// A [`super::GroupFn`] for Q4_K on AVX2: each half of the 16 rows in a ymm register;
     /// `vpmaddubsw` (levels <= 15, so the i16 pair sums of the eight of a group stay below 2^15)
-    /// and one `vpmaddwd` per group give the exact integer sums of the VNNI kernel.
+    /// and one `vpmaddwd` against the group's scale per group give the exact integer sums of the
+    /// VNNI kernel.
     ///
     /// # Safety
     /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX2.
@@ -288,7 +289,6 @@ mod x86 {
     ) {
         let lay = const { layout(false) };
         let nib = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); 2]; NY];
         for b in 0..nb {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
@@ -307,6 +307,9 @@ mod x86 {
                         let mz =
                             _mm256_cvtepu8_epi32(_mm_loadl_epi64(wb.add(lay.mn + 16 * j + 8 * hf) as *const __m128i));
                         let mm = _mm256_or_si256(mz, _mm256_slli_epi32::<16>(mz));
+                        // (sc, sc) as an i16 pair per lane: `vpmaddwd` of the i16 pair sums of
+                        // `vpmaddubsw` with it is sc times their sum, exactly.
+                        let scsc = _mm256_or_si256(sc, _mm256_slli_epi32::<16>(sc));
                         let mut lo = [_mm256_setzero_si256(); 4];
                         let mut hi = [_mm256_setzero_si256(); 4];
                         for l in 0..4 {
@@ -321,8 +324,7 @@ mod x86 {
                                 s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[l], bcast2(q.add(8 * l))));
                                 s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[l], bcast2(q.add(8 * l + 4))));
                             }
-                            let s = _mm256_madd_epi16(s, ones);
-                            isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(s, sc));
+                            isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, scsc));
                             let pair = bcast2(y[t].add(Q8K_BSUMS + 4 * j));
                             imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(mm, pair));
                         }
