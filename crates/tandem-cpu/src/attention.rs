@@ -649,6 +649,28 @@ pub(crate) mod x86 {
         }
     }
 
+    /// [`swiglu`] with AVX2 and FMA: the same bits (the vector exp of [`expf8`], the tail through
+    /// masked loads as well).
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn swiglu_avx2(gate: &mut [f32], up: &[f32]) {
+        let n = gate.len().min(up.len());
+        let one = _mm256_set1_ps(1.0);
+        let mut i = 0;
+        while i < n {
+            let left = (n - i).min(8) as i32;
+            let m = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            // SAFETY: the mask covers only elements below `n` of both slices.
+            unsafe {
+                let x = _mm256_maskload_ps(gate.as_ptr().add(i), m);
+                let g = _mm256_maskload_ps(up.as_ptr().add(i), m);
+                let e = expf8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+                let silu = _mm256_div_ps(x, _mm256_add_ps(one, e));
+                _mm256_maskstore_ps(gate.as_mut_ptr().add(i), m, _mm256_mul_ps(silu, g));
+            }
+            i += 8;
+        }
+    }
+
     /// `x = e^(x - max)` in place; returns the sum, as `ggml_vec_soft_max_f32` (AVX-512).
     #[target_feature(enable = "avx512f,avx512dq")]
     pub(super) unsafe fn exp_sub(x: &mut [f32], max: f32) -> f64 {
@@ -1336,6 +1358,12 @@ mod tests {
                 (g - want).abs() <= 4.0 * f32::EPSILON * want.abs() + f32::MIN_POSITIVE,
                 "silu({x}) * {u} = {g}, libm {want}"
             );
+        }
+        if super::Isa::Avx2.supported() {
+            let mut got2 = x.clone();
+            // SAFETY: AVX2 and FMA checked.
+            unsafe { super::x86::swiglu_avx2(&mut got2, &up) };
+            assert!(got2.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "AVX2 differs from AVX-512");
         }
         // The same element at another offset (in the masked tail or not) gets the same bits.
         for start in [1usize, 5, 17, 990] {

@@ -33,12 +33,19 @@ pub fn softmax_in_place(x: &mut [f32]) {
 }
 
 /// `gate = silu(gate) * up` (`ggml_swiglu_split`; silu(x) = x / (1 + e^-x)), with ggml's vector
-/// exp where the machine has AVX-512, as llama.cpp's x86 build computes it.
+/// exp where the machine has AVX-512 (and the same bits with AVX2), as llama.cpp's x86 build
+/// computes it.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     if crate::Isa::detected() >= crate::Isa::Avx512 {
         // SAFETY: AVX-512 is present.
         unsafe { crate::attention::x86::swiglu(gate, up) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::Isa::detected() >= crate::Isa::Avx2 {
+        // SAFETY: AVX2 and FMA are present.
+        unsafe { crate::attention::x86::swiglu_avx2(gate, up) };
         return;
     }
     for (g, u) in gate.iter_mut().zip(up) {
