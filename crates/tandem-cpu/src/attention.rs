@@ -372,15 +372,9 @@ fn scores(
     level: Level,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if level == Level::Avx512 && a.dk.is_multiple_of(16) {
-        // SAFETY: AVX-512 is present; `check` bounded every row read below.
-        unsafe { x86::scores(a, kvh, q, n, rows, out, stride) };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if level == Level::Avx2 && a.dk.is_multiple_of(16) {
-        // SAFETY: AVX2, FMA and F16C are present; `check` bounded every row read below.
-        unsafe { x86::scores_avx2(a, kvh, q, n, rows, out, stride) };
+    if level != Level::Scalar && a.dk.is_multiple_of(16) {
+        // SAFETY: the level's instructions are present; `check` bounded every row read below.
+        unsafe { x86::scores(a, kvh, q, n, rows, out, stride, level == Level::Avx2) };
         return;
     }
     let mut kf = vec![0f32; a.dk];
@@ -409,15 +403,10 @@ fn weighted_values(
     let (v, v_row, v_head) = a.v_rows();
     out.fill(0.0);
     #[cfg(target_arch = "x86_64")]
-    if level == Level::Avx512 && a.dv.is_multiple_of(32) {
-        // SAFETY: AVX-512 is present; `check` bounded every row read below.
-        unsafe { x86::weighted_values(v, a.v_type, v_row, kvh * v_head, a.dv, p, n, stride, rows, out) };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if level == Level::Avx2 && a.dv.is_multiple_of(32) {
-        // SAFETY: AVX2, FMA and F16C are present; `check` bounded every row read below.
-        unsafe { x86::weighted_values_avx2(v, a.v_type, v_row, kvh * v_head, a.dv, p, n, stride, rows, out) };
+    if level != Level::Scalar && a.dv.is_multiple_of(32) {
+        // SAFETY: the level's instructions are present; `check` bounded every row read below.
+        let avx2 = level == Level::Avx2;
+        unsafe { x86::weighted_values(v, a.v_type, v_row, kvh * v_head, a.dv, p, n, stride, rows, out, avx2) };
         return;
     }
     let mut vf = vec![0f32; a.dv];
@@ -808,9 +797,13 @@ pub(crate) mod x86 {
         _mm512_cvtss_f32(x)
     }
 
-    /// Scores of `g` heads (q rows of `a.dk`) against K head `kvh` of each row: two rows at a time
-    /// against up to eight heads, every K chunk converted once for all of them.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
+    /// Scores of `g` heads (q rows of `a.dk`) against K head `kvh` of each row: with AVX-512 two
+    /// rows at a time against up to eight heads, with AVX2 (`avx2`) one row against up to four,
+    /// every K chunk converted once for all of them.
+    ///
+    /// # Safety
+    /// The machine has AVX-512 (AVX2, FMA and F16C with `avx2`); the rows are in bounds.
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn scores(
         a: &Attn,
         kvh: usize,
@@ -819,12 +812,20 @@ pub(crate) mod x86 {
         rows: std::ops::Range<usize>,
         out: &mut [f32],
         stride: usize,
+        avx2: bool,
     ) {
         let mut h0 = 0;
         while h0 < g {
-            let hb = (g - h0).min(8);
+            let hb = (g - h0).min(if avx2 { 4 } else { 8 });
             let (q, o) = (&q[h0 * a.dk..], &mut out[h0 * stride..]);
-            by_kv!(a.k_type, hb, scores_heads(a, kvh, q, rows.clone(), o, stride));
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                if avx2 {
+                    by_kv!(a.k_type, hb, scores_heads_avx2(a, kvh, q, rows.clone(), o, stride));
+                } else {
+                    by_kv!(a.k_type, hb, scores_heads(a, kvh, q, rows.clone(), o, stride));
+                }
+            }
             h0 += hb;
         }
     }
@@ -896,9 +897,12 @@ pub(crate) mod x86 {
     }
 
     /// `o[h] += sum_j p[h][j] v_j` for `g` heads, 32 values of V at a time against up to eight
-    /// heads, every V chunk converted once for all of them.
+    /// heads with AVX-512, 16 against up to four with AVX2 (`avx2`), every V chunk converted once
+    /// for all of them.
+    ///
+    /// # Safety
+    /// The machine has AVX-512 (AVX2, FMA and F16C with `avx2`); the rows are in bounds.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
     pub(super) unsafe fn weighted_values(
         v: &[u8],
         ty: KvType,
@@ -910,13 +914,21 @@ pub(crate) mod x86 {
         stride: usize,
         rows: std::ops::Range<usize>,
         o: &mut [f32],
+        avx2: bool,
     ) {
         let mut h0 = 0;
         while h0 < g {
-            let hb = (g - h0).min(8);
+            let hb = (g - h0).min(if avx2 { 4 } else { 8 });
             let (p, o) = (&p[h0 * stride..], &mut o[h0 * dv..]);
             let r = rows.clone();
-            by_kv!(ty, hb, values_heads(v, v_row, head_off, dv, p, stride, r, o));
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                if avx2 {
+                    by_kv!(ty, hb, values_heads_avx2(v, v_row, head_off, dv, p, stride, r, o));
+                } else {
+                    by_kv!(ty, hb, values_heads(v, v_row, head_off, dv, p, stride, r, o));
+                }
+            }
             h0 += hb;
         }
     }
@@ -976,19 +988,6 @@ pub(crate) mod x86 {
         }
     }
 
-    /// Calls `$f::<T, HB>(...)` with the row format `$t` as the constant `T` and the head count
-    /// `$hb` (1..=4) as the constant `HB` (AVX2 has 16 registers: four heads of two rows).
-    macro_rules! by_kv4 {
-        ($t:expr, $hb:expr, $f:ident($($a:expr),*)) => {
-            match $t {
-                KvType::F32 => by_ny!($hb, $f[F32]($($a),*)),
-                KvType::F16 => by_ny!($hb, $f[F16]($($a),*)),
-                KvType::BF16 => by_ny!($hb, $f[BF16]($($a),*)),
-                KvType::Q8_0 => by_ny!($hb, $f[Q8_0]($($a),*)),
-            }
-        };
-    }
-
     /// Values `d..d + 8` of a row of format `T` as f32 (`d` a multiple of 8), as [`load16`].
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -1021,27 +1020,8 @@ pub(crate) mod x86 {
         _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)))
     }
 
-    /// [`scores`] with AVX2: one row at a time against up to four heads, each sum kept in two
-    /// 8-lane halves of the AVX-512 kernel's 16 lanes and reduced in its order: the same bits.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scores_avx2(
-        a: &Attn,
-        kvh: usize,
-        q: &[f32],
-        g: usize,
-        rows: std::ops::Range<usize>,
-        out: &mut [f32],
-        stride: usize,
-    ) {
-        let mut h0 = 0;
-        while h0 < g {
-            let hb = (g - h0).min(4);
-            let (q, o) = (&q[h0 * a.dk..], &mut out[h0 * stride..]);
-            by_kv4!(a.k_type, hb, scores_heads_avx2(a, kvh, q, rows.clone(), o, stride));
-            h0 += hb;
-        }
-    }
-
+    /// [`scores_heads`] with AVX2: one row at a time, each sum kept in two 8-lane halves of the
+    /// AVX-512 kernel's 16 lanes and reduced in its order: the same bits.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn scores_heads_avx2<const T: u8, const HB: usize>(
@@ -1081,31 +1061,7 @@ pub(crate) mod x86 {
         }
     }
 
-    /// [`weighted_values`] with AVX2: 16 values of V at a time against up to four heads.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn weighted_values_avx2(
-        v: &[u8],
-        ty: KvType,
-        v_row: usize,
-        head_off: usize,
-        dv: usize,
-        p: &[f32],
-        g: usize,
-        stride: usize,
-        rows: std::ops::Range<usize>,
-        o: &mut [f32],
-    ) {
-        let mut h0 = 0;
-        while h0 < g {
-            let hb = (g - h0).min(4);
-            let (p, o) = (&p[h0 * stride..], &mut o[h0 * dv..]);
-            let r = rows.clone();
-            by_kv4!(ty, hb, values_heads_avx2(v, v_row, head_off, dv, p, stride, r, o));
-            h0 += hb;
-        }
-    }
-
+    /// [`values_heads`] with AVX2: 16 values of V at a time, the same bits.
     #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
