@@ -8,7 +8,7 @@
 //! (element `4q + k` of row `r` at byte `64q + 4r + k`), then every block's factors `d[block][16]`
 //! (fp16). Q8_0 keeps its 34 bytes per row and block; Q5_0 grows from 22 to 34.
 
-use super::{GroupActs, GroupFn, PACK_ROWS};
+use super::{f16_at, GroupActs, GroupFn, PACK_ROWS};
 use tandem_quant::blocks::BlockQ8_0;
 use tandem_quant::GgmlType;
 
@@ -56,10 +56,6 @@ fn level_at(r: usize, e: usize) -> usize {
 /// The sum of the 32 quants of the Q8_0 block at the start of `y`.
 pub(super) fn block_sum(y: &[u8]) -> i32 {
     y[Q8_0_QS..Q8_0_QS + 32].iter().map(|&q| q as i8 as i32).sum()
-}
-
-fn f16_at(p: &[u8], at: usize) -> f32 {
-    half::f16::from_bits(u16::from_le_bytes([p[at], p[at + 1]])).to_f32()
 }
 
 /// The AVX-512 VNNI kernels, where this build has them.

@@ -10,8 +10,7 @@
 //! high one), then `ls[8][16]` (the 6-bit group scales, one byte each), then `d[16]` (fp16), then
 //! 32 bytes of padding to a whole number of cache lines.
 
-use super::q4k::{Q8K_BSUMS, Q8K_BYTES, Q8K_QS};
-use super::{GroupActs, GroupFn, PACK_ROWS};
+use super::{f16_at, GroupActs, GroupFn, PACK_ROWS, Q8K_BSUMS, Q8K_BYTES, Q8K_QS};
 use tandem_quant::blocks::{BlockIQ4XS, KVALUES_IQ4NL};
 use tandem_quant::QK_K;
 
@@ -64,34 +63,18 @@ pub(super) const SIMD: Option<GroupFn> = None;
 /// # Safety
 /// As [`GroupFn`] (Q8_K activations).
 pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-    let yb = a.yb;
     // SAFETY: forwarded from the caller.
-    let (w, ys) = unsafe { super::scalar_views(nb, w, GROUP_BLOCK, &a, ny, Q8K_BYTES) };
-    for t in 0..ny {
-        let mut acc = [0f32; PACK_ROWS];
-        for b in 0..nb {
-            let blk = &w[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
-            let y = &ys[t * yb + b * Q8K_BYTES..t * yb + (b + 1) * Q8K_BYTES];
-            let yd = f32::from_le_bytes(y[0..4].try_into().expect("4 bytes"));
-            let bsum = |g: usize| i16::from_le_bytes([y[Q8K_BSUMS + 2 * g], y[Q8K_BSUMS + 2 * g + 1]]) as i32;
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let (mut isum, mut ibias) = (0i32, 0i32);
-                for j in 0..SUBS {
-                    let mut s = 0i32;
-                    for e in 0..32 {
-                        let k = KVALUES_IQ4NL[index(blk, j, r, e)] as i32 + 128;
-                        s += k * y[Q8K_QS + 32 * j + e] as i8 as i32;
-                    }
-                    let ls = blk[LS + PACK_ROWS * j + r] as i32 - 32;
-                    isum += ls * s;
-                    ibias += ls * (bsum(2 * j) + bsum(2 * j + 1));
-                }
-                let d = half::f16::from_bits(u16::from_le_bytes([blk[D + 2 * r], blk[D + 2 * r + 1]])).to_f32();
-                *acc = ((isum - 128 * ibias) as f32 * d).mul_add(yd, *acc);
+    unsafe {
+        super::q8k_scalar(nb, w, GROUP_BLOCK, a, ny, out, ostride, |blk, y, r| {
+            let (mut isum, mut ibias) = (0i32, 0i32);
+            for j in 0..SUBS {
+                let s: i32 = (0..32).map(|e| (KVALUES_IQ4NL[index(blk, j, r, e)] as i32 + 128) * y.q(32 * j + e)).sum();
+                let ls = blk[LS + PACK_ROWS * j + r] as i32 - 32;
+                isum += ls * s;
+                ibias += ls * (y.bsum(2 * j) + y.bsum(2 * j + 1));
             }
-        }
-        // SAFETY: t < ny (see `GroupFn`).
-        unsafe { super::store_scalar(out, t, ostride, &acc) };
+            (isum - 128 * ibias) as f32 * f16_at(blk, D + 2 * r)
+        })
     }
 }
 

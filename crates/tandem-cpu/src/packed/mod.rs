@@ -188,6 +188,66 @@ unsafe fn scalar_views<'a>(
     }
 }
 
+/// ggml block_q8_K (the activations of the k-quant and IQ4_XS kernels): f32 d, i8 qs[256],
+/// i16 bsums[16].
+pub(super) const Q8K_BYTES: usize = std::mem::size_of::<tandem_quant::blocks::BlockQ8K>();
+pub(super) const Q8K_QS: usize = std::mem::offset_of!(tandem_quant::blocks::BlockQ8K, qs);
+pub(super) const Q8K_BSUMS: usize = std::mem::offset_of!(tandem_quant::blocks::BlockQ8K, bsums);
+
+/// One Q8_K activation block, as the scalar kernels read it.
+pub(super) struct Q8k<'a>(&'a [u8]);
+
+impl Q8k<'_> {
+    /// Quant `i` (0..256).
+    pub(super) fn q(&self, i: usize) -> i32 {
+        self.0[Q8K_QS + i] as i8 as i32
+    }
+
+    /// The sum of the quants of group `g` of 16.
+    pub(super) fn bsum(&self, g: usize) -> i32 {
+        i16::from_le_bytes([self.0[Q8K_BSUMS + 2 * g], self.0[Q8K_BSUMS + 2 * g + 1]]) as i32
+    }
+}
+
+/// The loop every scalar kernel against Q8_K activations shares: `value(blk, y, r)` is row `r`'s
+/// value of one packed block (`group_block` bytes) against one activation block, before the
+/// activation factor `yd`; the blocks accumulate as `acc = value * yd + acc`, in order.
+///
+/// # Safety
+/// As [`GroupFn`] (Q8_K activations).
+#[allow(clippy::too_many_arguments)]
+unsafe fn q8k_scalar(
+    nb: usize,
+    w: *const u8,
+    group_block: usize,
+    a: GroupActs,
+    ny: usize,
+    out: *mut f32,
+    ostride: usize,
+    value: impl Fn(&[u8], &Q8k, usize) -> f32,
+) {
+    // SAFETY: forwarded from the caller.
+    let (w, ys) = unsafe { scalar_views(nb, w, group_block, &a, ny, Q8K_BYTES) };
+    for t in 0..ny {
+        let mut acc = [0f32; PACK_ROWS];
+        for b in 0..nb {
+            let blk = &w[b * group_block..(b + 1) * group_block];
+            let y = Q8k(&ys[t * a.yb + b * Q8K_BYTES..t * a.yb + (b + 1) * Q8K_BYTES]);
+            let yd = f32::from_le_bytes(y.0[0..4].try_into().expect("4 bytes"));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                *acc = value(blk, &y, r).mul_add(yd, *acc);
+            }
+        }
+        // SAFETY: t < ny (see `GroupFn`).
+        unsafe { store_scalar(out, t, ostride, &acc) };
+    }
+}
+
+/// The fp16 at byte `at` of `p`, as f32.
+fn f16_at(p: &[u8], at: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([p[at], p[at + 1]])).to_f32()
+}
+
 /// Token `t`'s 16 results of a scalar kernel into `out`.
 ///
 /// # Safety
@@ -218,6 +278,32 @@ mod x86 {
         for l in (0..len).step_by(64) {
             // SAFETY: a prefetch never faults, whatever the address.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l + 4096) as *const i8) };
+        }
+    }
+
+    /// Four bytes at `p` in every 32-bit lane of a ymm register.
+    ///
+    /// # Safety
+    /// `p` points at 4 readable bytes.
+    #[inline(always)]
+    pub(super) unsafe fn bcast8(p: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees 4 readable bytes.
+        _mm256_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+    }
+
+    /// Each token's 16 results, held as two halves of 8, into `out` (`ostride` floats apart).
+    ///
+    /// # Safety
+    /// As [`super::GroupFn`] with `ny == NY`, and the machine has AVX.
+    #[inline]
+    #[target_feature(enable = "avx")]
+    pub(super) unsafe fn store_halves<const NY: usize>(acc: &[[__m256; 2]; NY], out: *mut f32, ostride: usize) {
+        for (t, a) in acc.iter().enumerate() {
+            // SAFETY: 16 writable floats per token row (see `GroupFn`).
+            unsafe {
+                _mm256_storeu_ps(out.add(t * ostride), a[0]);
+                _mm256_storeu_ps(out.add(t * ostride + 8), a[1]);
+            }
         }
     }
 

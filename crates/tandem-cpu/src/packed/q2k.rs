@@ -8,8 +8,7 @@
 //! `r` in vector `s` hold element `16s + 4p + k`), then `sm[16 groups][16 rows]` (ggml's scale
 //! byte: scale in the low nibble, min in the high one), then `d[16]` and `dmin[16]` (fp16).
 
-use super::q4k::{Q8K_BSUMS, Q8K_BYTES, Q8K_QS};
-use super::{GroupActs, GroupFn, PACK_ROWS};
+use super::{f16_at, GroupActs, GroupFn, PACK_ROWS, Q8K_BSUMS, Q8K_BYTES, Q8K_QS};
 use tandem_quant::blocks::BlockQ2K;
 use tandem_quant::QK_K;
 
@@ -63,35 +62,19 @@ pub(super) const SIMD: Option<GroupFn> = None;
 /// # Safety
 /// As [`GroupFn`] (Q8_K activations).
 pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-    let yb = a.yb;
     // SAFETY: forwarded from the caller.
-    let (w, ys) = unsafe { super::scalar_views(nb, w, GROUP_BLOCK, &a, ny, Q8K_BYTES) };
-    for t in 0..ny {
-        let mut acc = [0f32; PACK_ROWS];
-        for b in 0..nb {
-            let blk = &w[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
-            let y = &ys[t * yb + b * Q8K_BYTES..t * yb + (b + 1) * Q8K_BYTES];
-            let yd = f32::from_le_bytes(y[0..4].try_into().expect("4 bytes"));
-            let bsum = |g: usize| i16::from_le_bytes([y[Q8K_BSUMS + 2 * g], y[Q8K_BSUMS + 2 * g + 1]]) as i32;
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let (mut isum, mut imin) = (0i32, 0i32);
-                for s in 0..SUBS {
-                    let mut sum = 0i32;
-                    for e in 0..16 {
-                        sum += level(blk, s, r, e) * y[Q8K_QS + 16 * s + e] as i8 as i32;
-                    }
-                    let sm = blk[SM + PACK_ROWS * s + r];
-                    isum += (sm & 0x0F) as i32 * sum;
-                    imin += (sm >> 4) as i32 * bsum(s);
-                }
-                let f16 = |at: usize| half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32();
-                let (d, dmin) = (f16(D + 2 * r), f16(DMIN + 2 * r));
-                let v = (-(imin as f32)).mul_add(dmin, isum as f32 * d);
-                *acc = v.mul_add(yd, *acc);
+    unsafe {
+        super::q8k_scalar(nb, w, GROUP_BLOCK, a, ny, out, ostride, |blk, y, r| {
+            let (mut isum, mut imin) = (0i32, 0i32);
+            for s in 0..SUBS {
+                let sum: i32 = (0..16).map(|e| level(blk, s, r, e) * y.q(16 * s + e)).sum();
+                let sm = blk[SM + PACK_ROWS * s + r];
+                isum += (sm & 0x0F) as i32 * sum;
+                imin += (sm >> 4) as i32 * y.bsum(s);
             }
-        }
-        // SAFETY: t < ny (see `GroupFn`).
-        unsafe { super::store_scalar(out, t, ostride, &acc) };
+            let (d, dmin) = (f16_at(blk, D + 2 * r), f16_at(blk, DMIN + 2 * r));
+            (-(imin as f32)).mul_add(dmin, isum as f32 * d)
+        })
     }
 }
 

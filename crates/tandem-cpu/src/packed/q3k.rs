@@ -11,8 +11,7 @@
 //! then `sc[16 groups][16 rows]` (the 6-bit scales, biased by 32), then `d[16]` (fp16), then 32
 //! bytes of padding to a whole number of cache lines.
 
-use super::q4k::{Q8K_BSUMS, Q8K_BYTES, Q8K_QS};
-use super::{GroupActs, GroupFn, PACK_ROWS};
+use super::{f16_at, GroupActs, GroupFn, PACK_ROWS, Q8K_BSUMS, Q8K_BYTES, Q8K_QS};
 use tandem_quant::blocks::BlockQ3K;
 use tandem_quant::{unpack_q3k_scales, QK_K};
 
@@ -73,33 +72,18 @@ pub(super) const SIMD: Option<GroupFn> = None;
 /// # Safety
 /// As [`GroupFn`] (Q8_K activations).
 pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-    let yb = a.yb;
     // SAFETY: forwarded from the caller.
-    let (w, ys) = unsafe { super::scalar_views(nb, w, GROUP_BLOCK, &a, ny, Q8K_BYTES) };
-    for t in 0..ny {
-        let mut acc = [0f32; PACK_ROWS];
-        for b in 0..nb {
-            let blk = &w[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
-            let y = &ys[t * yb + b * Q8K_BYTES..t * yb + (b + 1) * Q8K_BYTES];
-            let yd = f32::from_le_bytes(y[0..4].try_into().expect("4 bytes"));
-            let bsum = |g: usize| i16::from_le_bytes([y[Q8K_BSUMS + 2 * g], y[Q8K_BSUMS + 2 * g + 1]]) as i32;
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let (mut isum, mut ibias) = (0i32, 0i32);
-                for s in 0..SUBS {
-                    let mut sum = 0i32;
-                    for e in 0..16 {
-                        sum += level(blk, s, r, e) * y[Q8K_QS + 16 * s + e] as i8 as i32;
-                    }
-                    let sc = blk[SC + PACK_ROWS * s + r] as i32 - 32;
-                    isum += sc * sum;
-                    ibias += sc * bsum(s);
-                }
-                let d = half::f16::from_bits(u16::from_le_bytes([blk[D + 2 * r], blk[D + 2 * r + 1]])).to_f32();
-                *acc = ((isum - 4 * ibias) as f32 * d).mul_add(yd, *acc);
+    unsafe {
+        super::q8k_scalar(nb, w, GROUP_BLOCK, a, ny, out, ostride, |blk, y, r| {
+            let (mut isum, mut ibias) = (0i32, 0i32);
+            for s in 0..SUBS {
+                let sum: i32 = (0..16).map(|e| level(blk, s, r, e) * y.q(16 * s + e)).sum();
+                let sc = blk[SC + PACK_ROWS * s + r] as i32 - 32;
+                isum += sc * sum;
+                ibias += sc * y.bsum(s);
             }
-        }
-        // SAFETY: t < ny (see `GroupFn`).
-        unsafe { super::store_scalar(out, t, ostride, &acc) };
+            (isum - 4 * ibias) as f32 * f16_at(blk, D + 2 * r)
+        })
     }
 }
 

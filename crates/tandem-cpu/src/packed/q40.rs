@@ -8,7 +8,7 @@
 //! low nibble, `16 + 4v + k` in its high one), then every block's factors `d[block][16]` (fp16).
 
 use super::b32::{block_sum, Q8_0_BYTES};
-use super::{GroupActs, GroupFn, PACK_ROWS};
+use super::{f16_at, GroupActs, GroupFn, PACK_ROWS};
 use tandem_quant::blocks::BlockQ4_0;
 
 /// Bytes of one block's codes in a group (16 rows x 16 bytes).
@@ -42,10 +42,6 @@ fn code(codes: &[u8], r: usize, e: usize) -> u8 {
     } else {
         byte >> 4
     }
-}
-
-fn f16_at(p: &[u8], at: usize) -> f32 {
-    half::f16::from_bits(u16::from_le_bytes([p[at], p[at + 1]])).to_f32()
 }
 
 /// The AVX-512 VNNI kernel, where this build has one.
@@ -89,7 +85,7 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, prefetch_ahead};
+    use super::super::x86::{bcast, bcast8, prefetch_ahead};
     use super::{GroupActs, CODES, PACK_ROWS, Q8_0_BYTES, Q8_0_QS};
     use std::arch::x86_64::*;
 
@@ -188,8 +184,8 @@ mod x86 {
                         let mut s = _mm256_setzero_si256();
                         for v in 0..4 {
                             let q = y.add(Q8_0_QS + 4 * v);
-                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[v], bcast2(q)));
-                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[v], bcast2(q.add(16))));
+                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[v], bcast8(q)));
+                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[v], bcast8(q.add(16))));
                         }
                         let corr = _mm256_set1_epi32(8 * *a.sums.add(t * nb + b));
                         let isum = _mm256_sub_epi32(_mm256_madd_epi16(s, ones), corr);
@@ -201,20 +197,8 @@ mod x86 {
                 }
             }
         }
-        for (t, a) in acc.iter().enumerate() {
-            // SAFETY: 16 writable floats per token row (see `GroupFn`).
-            unsafe {
-                _mm256_storeu_ps(out.add(t * ostride), a[0]);
-                _mm256_storeu_ps(out.add(t * ostride + 8), a[1]);
-            }
-        }
-    }
-
-    /// Four bytes at `p` in every 32-bit lane of a ymm register.
-    #[inline(always)]
-    unsafe fn bcast2(p: *const u8) -> __m256i {
-        // SAFETY: the caller guarantees 4 readable bytes.
-        _mm256_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+        // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
+        unsafe { super::super::x86::store_halves(&acc, out, ostride) };
     }
 }
 

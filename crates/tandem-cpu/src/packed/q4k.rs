@@ -11,8 +11,8 @@
 //! (one vector per group: shifted to bit 4 and merged into each nibble vector); then `sc[8][16]` and `m[8][16]` (the 6-bit scales and mins, one byte each), then `d[16]` and
 //! `dmin[16]` (fp16).
 
-use super::{GroupActs, GroupFn, PACK_ROWS};
-use tandem_quant::blocks::{BlockQ4K, BlockQ5K, BlockQ8K};
+use super::{f16_at, GroupActs, GroupFn, PACK_ROWS, Q8K_BSUMS, Q8K_BYTES, Q8K_QS};
+use tandem_quant::blocks::{BlockQ4K, BlockQ5K};
 use tandem_quant::{get_scale_min_k4, QK_K};
 
 const SUBS: usize = QK_K / 32;
@@ -43,10 +43,6 @@ pub(super) const GROUP_BLOCK: usize = layout(false).size;
 pub(super) const GROUP_BLOCK_Q5K: usize = layout(true).size;
 const _: () = assert!(GROUP_BLOCK == 2368 && GROUP_BLOCK_Q5K == 2880 && GROUP_BLOCK_Q5K.is_multiple_of(64));
 
-/// ggml block_q8_K: f32 d, i8 qs[256], i16 bsums[16].
-pub(super) const Q8K_BYTES: usize = std::mem::size_of::<BlockQ8K>();
-pub(super) const Q8K_QS: usize = std::mem::offset_of!(BlockQ8K, qs);
-pub(super) const Q8K_BSUMS: usize = std::mem::offset_of!(BlockQ8K, bsums);
 const Q4K_BYTES: usize = std::mem::size_of::<BlockQ4K>();
 const Q5K_BYTES: usize = std::mem::size_of::<BlockQ5K>();
 const Q5K_QH: usize = std::mem::offset_of!(BlockQ5K, qh);
@@ -135,41 +131,25 @@ pub(super) unsafe fn group_scalar<const HIGH: bool>(
     out: *mut f32,
     ostride: usize,
 ) {
-    let yb = a.yb;
     let l = layout(HIGH);
     // SAFETY: forwarded from the caller.
-    let (w, ys) = unsafe { super::scalar_views(nb, w, l.size, &a, ny, Q8K_BYTES) };
-    for t in 0..ny {
-        let mut acc = [0f32; PACK_ROWS];
-        for b in 0..nb {
-            let blk = &w[b * l.size..(b + 1) * l.size];
-            let y = &ys[t * yb + b * Q8K_BYTES..t * yb + (b + 1) * Q8K_BYTES];
-            let yd = f32::from_le_bytes(y[0..4].try_into().expect("4 bytes"));
-            let bsum = |g: usize| i16::from_le_bytes([y[Q8K_BSUMS + 2 * g], y[Q8K_BSUMS + 2 * g + 1]]) as i32;
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let (mut isum, mut imin) = (0i32, 0i32);
-                for j in 0..SUBS {
-                    let mut s = 0i32;
-                    for e in 0..32 {
-                        s += level::<HIGH>(blk, j, r, e) * y[Q8K_QS + 32 * j + e] as i8 as i32;
-                    }
-                    isum += blk[l.sc + PACK_ROWS * j + r] as i32 * s;
-                    imin += blk[l.mn + PACK_ROWS * j + r] as i32 * (bsum(2 * j) + bsum(2 * j + 1));
-                }
-                let f16 = |at: usize| half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32();
-                let (d, dmin) = (f16(l.d + 2 * r), f16(l.dmin + 2 * r));
-                let v = (-(imin as f32)).mul_add(dmin, isum as f32 * d);
-                *acc = v.mul_add(yd, *acc);
+    unsafe {
+        super::q8k_scalar(nb, w, l.size, a, ny, out, ostride, |blk, y, r| {
+            let (mut isum, mut imin) = (0i32, 0i32);
+            for j in 0..SUBS {
+                let s: i32 = (0..32).map(|e| level::<HIGH>(blk, j, r, e) * y.q(32 * j + e)).sum();
+                isum += blk[l.sc + PACK_ROWS * j + r] as i32 * s;
+                imin += blk[l.mn + PACK_ROWS * j + r] as i32 * (y.bsum(2 * j) + y.bsum(2 * j + 1));
             }
-        }
-        // SAFETY: t < ny (see `GroupFn`).
-        unsafe { super::store_scalar(out, t, ostride, &acc) };
+            let (d, dmin) = (f16_at(blk, l.d + 2 * r), f16_at(blk, l.dmin + 2 * r));
+            (-(imin as f32)).mul_add(dmin, isum as f32 * d)
+        })
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, prefetch_ahead};
+    use super::super::x86::{bcast, bcast8, prefetch_ahead};
     use super::{layout, GroupActs, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, SUBS};
     use std::arch::x86_64::*;
 
@@ -321,11 +301,11 @@ mod x86 {
                             let q = y[t].add(Q8K_QS + 32 * j);
                             let mut s = _mm256_setzero_si256();
                             for l in 0..4 {
-                                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[l], bcast2(q.add(8 * l))));
-                                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[l], bcast2(q.add(8 * l + 4))));
+                                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[l], bcast8(q.add(8 * l))));
+                                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))));
                             }
                             isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, scsc));
-                            let pair = bcast2(y[t].add(Q8K_BSUMS + 4 * j));
+                            let pair = bcast8(y[t].add(Q8K_BSUMS + 4 * j));
                             imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(mm, pair));
                         }
                     }
@@ -343,20 +323,8 @@ mod x86 {
                 }
             }
         }
-        for (t, a) in acc.iter().enumerate() {
-            // SAFETY: 16 writable floats per token row (see `GroupFn`).
-            unsafe {
-                _mm256_storeu_ps(out.add(t * ostride), a[0]);
-                _mm256_storeu_ps(out.add(t * ostride + 8), a[1]);
-            }
-        }
-    }
-
-    /// Four bytes at `p` in every 32-bit lane of a ymm register.
-    #[inline(always)]
-    unsafe fn bcast2(p: *const u8) -> __m256i {
-        // SAFETY: the caller guarantees 4 readable bytes.
-        _mm256_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+        // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
+        unsafe { super::super::x86::store_halves(&acc, out, ostride) };
     }
 
     /// `v` shifted so that bit `p` of every byte lands on bit 4 of that byte (other bits are

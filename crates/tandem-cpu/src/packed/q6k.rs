@@ -10,9 +10,9 @@
 //! `8l + 4h + k`), the scales `sc[8][16 rows][2]` (groups `2j`, `2j + 1` of 16 elements, i8), then
 //! `d[16]` (fp16).
 
-use super::{GroupActs, GroupFn, PACK_ROWS};
+use super::{f16_at, GroupActs, GroupFn, PACK_ROWS, Q8K_BSUMS, Q8K_BYTES, Q8K_QS};
 use std::mem::{offset_of, size_of};
-use tandem_quant::blocks::{BlockQ6K, BlockQ8K};
+use tandem_quant::blocks::BlockQ6K;
 use tandem_quant::QK_K;
 
 const SUBS: usize = QK_K / 32;
@@ -24,9 +24,6 @@ const D: usize = SC + QK_K / 16 * PACK_ROWS;
 pub(super) const GROUP_BLOCK: usize = D + 2 * PACK_ROWS;
 const _: () = assert!(GROUP_BLOCK == PACK_ROWS * size_of::<BlockQ6K>());
 
-const Q8K_BYTES: usize = size_of::<BlockQ8K>();
-const Q8K_QS: usize = offset_of!(BlockQ8K, qs);
-const Q8K_BSUMS: usize = offset_of!(BlockQ8K, bsums);
 const Q6K_BYTES: usize = size_of::<BlockQ6K>();
 const Q6K_QH: usize = offset_of!(BlockQ6K, qh);
 const Q6K_SC: usize = offset_of!(BlockQ6K, scales);
@@ -85,36 +82,24 @@ pub(super) const SIMD: Option<GroupFn> = None;
 /// As [`GroupFn`] (Q8_K activations).
 pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
     // SAFETY: forwarded from the caller.
-    let (w, ys) = unsafe { super::scalar_views(nb, w, GROUP_BLOCK, &a, ny, Q8K_BYTES) };
-    for t in 0..ny {
-        let mut acc = [0f32; PACK_ROWS];
-        for b in 0..nb {
-            let blk = &w[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
-            let y = &ys[t * a.yb + b * Q8K_BYTES..t * a.yb + (b + 1) * Q8K_BYTES];
-            let yd = f32::from_le_bytes(y[0..4].try_into().expect("4 bytes"));
-            let bsum = |g: usize| i16::from_le_bytes([y[Q8K_BSUMS + 2 * g], y[Q8K_BSUMS + 2 * g + 1]]) as i32;
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let (mut isum, mut imin) = (0i32, 0i32);
-                for j in 0..SUBS {
-                    for half in 0..2 {
-                        let sc = blk[SC + 32 * j + 2 * r + half] as i8 as i32;
-                        let mut s = 0i32;
-                        for e in 16 * half..16 * half + 16 {
-                            let (lo, hi) = at(j, r, e);
-                            let u = ((blk[lo.0] >> lo.1) & 0x0F) | (((blk[hi.0] >> hi.1) & 3) << 4);
-                            s += u as i32 * y[Q8K_QS + 32 * j + e] as i8 as i32;
-                        }
-                        isum += sc * s;
-                        imin += sc * bsum(2 * j + half);
+    unsafe {
+        super::q8k_scalar(nb, w, GROUP_BLOCK, a, ny, out, ostride, |blk, y, r| {
+            let (mut isum, mut imin) = (0i32, 0i32);
+            for j in 0..SUBS {
+                for half in 0..2 {
+                    let sc = blk[SC + 32 * j + 2 * r + half] as i8 as i32;
+                    let mut s = 0i32;
+                    for e in 16 * half..16 * half + 16 {
+                        let (lo, hi) = at(j, r, e);
+                        let u = ((blk[lo.0] >> lo.1) & 0x0F) | (((blk[hi.0] >> hi.1) & 3) << 4);
+                        s += u as i32 * y.q(32 * j + e);
                     }
+                    isum += sc * s;
+                    imin += sc * y.bsum(2 * j + half);
                 }
-                let d = half::f16::from_bits(u16::from_le_bytes([blk[D + 2 * r], blk[D + 2 * r + 1]])).to_f32();
-                let v = (isum - 32 * imin) as f32 * d;
-                *acc = v.mul_add(yd, *acc);
             }
-        }
-        // SAFETY: t < ny (see `GroupFn`).
-        unsafe { super::store_scalar(out, t, ostride, &acc) };
+            (isum - 32 * imin) as f32 * f16_at(blk, D + 2 * r)
+        })
     }
 }
 
