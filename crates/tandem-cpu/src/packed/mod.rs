@@ -340,20 +340,20 @@ fn simd_kernels(ty: GgmlType) -> (Option<GroupFn>, Option<GroupFn>) {
 /// The best group kernel for `ty` this machine runs (within `TANDEM_CPU_ISA`): AVX-512 VNNI, else
 /// AVX2, else the scalar reference.
 pub(crate) fn group_kernel(ty: GgmlType) -> Option<GroupFn> {
-    if !PACKED_TYPES.contains(&ty) {
-        return None;
-    }
+    PACKED_TYPES.contains(&ty).then(|| simd_kernel(ty).unwrap_or(scalar_kernel(ty)))
+}
+
+/// The SIMD group kernel of `ty` this machine runs (within `TANDEM_CPU_ISA`), if any.
+fn simd_kernel(ty: GgmlType) -> Option<GroupFn> {
     let isa = crate::Isa::detected();
     let (vnni, avx2) = simd_kernels(ty);
-    let vnni = vnni.filter(|_| isa >= crate::Isa::Avx512Vnni);
-    let avx2 = avx2.filter(|_| isa >= crate::Isa::Avx2);
-    Some(vnni.or(avx2).unwrap_or(scalar_kernel(ty)))
+    vnni.filter(|_| isa >= crate::Isa::Avx512Vnni).or(avx2.filter(|_| isa >= crate::Isa::Avx2))
 }
 
 /// Whether packing `ty` pays on this machine: a SIMD group kernel of it runs here (within
 /// `TANDEM_CPU_ISA`); elsewhere only the scalar reference would.
 pub fn packing_pays_for(ty: GgmlType) -> bool {
-    group_kernel(ty).is_some_and(|k| k as usize != scalar_kernel(ty) as usize)
+    PACKED_TYPES.contains(&ty) && simd_kernel(ty).is_some()
 }
 
 /// The scalar reference group kernel of `ty` (one of [`PACKED_TYPES`]).
