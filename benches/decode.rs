@@ -18,7 +18,7 @@ fn context(path: &Path, threads: usize) -> Context {
     let gguf = GgufModel::open(path, LoadOptions::default()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let model = Arc::new(Model::load(Arc::new(gguf)).unwrap_or_else(|e| panic!("{}: {e}", path.display())));
     let params =
-        ContextParams { n_ctx: N_CTX, n_ubatch: 512, cache_type_k: CacheType::F16, cache_type_v: CacheType::F16 };
+        ContextParams { n_ctx: N_CTX, n_ubatch: 512, ..ContextParams::default() };
     let threads = tandem_cpu::Threads::new(threads, threads).expect("thread pool");
     Context::new(model, Box::new(CpuBackend::new(threads)), params).expect("context")
 }

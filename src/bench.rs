@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 use tandem_gguf::{GgufModel, TensorRef};
-use tandem_model::{Batch, CacheType, Context, ContextParams, Model};
+use tandem_model::{Batch, CacheType, Context, ContextParams, MlaMode, Model};
 
 /// The KV-cache sequence the benchmark uses.
 const SEQ: usize = 0;
@@ -65,6 +65,9 @@ pub struct BenchArgs {
     /// KV cache type for V: f32, f16, bf16, q8_0 (also -ctv).
     #[arg(long = "cache-type-v", value_name = "TYPE", default_value = "f16")]
     pub cache_type_v: String,
+    /// MLA attention: absorbed (llama.cpp's arithmetic), auto or decompressed (see `tandem run --help`).
+    #[arg(long = "mla", value_name = "absorbed|auto|decompressed", default_value = "absorbed")]
+    pub mla: String,
     /// llama-sweep-bench's method: prefill -ub tokens, then decode -n, at N_KV = 0, UB, 2 UB, ... up to -c.
     #[arg(long)]
     pub sweep: bool,
@@ -129,6 +132,7 @@ struct Plan {
     ubatch: usize,
     cache_type_k: CacheType,
     cache_type_v: CacheType,
+    mla: MlaMode,
 }
 
 fn count(flag: &str, v: i64) -> anyhow::Result<usize> {
@@ -155,6 +159,7 @@ impl Plan {
         let ctx = a.ctx_size.map(|c| count("-c", c)).transpose()?;
         let cache_type_k = CacheType::from_name(&a.cache_type_k).with_context(|| format!("-ctk {}", a.cache_type_k))?;
         let cache_type_v = CacheType::from_name(&a.cache_type_v).with_context(|| format!("-ctv {}", a.cache_type_v))?;
+        let mla = MlaMode::from_name(&a.mla).with_context(|| format!("--mla {}", a.mla))?;
         let tg = a.n_gen.map(|n| count("-n", n)).transpose()?;
         let reps = a.repetitions.map(|r| positive("-r", r)).transpose()?;
         let depths: Vec<usize> = a.depth.iter().map(|&d| count("-d", d)).collect::<anyhow::Result<_>>()?;
@@ -178,7 +183,7 @@ impl Plan {
             }
             (pp, tg, if depths.is_empty() { vec![0] } else { depths }, reps.unwrap_or(3))
         };
-        Ok(Plan { threads, sweep: a.sweep, pp, tg, depths, reps, ctx, batch, ubatch, cache_type_k, cache_type_v })
+        Ok(Plan { threads, sweep: a.sweep, pp, tg, depths, reps, ctx, batch, ubatch, cache_type_k, cache_type_v, mla })
     }
 
     /// The context to allocate, given the model's training context (for `-c 0`).
@@ -546,6 +551,7 @@ fn run_threads(
         n_ubatch: plan.ubatch,
         cache_type_k: plan.cache_type_k,
         cache_type_v: plan.cache_type_v,
+        mla: plan.mla,
     };
     let rt = RuntimeArgs {
         threads: Some(t),
@@ -556,6 +562,7 @@ fn run_threads(
         cache_type_k: a.cache_type_k.clone(),
         cache_type_v: a.cache_type_v.clone(),
         parallel: 1,
+        mla: a.mla.clone(),
     };
     let choice = crate::logits::select_backend(model.gguf(), &a.model, &rt, &a.placement, threads)?;
     for line in &choice.notes {
@@ -569,11 +576,12 @@ fn run_threads(
     let ctx = Context::new(model.clone(), choice.backend, params)?;
     let mut r = Runner { ctx, rng: Rng(a.seed), batch: plan.batch, n_vocab: model.n_vocab(), pb: out.pb };
     out.line(&format!(
-        "\nmain: n_kv_max = {n_ctx}, n_batch = {}, n_ubatch = {}, n_threads = {t}, n_threads_batch = {t}, type_k = {}, type_v = {}, repetitions = {}\n",
+        "\nmain: n_kv_max = {n_ctx}, n_batch = {}, n_ubatch = {}, n_threads = {t}, n_threads_batch = {t}, type_k = {}, type_v = {}, mla = {}, repetitions = {}\n",
         plan.batch,
         plan.ubatch,
         a.cache_type_k.to_ascii_lowercase(),
         a.cache_type_v.to_ascii_lowercase(),
+        plan.mla.name(),
         plan.reps
     ))?;
     out.line(TABLE_HEADER)?;

@@ -186,6 +186,12 @@ pub struct RuntimeArgs {
     /// Parallel sequences (server slots).
     #[arg(long = "parallel", value_name = "N", default_value_t = 1)]
     pub parallel: usize,
+    /// MLA attention (DeepSeek/Kimi): absorbed = over the cached latent, llama.cpp's arithmetic;
+    /// auto = keys and values rebuilt from the latent for long prompt runs on the CPU, where that
+    /// takes fewer operations (faster prefill at depth; rounds differently from llama.cpp, about
+    /// as much as its flash attention does); decompressed = always rebuilt.
+    #[arg(long = "mla", value_name = "absorbed|auto|decompressed", default_value = "absorbed")]
+    pub mla: String,
 }
 
 /// Where tensors go: llama.cpp's placement flags, plus `--gpu` to plan for hardware that is not

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 use tandem_gguf::GgufModel;
-use tandem_model::{Backend, Batch, CacheType, Context, ContextParams, CpuBackend, GpuBackend, GpuOptions, Model};
+use tandem_model::{Backend, Batch, CacheType, Context, ContextParams, CpuBackend, GpuBackend, GpuOptions, MlaMode, Model};
 use tandem_plan::{Device, GpuBudget, GpuLayers, ModelInfo, Rule};
 
 #[derive(Args, Debug)]
@@ -47,6 +47,7 @@ pub fn open_context(model: &ModelArgs, rt: &RuntimeArgs, placement: &PlacementAr
         n_ubatch: rt.ubatch_size,
         cache_type_k: CacheType::from_name(&rt.cache_type_k)?,
         cache_type_v: CacheType::from_name(&rt.cache_type_v)?,
+        mla: MlaMode::from_name(&rt.mla)?,
     };
     let choice = select_backend(&gguf, model, rt, placement, threads)?;
     for line in &choice.notes {

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tandem_engine::{Engine, EngineConfig};
 use tandem_gguf::{GgufModel, LoadOptions};
-use tandem_model::{CacheType, Context, ContextParams, Model};
+use tandem_model::{CacheType, Context, ContextParams, MlaMode, Model};
 use tandem_server::ModelDescription;
 use tandem_tokenizer::Tokenizer;
 use tokio::net::TcpListener;
@@ -141,6 +141,7 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
         n_ubatch: rt.ubatch_size,
         cache_type_k: CacheType::from_name(&rt.cache_type_k)?,
         cache_type_v: CacheType::from_name(&rt.cache_type_v)?,
+        mla: MlaMode::from_name(&rt.mla)?,
     };
     let model_args = crate::cli::ModelArgs {
         model: args.model.clone().unwrap_or_default(),

@@ -466,7 +466,7 @@ fn model_files() -> Vec<PathBuf> {
 
 fn logits(model: &Arc<Model>, backend: Box<dyn Backend>, tokens: &[u32], one_by_one: bool) -> Vec<f32> {
     let params =
-        ContextParams { n_ctx: 128, n_ubatch: 512, cache_type_k: CacheType::F16, cache_type_v: CacheType::F16 };
+        ContextParams { n_ctx: 128, n_ubatch: 512, ..ContextParams::default() };
     let mut ctx = Context::new(model.clone(), backend, params).unwrap();
     if one_by_one {
         tokens

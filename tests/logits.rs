@@ -6,7 +6,7 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tandem_gguf::{GgufModel, LoadOptions};
-use tandem_model::{Batch, CacheType, Context, ContextParams, CpuBackend, Model};
+use tandem_model::{Batch, CacheType, Context, ContextParams, CpuBackend, MlaMode, Model};
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/inference")
@@ -18,11 +18,16 @@ fn load(path: &Path) -> Arc<Model> {
 }
 
 fn context(model: &Arc<Model>, threads: usize, ubatch: usize, ctk: &str, ctv: &str) -> Context {
+    context_mla(model, threads, ubatch, ctk, ctv, MlaMode::default())
+}
+
+fn context_mla(model: &Arc<Model>, threads: usize, ubatch: usize, ctk: &str, ctv: &str, mla: MlaMode) -> Context {
     let params = ContextParams {
         n_ctx: 512,
         n_ubatch: ubatch,
         cache_type_k: CacheType::from_name(ctk).unwrap(),
         cache_type_v: CacheType::from_name(ctv).unwrap(),
+        mla,
     };
     let threads = tandem_cpu::Threads::new(threads, threads).unwrap();
     Context::new(model.clone(), Box::new(CpuBackend::new(threads)), params).unwrap()
@@ -41,6 +46,8 @@ struct Fixture {
     ctk: String,
     ctv: String,
     reference: Vec<f32>,
+    /// llama.cpp's flash-attention run against its reference: median `max|d| / max|ref|`.
+    flash_attn_median: Option<f32>,
 }
 
 fn fixtures() -> Vec<Fixture> {
@@ -59,6 +66,7 @@ fn fixtures() -> Vec<Fixture> {
             ctk: j["cache_type_k"].as_str().unwrap().to_string(),
             ctv: j["cache_type_v"].as_str().unwrap().to_string(),
             reference: read_f32(&dir().join(j["logits_file"].as_str().unwrap())),
+            flash_attn_median: j["other_numerics"]["flash_attn"]["median_rel_err"].as_f64().map(|v| v as f32),
         });
     }
     out
@@ -112,36 +120,87 @@ fn logits_match_llama_cpp() {
         assert_eq!(model.n_vocab(), f.n_vocab, "{}", f.name);
         let mut ctx = context(&model, 2, 512, &f.ctk, &f.ctv);
         let got = ctx.decode(&Batch::sequence(&f.tokens, 0, 0, true)).unwrap();
-        let pp = per_position(&got, &f.reference, f.n_vocab);
-        let (worst, at, agree) = compare(&got, &f.reference, f.n_vocab);
-        let strict = f.weights == "F32" && f.ctk == "f32";
-        let tol = if strict { 1e-3 } else { 2e-2 };
-        let within = pp.iter().filter(|p| p.0 <= tol).count() as f32 / pp.len() as f32;
-        let mut errs: Vec<f32> = pp.iter().map(|p| p.0).collect();
-        errs.sort_by(f32::total_cmp);
-        let median = errs[errs.len() / 2];
-        let clear: Vec<_> = pp.iter().filter(|p| p.2 > 2.0 * tol).collect();
-        let clear_agree = clear.iter().filter(|p| p.1).count();
-        println!(
-            "{:<30} {:<7} cache {}/{}: worst {worst:.2e} at position {at}, median {median:.2e}, {:.1}% of positions within {tol:.0e}; argmax agrees at {:.1}% ({clear_agree}/{} where llama.cpp's margin > {:.0e})",
-            f.name,
-            f.weights,
-            f.ctk,
-            f.ctv,
-            within * 100.0,
-            agree * 100.0,
-            clear.len(),
-            2.0 * tol
-        );
-        let ok = if strict {
-            worst <= tol && agree >= 0.99
-        } else {
-            median <= tol && clear_agree == clear.len() && agree >= 0.95
-        };
-        if !ok {
+        if !within_tolerance(f, &got, "") {
             failures.push(f.name.clone());
         }
     }
+    assert!(failures.is_empty(), "beyond tolerance: {failures:?}");
+}
+
+/// Prints how close `got` is to llama.cpp's logits for `f`, and says whether that is within
+/// the bounds `logits_match_llama_cpp` explains.
+fn within_tolerance(f: &Fixture, got: &[f32], label: &str) -> bool {
+    let pp = per_position(got, &f.reference, f.n_vocab);
+    let (worst, at, agree) = compare(got, &f.reference, f.n_vocab);
+    let strict = f.weights == "F32" && f.ctk == "f32";
+    let tol = if strict { 1e-3 } else { 2e-2 };
+    let within = pp.iter().filter(|p| p.0 <= tol).count() as f32 / pp.len() as f32;
+    let mut errs: Vec<f32> = pp.iter().map(|p| p.0).collect();
+    errs.sort_by(f32::total_cmp);
+    let median = errs[errs.len() / 2];
+    let clear: Vec<_> = pp.iter().filter(|p| p.2 > 2.0 * tol).collect();
+    let clear_agree = clear.iter().filter(|p| p.1).count();
+    println!(
+        "{:<30} {:<7} cache {}/{}{label}: worst {worst:.2e} at position {at}, median {median:.2e}, {:.1}% of positions within {tol:.0e}; argmax agrees at {:.1}% ({clear_agree}/{} where llama.cpp's margin > {:.0e})",
+        f.name,
+        f.weights,
+        f.ctk,
+        f.ctv,
+        within * 100.0,
+        agree * 100.0,
+        clear.len(),
+        2.0 * tol
+    );
+    if strict {
+        worst <= tol && agree >= 0.99
+    } else {
+        median <= tol && clear_agree == clear.len() && agree >= 0.95
+    }
+}
+
+/// Both forms of MLA attention, forced, on every MLA fixture. The absorbed form is llama.cpp's
+/// arithmetic and is held to `logits_match_llama_cpp`'s bounds. The decompressed form (keys and
+/// values rebuilt from the latent) computes the same function but cannot round the latent
+/// attention output to Q8 before `attn_v_b` as llama.cpp does; on the F32 and F16 files it must
+/// meet the same bounds, and on quantized files (where that rounding is 2^-8, amplified through
+/// expert choices) its median distance must stay within 1.5x of the distance between llama.cpp's
+/// own reference and its flash-attention run (the fixture's `other_numerics.flash_attn`), with
+/// the argmax agreeing at >= 85% of positions (a wrong mask, scale or head shows up as 40-70%: the
+/// fixtures' `sensitivity`). Measured when this was written: medians 1.10-1.26x llama.cpp's
+/// flash-attention distance; argmax agreement 88.3-97.7% (llama.cpp's flash attention:
+/// 93.0-98.4%), with 1-2 of ~90 clear-margin positions flipped on the Q8_0 and IQ4_XS files
+/// (llama.cpp's flash attention flips none). This is why `--mla absorbed` is the default.
+#[test]
+fn mla_forms_match_llama_cpp() {
+    let mut failures = Vec::new();
+    let mut n = 0;
+    for f in fixtures().iter().filter(|f| f.name.starts_with("deepseek2-mla")) {
+        let model = load(&f.model);
+        for mla in [MlaMode::Absorbed, MlaMode::Decompressed] {
+            let got = context_mla(&model, 2, 512, &f.ctk, &f.ctv, mla)
+                .decode(&Batch::sequence(&f.tokens, 0, 0, true))
+                .unwrap();
+            let label = format!(" --mla {}", mla.name());
+            let ok = if mla == MlaMode::Absorbed || f.weights == "F32" || f.weights == "F16" {
+                within_tolerance(f, &got, &label)
+            } else {
+                within_tolerance(f, &got, &label);
+                let fa = f.flash_attn_median.expect("other_numerics.flash_attn in the fixture");
+                let pp = per_position(&got, &f.reference, f.n_vocab);
+                let mut errs: Vec<f32> = pp.iter().map(|p| p.0).collect();
+                errs.sort_by(f32::total_cmp);
+                let median = errs[errs.len() / 2];
+                let agree = pp.iter().filter(|p| p.1).count() as f32 / pp.len() as f32;
+                println!("    median {median:.2e} = {:.2}x llama.cpp's flash-attention distance {fa:.2e}", median / fa);
+                median <= 1.5 * fa.max(2e-2) && agree >= 0.85
+            };
+            if !ok {
+                failures.push(format!("{}{label}", f.name));
+            }
+        }
+        n += 1;
+    }
+    assert!(n >= 5, "expected the MLA fixtures, found {n}");
     assert!(failures.is_empty(), "beyond tolerance: {failures:?}");
 }
 
@@ -201,28 +260,34 @@ fn smollm2_greedy_continuations_match_llama_cpp() {
 
 /// The first 70 tokens of `f` give the same logits bit for bit with `-t 1 -ub 64`, with each
 /// `(threads, ubatch)` of `runs`, and decoded token by token.
-fn assert_invariant(model: &Arc<Model>, f: &Fixture, name: &str, runs: &[(usize, usize)]) {
+fn assert_invariant(model: &Arc<Model>, f: &Fixture, name: &str, runs: &[(usize, usize)], mla: MlaMode) {
     let toks = &f.tokens[..70];
-    let base = context(model, 1, 64, "f16", "f16").decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
+    let ctx = |threads, ub| context_mla(model, threads, ub, "f16", "f16", mla);
+    let base = ctx(1, 64).decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
     for &(threads, ub) in runs {
-        let got = context(model, threads, ub, "f16", "f16").decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
+        let got = ctx(threads, ub).decode(&Batch::sequence(toks, 0, 0, true)).unwrap();
         assert_eq!(compare(&got, &base, f.n_vocab).0, 0.0, "{name}: -t {threads} -ub {ub} differs from -t 1 -ub 64");
     }
-    let mut ctx = context(model, 2, 64, "f16", "f16");
+    let mut c = ctx(2, 64);
     let mut one_by_one = Vec::new();
     for (i, &t) in toks.iter().enumerate() {
-        one_by_one.extend(ctx.decode(&Batch::sequence(&[t], i as u32, 0, true)).unwrap());
+        one_by_one.extend(c.decode(&Batch::sequence(&[t], i as u32, 0, true)).unwrap());
     }
     assert_eq!(compare(&one_by_one, &base, f.n_vocab).0, 0.0, "{name}: token by token differs from one batch");
 }
 
+/// Within one form of MLA attention (`--mla auto` picks a form per run of tokens, so it is not
+/// invariant by design): the decompressed form computes each token from its own query and the
+/// cached rows only, as the absorbed one does.
 #[test]
 fn threads_ubatch_and_token_by_token_give_the_same_logits() {
     for name in ["deepseek2-mla-q4_k_m.gguf", "qwen3moe-q4_k_m.gguf", "llama-gqa-q8_0.gguf"] {
         let f = fixtures().into_iter().find(|f| f.name == name).unwrap();
         let model = load(&f.model);
-        assert_invariant(&model, &f, name, &[(2, 64), (1, 1), (2, 7)]);
+        assert_invariant(&model, &f, name, &[(2, 64), (1, 1), (2, 7)], MlaMode::Absorbed);
     }
+    let f = fixtures().into_iter().find(|f| f.name == "deepseek2-mla-q4_k_m.gguf").unwrap();
+    assert_invariant(&load(&f.model), &f, "--mla decompressed", &[(2, 64), (1, 1), (2, 7)], MlaMode::Decompressed);
 }
 
 /// `--repack` (every type `tandem_cpu::packed` has a layout for, in 16-row groups): the logits stay within the
@@ -281,7 +346,7 @@ fn repacked_weights_match_llama_cpp_and_are_invariant() {
         assert!(r2.tensors == 0 && r2.failed.len() == n && r2.failed[0].1 == "not enough memory", "{r2:?}");
         let got = context(&kept, 2, 512, &f.ctk, &f.ctv).decode(&Batch::sequence(&f.tokens, 0, 0, true)).unwrap();
         assert_eq!(compare(&got, &plain, f.n_vocab).0, 0.0, "{name}: kept unpacked differs from unpacked");
-        assert_invariant(&model, &f, &format!("{name} --repack"), &[(2, 64), (2, 7)]);
+        assert_invariant(&model, &f, &format!("{name} --repack"), &[(2, 64), (2, 7)], MlaMode::Absorbed);
     }
 }
 
@@ -289,9 +354,16 @@ fn repacked_weights_match_llama_cpp_and_are_invariant() {
 fn several_sequences_in_one_batch_match_each_alone() {
     let f = fixtures().into_iter().find(|f| f.name == "deepseek2-mla-f16.gguf").unwrap();
     let model = load(&f.model);
+    for mla in [MlaMode::Absorbed, MlaMode::Decompressed] {
+        several_sequences(&model, &f, mla);
+    }
+}
+
+fn several_sequences(model: &Arc<Model>, f: &Fixture, mla: MlaMode) {
+    let context = |model: &Arc<Model>, t, ub, ctk: &str, ctv: &str| context_mla(model, t, ub, ctk, ctv, mla);
     let (a, b) = (&f.tokens[..20], &f.tokens[30..45]);
-    let alone_a = context(&model, 2, 512, "f16", "f16").decode(&Batch::sequence(a, 0, 0, true)).unwrap();
-    let alone_b = context(&model, 2, 512, "f16", "f16").decode(&Batch::sequence(b, 0, 0, true)).unwrap();
+    let alone_a = context(model, 2, 512, "f16", "f16").decode(&Batch::sequence(a, 0, 0, true)).unwrap();
+    let alone_b = context(model, 2, 512, "f16", "f16").decode(&Batch::sequence(b, 0, 0, true)).unwrap();
     // Interleave the two sequences token by token in one batch.
     let mut batch = Batch::default();
     for i in 0..a.len().max(b.len()) {
@@ -304,7 +376,7 @@ fn several_sequences_in_one_batch_match_each_alone() {
             }
         }
     }
-    let mut ctx = context(&model, 2, 16, "f16", "f16");
+    let mut ctx = context(model, 2, 16, "f16", "f16");
     let both = ctx.decode(&batch).unwrap();
     let nv = f.n_vocab;
     let (mut ga, mut gb) = (Vec::new(), Vec::new());

@@ -36,7 +36,7 @@ impl KvType {
     }
 
     /// Values per block: heads and rows start at whole blocks.
-    fn block(self) -> usize {
+    pub(crate) fn block(self) -> usize {
         if self == KvType::Q8_0 {
             32
         } else {
@@ -45,7 +45,7 @@ impl KvType {
     }
 
     /// Bytes of `n` values, `n` a whole number of blocks.
-    fn bytes(self, n: usize) -> usize {
+    pub(crate) fn bytes(self, n: usize) -> usize {
         match self {
             KvType::F32 => 4 * n,
             KvType::F16 | KvType::BF16 => 2 * n,
@@ -251,14 +251,14 @@ pub fn attention_many(pool: &rayon::ThreadPool, items: &[Attn], outs: &mut [&mut
 /// own arithmetic (lane counts); within a level a head's result depends only on its query and the
 /// cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Level {
+pub(crate) enum Level {
     Scalar,
     Avx2,
     Avx512,
 }
 
 impl Level {
-    fn detected() -> Level {
+    pub(crate) fn detected() -> Level {
         #[cfg(target_arch = "x86_64")]
         {
             let isa = Isa::detected();
@@ -297,7 +297,7 @@ fn heads(a: &Attn, qr: &[f32], kvh: usize, hs: std::ops::Range<usize>, out: &mut
 /// Softmax over each head's scores laid out as `[chunk][head][stride]` (`stride = len / (n_chunks *
 /// n_head)`), then rounded to f16 or bf16 as ggml converts the probabilities for the V product
 /// (kept as they are for f32 and q8_0 V rows).
-fn softmax_rows(n_kv: usize, nh: usize, s: &mut [f32], n_chunks: usize, v_type: KvType, level: Level) {
+pub(crate) fn softmax_rows(n_kv: usize, nh: usize, s: &mut [f32], n_chunks: usize, v_type: KvType, level: Level) {
     let simd = level == Level::Avx512;
     let stride = s.len() / (n_chunks * nh).max(1);
     let len = |c: usize| (n_kv - c * stride).min(stride);
@@ -423,7 +423,7 @@ fn weighted_values(
 }
 
 /// Cached values as f32 (`out.len()` of them, a whole number of blocks).
-fn row_f32(ty: KvType, bytes: &[u8], out: &mut [f32]) {
+pub(crate) fn row_f32(ty: KvType, bytes: &[u8], out: &mut [f32]) {
     match ty {
         KvType::F32 => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {

@@ -26,9 +26,11 @@ macro_rules! by_ny {
 }
 
 mod attention;
+mod gemm;
 mod jobs;
 pub mod kernels;
 mod matmul;
+mod mla;
 mod ops;
 pub mod packed;
 mod pool;
@@ -37,6 +39,7 @@ pub use attention::{attention, attention_many, Attn, KvType};
 pub use jobs::{ffn_jobs, matmul_jobs, FfnJob, MatJob};
 pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY};
 pub use matmul::{matmul, matmul_quantized, quantize_activations, QuantizedActs, WeightRef};
+pub use mla::{cache_rows_f32, mla_prefill, MlaPrefill};
 pub use ops::{add_assign, rmsnorm, rope, silu_mul, softmax_in_place, RopeParams, RopeStyle};
 pub use pool::Threads;
 

@@ -28,6 +28,29 @@ pub struct AttnInput<'a> {
     pub scale: f32,
 }
 
+/// Tokens of one sequence for multi-head latent attention in the decompressed form: every
+/// cached row's key and value rebuilt per head from the latent (`attn_k_b`, `attn_v_b`), then
+/// ordinary attention ([`tandem_cpu::MlaPrefill`]).
+pub struct MlaInput<'a> {
+    /// `[n][n_head][nope + n_rot]`, after rope.
+    pub q: &'a [f32],
+    pub n_head: usize,
+    pub nope: usize,
+    pub n_rot: usize,
+    pub kv_lora: usize,
+    pub dv: usize,
+    /// The sequence's cached rows, `kv_lora + n_rot` values each in `kv_type`.
+    pub kv: &'a [u8],
+    pub kv_type: GgmlType,
+    /// Rows each token attends (its position + 1).
+    pub n_kv: &'a [usize],
+    /// `[nope, kv_lora, n_head]`: rows `h * kv_lora ..` are head `h`'s `W_kb`.
+    pub k_b: &'a Weight,
+    /// `[kv_lora, dv, n_head]`: rows `h * dv ..` are head `h`'s `W_vb`.
+    pub v_b: &'a Weight,
+    pub scale: f32,
+}
+
 /// A SwiGLU FFN on some of a batch's tokens: expert `expert` of 3-D expert tensors (rows
 /// `expert * n_ff ..` of gate and up, `expert * n_out ..` of down), or a 2-D FFN with `expert` 0.
 pub struct FfnSpec<'a> {
@@ -65,6 +88,12 @@ pub trait Backend: Send + Sync {
             self.attention(a, o)?;
         }
         Ok(())
+    }
+    /// MLA attention in the decompressed form; `out` is `[n][n_head][dv]`. `Ok(false)` (and
+    /// `out` untouched) where this backend does not have it for these inputs.
+    fn mla_decompressed(&self, a: &MlaInput, out: &mut [f32]) -> Result<bool> {
+        let _ = (a, out);
+        Ok(false)
     }
     /// `gate = silu(gate) * up`.
     fn swiglu(&self, gate: &mut [f32], up: &[f32]);
@@ -217,6 +246,50 @@ impl Backend for CpuBackend {
                 Ok(())
             }
         }
+    }
+
+    fn mla_decompressed(&self, a: &MlaInput, out: &mut [f32]) -> Result<bool> {
+        let Some(ty) = tandem_cpu::KvType::of(a.kv_type) else { return Ok(false) };
+        let row = a.kv_lora + a.n_rot;
+        if !row.is_multiple_of(a.kv_type.block_size()) {
+            return Ok(false);
+        }
+        let (nh, kl) = (a.n_head, a.kv_lora);
+        if a.k_b.rows() != nh * kl || a.k_b.cols() != a.nope || a.v_b.rows() != nh * a.dv || a.v_b.cols() != kl {
+            return Err(Error::Model(format!("{} / {}: shapes do not fit the attention", a.k_b.name, a.v_b.name)));
+        }
+        let rows = a.n_kv.iter().copied().max().unwrap_or(0);
+        let kv = tandem_cpu::cache_rows_f32(a.kv, ty, rows, row)?;
+        // Values: attn_v_b times every cached latent, as one quantized matrix product.
+        let latent: Vec<f32> = kv.chunks_exact(row).flat_map(|r| r[..kl].iter().copied()).collect();
+        let mut v = vec![0f32; rows * nh * a.dv];
+        self.matmul(a.v_b, &latent, &mut v)?;
+        let k_b = a.k_b.to_f32()?;
+        // Each head's q_nope as the absorbed form hands it to attn_k_b (rounded to the weight's
+        // dot type: Q8 blocks, f16), so the scores are llama.cpp's up to the order of the sums.
+        let dk = a.nope + a.n_rot;
+        let mut q = a.q.to_vec();
+        let q_nope: Vec<f32> = q.chunks_exact(dk).flat_map(|h| h[..a.nope].iter().copied()).collect();
+        let acts = quantize_activations(a.k_b.ty, &q_nope, a.nope)?;
+        let dot_ty = vec_dot_type(a.k_b.ty);
+        for (i, h) in q.chunks_exact_mut(dk).enumerate() {
+            dequantize_row(dot_ty, acts.row(i), &mut h[..a.nope])?;
+        }
+        let p = tandem_cpu::MlaPrefill {
+            q: &q,
+            n_head: nh,
+            nope: a.nope,
+            n_rot: a.n_rot,
+            kv_lora: kl,
+            dv: a.dv,
+            kv: &kv,
+            k_b: &k_b,
+            v: &v,
+            n_kv: a.n_kv,
+            scale: a.scale,
+        };
+        tandem_cpu::mla_prefill(self.threads.for_tokens(a.n_kv.len()), &p, out)?;
+        Ok(true)
     }
 
     fn swiglu(&self, gate: &mut [f32], up: &[f32]) {

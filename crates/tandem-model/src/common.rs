@@ -11,6 +11,7 @@ pub(crate) struct Ubatch<'a> {
     pub tokens: &'a [u32],
     pub pos: &'a [u32],
     pub seq: &'a [usize],
+    pub mla: crate::MlaMode,
 }
 
 impl Ubatch<'_> {
@@ -109,6 +110,23 @@ pub(crate) struct Qkv<'a> {
     pub v: Option<&'a [f32]>,
 }
 
+/// Appends each token's K (and V) row to its sequence's cache in layer `il`.
+pub(crate) fn push_rows(
+    cache: &mut KvCache,
+    il: usize,
+    ub: &Ubatch,
+    k: &[f32],
+    v: Option<&[f32]>,
+    s: AttnShape,
+) -> Result<()> {
+    let (k_len, v_len) = (s.n_head_kv * s.dk, s.n_head_kv * s.dv);
+    for t in 0..ub.len() {
+        let vr = v.map(|v| &v[t * v_len..(t + 1) * v_len]);
+        cache.push(ub.seq[t], il, &k[t * k_len..(t + 1) * k_len], vr)?;
+    }
+    Ok(())
+}
+
 /// Appends each token's K (and V) row to its sequence's cache in layer `il`, then attends every
 /// token to the positions up to its own; returns `[n][n_head * dv]`.
 pub(crate) fn attend(
@@ -119,34 +137,49 @@ pub(crate) fn attend(
     qkv: Qkv,
     s: AttnShape,
 ) -> Result<Vec<f32>> {
-    let Qkv { q, k, v } = qkv;
-    let n = ub.len();
-    let (k_len, v_len) = (s.n_head_kv * s.dk, s.n_head_kv * s.dv);
-    for t in 0..n {
-        let vr = v.map(|v| &v[t * v_len..(t + 1) * v_len]);
-        cache.push(ub.seq[t], il, &k[t * k_len..(t + 1) * k_len], vr)?;
-    }
+    push_rows(cache, il, ub, qkv.k, qkv.v, s)?;
+    let tokens: Vec<usize> = (0..ub.len()).collect();
+    attend_cached(b, cache, il, ub, &tokens, qkv.q, qkv.v.is_some(), s)
+}
+
+/// Attention of the tokens `tokens` of a micro-batch (their rows already cached) to the positions
+/// up to their own; `q` is `[tokens.len()][n_head * dk]`; returns `[tokens.len()][n_head * dv]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend_cached(
+    b: &dyn Backend,
+    cache: &KvCache,
+    il: usize,
+    ub: &Ubatch,
+    tokens: &[usize],
+    q: &[f32],
+    separate_v: bool,
+    s: AttnShape,
+) -> Result<Vec<f32>> {
     let (k_type, v_type) = (cache.k_type(), cache.v_type());
     let q_len = s.n_head * s.dk;
-    let mut out = vec![0f32; n * s.n_head * s.dv];
-    let items: Vec<AttnInput> = (0..n)
-        .map(|t| {
+    let mut out = vec![0f32; tokens.len() * s.n_head * s.dv];
+    let items: Vec<AttnInput> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
             let (kb, vb) = cache.rows(ub.seq[t], il);
             AttnInput {
-                q: &q[t * q_len..(t + 1) * q_len],
+                q: &q[i * q_len..(i + 1) * q_len],
                 n_head: s.n_head,
                 n_head_kv: s.n_head_kv,
                 dk: s.dk,
                 dv: s.dv,
                 k: kb,
                 k_type,
-                v: v.map(|_| vb),
+                v: separate_v.then_some(vb),
                 v_type,
                 n_kv: ub.pos[t] as usize + 1,
                 scale: s.scale,
             }
         })
         .collect();
-    b.attention_batch(&items, &mut out)?;
+    if !items.is_empty() {
+        b.attention_batch(&items, &mut out)?;
+    }
     Ok(out)
 }

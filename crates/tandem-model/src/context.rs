@@ -177,11 +177,57 @@ pub struct ContextParams {
     pub n_ubatch: usize,
     pub cache_type_k: CacheType,
     pub cache_type_v: CacheType,
+    /// How MLA models attend (`--mla`).
+    pub mla: MlaMode,
 }
 
 impl Default for ContextParams {
     fn default() -> Self {
-        ContextParams { n_ctx: 4096, n_ubatch: 512, cache_type_k: CacheType::F16, cache_type_v: CacheType::F16 }
+        ContextParams {
+            n_ctx: 4096,
+            n_ubatch: 512,
+            cache_type_k: CacheType::F16,
+            cache_type_v: CacheType::F16,
+            mla: MlaMode::Absorbed,
+        }
+    }
+}
+
+/// The form of multi-head latent attention (deepseek2 files with `attn_k_b`/`attn_v_b`).
+///
+/// The two forms are the same function; they round differently. The absorbed form is llama.cpp's
+/// arithmetic (its logits agree with llama.cpp's to ~1e-7 on quantized files), so it is the
+/// default. The decompressed one cannot round the latent attention output to Q8 before
+/// `attn_v_b` as llama.cpp does, and lands as far from llama.cpp's logits as llama.cpp's own
+/// flash-attention path does (tests/logits.rs `mla_forms_match_llama_cpp`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MlaMode {
+    /// Per sequence and micro-batch, whichever form takes fewer operations: absorbed for
+    /// decoding and short runs, decompressed for long prefills (where the backend has it).
+    Auto,
+    /// Always over the cached latent, as llama.cpp computes it.
+    #[default]
+    Absorbed,
+    /// Keys and values rebuilt from the latent for every run of tokens (where the backend has it).
+    Decompressed,
+}
+
+impl MlaMode {
+    pub fn from_name(name: &str) -> Result<MlaMode> {
+        match name.to_ascii_lowercase().as_str() {
+            "auto" => Ok(MlaMode::Auto),
+            "absorbed" => Ok(MlaMode::Absorbed),
+            "decompressed" => Ok(MlaMode::Decompressed),
+            _ => Err(Error::Model(format!("unknown MLA form '{name}' (use auto, absorbed or decompressed)"))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MlaMode::Auto => "auto",
+            MlaMode::Absorbed => "absorbed",
+            MlaMode::Decompressed => "decompressed",
+        }
     }
 }
 
@@ -278,8 +324,12 @@ impl Context {
         let mut start = 0;
         while start < batch.len() {
             let end = (start + self.params.n_ubatch).min(batch.len());
-            let ub =
-                Ubatch { tokens: &batch.tokens[start..end], pos: &batch.pos[start..end], seq: &batch.seq[start..end] };
+            let ub = Ubatch {
+                tokens: &batch.tokens[start..end],
+                pos: &batch.pos[start..end],
+                seq: &batch.seq[start..end],
+                mla: self.params.mla,
+            };
             let mut x = m.head.embed(ub.tokens)?;
             let (backend, cache) = (self.backend.as_ref(), &mut self.cache);
             backend.in_pool(ub.len(), &mut || {

@@ -6,14 +6,14 @@
 //! `attn_kv_b` and are run as ordinary multi-head attention. MoE layers after
 //! `leading_dense_block_count` dense ones, with shared experts.
 
-use crate::backend::Backend;
-use crate::common::{attend, AttnShape, Ffn, Qkv, Ubatch};
+use crate::backend::{Backend, MlaInput};
+use crate::common::{attend, attend_cached, push_rows, AttnShape, Ffn, Qkv, Ubatch};
 use crate::config::{Arch, Keys, RopeConfig};
 use crate::context::Layers;
 use crate::kv_cache::{KvCache, KvLayout};
 use crate::moe::{Gating, Moe, Routing};
 use crate::weights::{Weight, WeightLoader};
-use crate::{model_err, Result};
+use crate::{model_err, MlaMode, Result};
 use tandem_cpu::RopeStyle;
 
 enum Query {
@@ -183,41 +183,45 @@ impl Deepseek2 {
         }
         match &ly.kv_up {
             KvUp::Mla { k_b, v_b } => {
-                // Absorbed: q_h' = [W_kb,h q_nope,h ; q_pe,h] against cached [latent ; k_pe].
-                let dq = kl + nr;
-                let mut qcur = vec![0f32; n * nh * dq];
-                let q_nope: Vec<Vec<f32>> = (0..nh)
-                    .map(|hd| {
-                        (0..n).flat_map(|t| q[(t * nh + hd) * dk..(t * nh + hd) * dk + nope].iter().copied()).collect()
-                    })
-                    .collect();
-                let xs: Vec<&[f32]> = q_nope.iter().map(|v| &v[..]).collect();
-                let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * kl, kl)).collect();
-                let mut absorbed = vec![vec![0f32; n * kl]; nh];
-                b.matmul_groups(k_b, &groups, &xs, &mut absorbed)?;
-                for (hd, absorbed) in absorbed.iter().enumerate() {
-                    for t in 0..n {
-                        let dst = &mut qcur[(t * nh + hd) * dq..(t * nh + hd + 1) * dq];
-                        dst[..kl].copy_from_slice(&absorbed[t * kl..(t + 1) * kl]);
-                        dst[kl..].copy_from_slice(&q[(t * nh + hd) * dk + nope..(t * nh + hd + 1) * dk]);
-                    }
-                }
-                let shape = AttnShape { n_head: nh, n_head_kv: 1, dk: dq, dv: kl, scale: self.kq_scale };
-                let lat = attend(b, cache, il, ub, Qkv { q: &qcur, k: &kv, v: None }, shape)?;
-                // Decompress each head's latent output with W_vb,h.
-                let lat_h: Vec<Vec<f32>> = (0..nh)
-                    .map(|hd| {
-                        (0..n).flat_map(|t| lat[(t * nh + hd) * kl..(t * nh + hd + 1) * kl].iter().copied()).collect()
-                    })
-                    .collect();
-                let xs: Vec<&[f32]> = lat_h.iter().map(|v| &v[..]).collect();
-                let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * dv, dv)).collect();
-                let mut ys = vec![vec![0f32; n * dv]; nh];
-                b.matmul_groups(v_b, &groups, &xs, &mut ys)?;
+                let shape = AttnShape { n_head: nh, n_head_kv: 1, dk: kl + nr, dv: kl, scale: self.kq_scale };
+                push_rows(cache, il, ub, &kv, None, shape)?;
                 let mut o = vec![0f32; n * nh * dv];
-                for (hd, y) in ys.iter().enumerate() {
-                    for t in 0..n {
-                        o[(t * nh + hd) * dv..(t * nh + hd + 1) * dv].copy_from_slice(&y[t * dv..(t + 1) * dv]);
+                let row = nh * dv;
+                // Each sequence's run of tokens in the form that costs less; the rest absorbed.
+                let mut absorbed = Vec::new();
+                for (seq, tokens) in by_sequence(ub) {
+                    let n_kv: Vec<usize> = tokens.iter().map(|&t| ub.pos[t] as usize + 1).collect();
+                    if self.decompress(ub.mla, &n_kv) {
+                        let qs: Vec<f32> =
+                            tokens.iter().flat_map(|&t| q[t * nh * dk..(t + 1) * nh * dk].iter().copied()).collect();
+                        let mut out = vec![0f32; tokens.len() * row];
+                        let input = MlaInput {
+                            q: &qs,
+                            n_head: nh,
+                            nope,
+                            n_rot: nr,
+                            kv_lora: kl,
+                            dv,
+                            kv: cache.rows(seq, il).0,
+                            kv_type: cache.k_type(),
+                            n_kv: &n_kv,
+                            k_b,
+                            v_b,
+                            scale: self.kq_scale,
+                        };
+                        if b.mla_decompressed(&input, &mut out)? {
+                            for (&t, r) in tokens.iter().zip(out.chunks_exact(row)) {
+                                o[t * row..(t + 1) * row].copy_from_slice(r);
+                            }
+                            continue;
+                        }
+                    }
+                    absorbed.extend(tokens);
+                }
+                if !absorbed.is_empty() {
+                    let out = self.absorbed(b, cache, il, ub, &absorbed, &q, k_b, v_b)?;
+                    for (&t, r) in absorbed.iter().zip(out.chunks_exact(row)) {
+                        o[t * row..(t + 1) * row].copy_from_slice(r);
                     }
                 }
                 Ok(o)
@@ -244,6 +248,97 @@ impl Deepseek2 {
             }
         }
     }
+
+    /// Absorbed MLA for `tokens` of the micro-batch (rows cached): `q_h' = [W_kb,h q_nope,h ;
+    /// q_pe,h]` against the cached `[latent ; k_pe]`, each head's latent output decompressed by
+    /// `W_vb,h`. `q` is the whole micro-batch's; returns `[tokens.len()][n_head * dv]`.
+    #[allow(clippy::too_many_arguments)]
+    fn absorbed(
+        &self,
+        b: &dyn Backend,
+        cache: &KvCache,
+        il: usize,
+        ub: &Ubatch,
+        tokens: &[usize],
+        q: &[f32],
+        k_b: &Weight,
+        v_b: &Weight,
+    ) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        let (nh, dk, dv, nr, kl) = (self.n_head, self.dk, self.dv, self.n_rot, self.kv_lora);
+        let nope = dk - nr;
+        let dq = kl + nr;
+        let mut qcur = vec![0f32; n * nh * dq];
+        let q_nope: Vec<Vec<f32>> = (0..nh)
+            .map(|hd| {
+                tokens.iter().flat_map(|&t| q[(t * nh + hd) * dk..(t * nh + hd) * dk + nope].iter().copied()).collect()
+            })
+            .collect();
+        let xs: Vec<&[f32]> = q_nope.iter().map(|v| &v[..]).collect();
+        let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * kl, kl)).collect();
+        let mut absorbed = vec![vec![0f32; n * kl]; nh];
+        b.matmul_groups(k_b, &groups, &xs, &mut absorbed)?;
+        for (hd, absorbed) in absorbed.iter().enumerate() {
+            for (i, &t) in tokens.iter().enumerate() {
+                let dst = &mut qcur[(i * nh + hd) * dq..(i * nh + hd + 1) * dq];
+                dst[..kl].copy_from_slice(&absorbed[i * kl..(i + 1) * kl]);
+                dst[kl..].copy_from_slice(&q[(t * nh + hd) * dk + nope..(t * nh + hd + 1) * dk]);
+            }
+        }
+        let shape = AttnShape { n_head: nh, n_head_kv: 1, dk: dq, dv: kl, scale: self.kq_scale };
+        let lat = attend_cached(b, cache, il, ub, tokens, &qcur, false, shape)?;
+        // Decompress each head's latent output with W_vb,h.
+        let lat_h: Vec<Vec<f32>> = (0..nh)
+            .map(|hd| (0..n).flat_map(|i| lat[(i * nh + hd) * kl..(i * nh + hd + 1) * kl].iter().copied()).collect())
+            .collect();
+        let xs: Vec<&[f32]> = lat_h.iter().map(|v| &v[..]).collect();
+        let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * dv, dv)).collect();
+        let mut ys = vec![vec![0f32; n * dv]; nh];
+        b.matmul_groups(v_b, &groups, &xs, &mut ys)?;
+        let mut o = vec![0f32; n * nh * dv];
+        for (hd, y) in ys.iter().enumerate() {
+            for i in 0..n {
+                o[(i * nh + hd) * dv..(i * nh + hd + 1) * dv].copy_from_slice(&y[i * dv..(i + 1) * dv]);
+            }
+        }
+        Ok(o)
+    }
+
+    /// Whether a run of tokens attending `n_kv` rows each takes the decompressed form: by `mode`,
+    /// or under `Auto` when it costs fewer multiply-adds per head than the absorbed form (with a
+    /// margin), products of quantized weights (int8) counted at a third of an f32 one. Absorbed:
+    /// `2 kv_lora + n_rot` per token and row, plus `W_kb` on each query and `W_vb` on each output.
+    /// Decompressed: `nope + n_rot + dv` per token and row, plus rebuilding every row's key (f32)
+    /// and value (quantized).
+    fn decompress(&self, mode: MlaMode, n_kv: &[usize]) -> bool {
+        match mode {
+            MlaMode::Absorbed => false,
+            MlaMode::Decompressed => true,
+            MlaMode::Auto => decompress_pays(self.kv_lora, self.n_rot, self.dk - self.n_rot, self.dv, n_kv),
+        }
+    }
+}
+
+/// The cost model of [`Deepseek2::decompress`] under `Auto`.
+fn decompress_pays(kv_lora: usize, n_rot: usize, nope: usize, dv: usize, n_kv: &[usize]) -> bool {
+    let (kl, nr, nope, dv) = (kv_lora as f64, n_rot as f64, nope as f64, dv as f64);
+    let pairs: f64 = n_kv.iter().map(|&k| k as f64).sum();
+    let (n, rows) = (n_kv.len() as f64, n_kv.iter().copied().max().unwrap_or(0) as f64);
+    let absorbed = pairs * (2.0 * kl + nr) + n * (nope * kl + kl * dv) / 3.0;
+    let decompressed = pairs * (nope + nr + dv) + rows * (nope * kl + kl * dv / 3.0);
+    decompressed * 1.25 < absorbed
+}
+
+/// The micro-batch's token indices per sequence, in order of first appearance.
+fn by_sequence(ub: &Ubatch) -> Vec<(usize, Vec<usize>)> {
+    let mut out: Vec<(usize, Vec<usize>)> = Vec::new();
+    for t in 0..ub.len() {
+        match out.iter_mut().find(|(s, _)| *s == ub.seq[t]) {
+            Some((_, v)) => v.push(t),
+            None => out.push((ub.seq[t], vec![t])),
+        }
+    }
+    out
 }
 
 impl Layers for Deepseek2 {
@@ -284,5 +379,26 @@ impl Layers for Deepseek2 {
 
     fn eps(&self) -> f32 {
         self.eps
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decompress_pays;
+
+    /// Kimi's shapes (latent 512, rope 64, nope 128, dv 128), as measured with `tandem bench
+    /// --mla` on the bench model: decoding and short runs stay absorbed; prompt runs of 256 and
+    /// 512 tokens at depth 0 and 3072 are decompressed; 64 tokens at depth 3072 stay absorbed
+    /// (decompressed was 1.5x slower there).
+    #[test]
+    fn auto_decompresses_long_runs_only() {
+        let run = |depth: usize, n: usize| (depth + 1..=depth + n).collect::<Vec<_>>();
+        let pays = |depth, n| decompress_pays(512, 64, 128, 128, &run(depth, n));
+        for depth in [0, 100, 3072, 100_000] {
+            assert!(!pays(depth, 1), "decode at {depth}");
+        }
+        assert!(!pays(3072, 64) && !pays(0, 16));
+        assert!(pays(0, 256) && pays(0, 512) && pays(3072, 256) && pays(3072, 512));
+        assert!(!decompress_pays(512, 64, 128, 128, &[]));
     }
 }

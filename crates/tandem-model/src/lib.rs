@@ -16,9 +16,9 @@ mod moe;
 mod qwen3moe;
 mod weights;
 
-pub use backend::{AttnInput, Backend, CpuBackend};
+pub use backend::{AttnInput, Backend, CpuBackend, MlaInput};
 pub use config::{Arch, RopeConfig};
-pub use context::{Batch, Context, ContextParams, Model, PackReport};
+pub use context::{Batch, Context, ContextParams, MlaMode, Model, PackReport};
 pub use gpu::{GpuBackend, GpuLoad, GpuOptions};
 pub use kv_cache::{CacheType, KvCache};
 pub use weights::{Weight, WeightLoader};
