@@ -258,37 +258,62 @@ impl Backend for CpuBackend {
         if a.k_b.rows() != nh * kl || a.k_b.cols() != a.nope || a.v_b.rows() != nh * a.dv || a.v_b.cols() != kl {
             return Err(Error::Model(format!("{} / {}: shapes do not fit the attention", a.k_b.name, a.v_b.name)));
         }
+        let (n, dk, dv, nope) = (a.n_kv.len(), a.nope + a.n_rot, a.dv, a.nope);
+        if a.q.len() != n * nh * dk || out.len() != n * nh * dv {
+            return Err(Error::Model(format!("decompressed MLA attention of {n} tokens: query or output size wrong")));
+        }
         let rows = a.n_kv.iter().copied().max().unwrap_or(0);
         let kv = tandem_cpu::cache_rows_f32(a.kv, ty, rows, row)?;
-        // Values: attn_v_b times every cached latent, as one quantized matrix product.
         let latent: Vec<f32> = kv.chunks_exact(row).flat_map(|r| r[..kl].iter().copied()).collect();
-        let mut v = vec![0f32; rows * nh * a.dv];
-        self.matmul(a.v_b, &latent, &mut v)?;
         let k_b = a.k_b.to_f32()?;
         // Each head's q_nope as the absorbed form hands it to attn_k_b (rounded to the weight's
         // dot type: Q8 blocks, f16), so the scores are llama.cpp's up to the order of the sums.
-        let dk = a.nope + a.n_rot;
         let mut q = a.q.to_vec();
-        let q_nope: Vec<f32> = q.chunks_exact(dk).flat_map(|h| h[..a.nope].iter().copied()).collect();
-        let acts = quantize_activations(a.k_b.ty, &q_nope, a.nope)?;
+        let q_nope: Vec<f32> = q.chunks_exact(dk).flat_map(|h| h[..nope].iter().copied()).collect();
+        let acts = quantize_activations(a.k_b.ty, &q_nope, nope)?;
         let dot_ty = vec_dot_type(a.k_b.ty);
         for (i, h) in q.chunks_exact_mut(dk).enumerate() {
-            dequantize_row(dot_ty, acts.row(i), &mut h[..a.nope])?;
+            dequantize_row(dot_ty, acts.row(i), &mut h[..nope])?;
         }
-        let p = tandem_cpu::MlaPrefill {
-            q: &q,
-            n_head: nh,
-            nope: a.nope,
-            n_rot: a.n_rot,
-            kv_lora: kl,
-            dv: a.dv,
-            kv: &kv,
-            k_b: &k_b,
-            v: &v,
-            n_kv: a.n_kv,
-            scale: a.scale,
-        };
-        tandem_cpu::mla_prefill(self.threads.for_tokens(a.n_kv.len()), &p, out)?;
+        // Heads in groups whose rebuilt values take at most MLA_VALUE_BYTES (one head per thread
+        // at least): at Kimi's 64 heads and 128K rows all values would be 4 GiB per layer.
+        let pool = self.threads.for_tokens(n);
+        let per_head = rows * dv * std::mem::size_of::<f32>();
+        let hg = (MLA_VALUE_BYTES / per_head.max(1)).max(pool.current_num_threads()).clamp(1, nh);
+        for h0 in (0..nh).step_by(hg) {
+            let h1 = (h0 + hg).min(nh);
+            let g = h1 - h0;
+            // Values: attn_v_b times every cached latent, as one quantized matrix product.
+            let mut v = vec![0f32; rows * g * dv];
+            self.matmul_rows(a.v_b, h0 * dv, g * dv, &latent, &mut v)?;
+            let qg: Vec<f32> = if g == nh {
+                std::mem::take(&mut q)
+            } else {
+                q.chunks_exact(nh * dk).flat_map(|t| t[h0 * dk..h1 * dk].iter().copied()).collect()
+            };
+            let p = tandem_cpu::MlaPrefill {
+                q: &qg,
+                n_head: g,
+                nope,
+                n_rot: a.n_rot,
+                kv_lora: kl,
+                dv,
+                kv: &kv,
+                k_b: &k_b[h0 * kl * nope..h1 * kl * nope],
+                v: &v,
+                n_kv: a.n_kv,
+                scale: a.scale,
+            };
+            if g == nh {
+                tandem_cpu::mla_prefill(pool, &p, out)?;
+            } else {
+                let mut og = vec![0f32; n * g * dv];
+                tandem_cpu::mla_prefill(pool, &p, &mut og)?;
+                for (o, r) in out.chunks_exact_mut(nh * dv).zip(og.chunks_exact(g * dv)) {
+                    o[h0 * dv..h1 * dv].copy_from_slice(r);
+                }
+            }
+        }
         Ok(true)
     }
 
@@ -300,6 +325,10 @@ impl Backend for CpuBackend {
         tandem_cpu::add_assign(x, y);
     }
 }
+
+/// Most bytes of rebuilt values the decompressed MLA attention holds at once (see
+/// `CpuBackend::mla_decompressed`).
+const MLA_VALUE_BYTES: usize = 1 << 30;
 
 /// An f16, bf16, f32 or q8_0 cache whose heads are whole blocks takes the fast path of tandem-cpu.
 fn fast_view<'a>(a: &AttnInput<'a>) -> Option<tandem_cpu::Attn<'a>> {
