@@ -9,7 +9,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tandem_gguf::{GgufModel, LoadOptions};
-use tandem_model::{Batch, CacheType, Context, ContextParams, CpuBackend, Model};
+use tandem_model::{Batch, Context, ContextParams, CpuBackend, Model};
 
 const DEPTH: usize = 16;
 const N_CTX: usize = 256;
@@ -17,8 +17,7 @@ const N_CTX: usize = 256;
 fn context(path: &Path, threads: usize) -> Context {
     let gguf = GgufModel::open(path, LoadOptions::default()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let model = Arc::new(Model::load(Arc::new(gguf)).unwrap_or_else(|e| panic!("{}: {e}", path.display())));
-    let params =
-        ContextParams { n_ctx: N_CTX, n_ubatch: 512, ..ContextParams::default() };
+    let params = ContextParams { n_ctx: N_CTX, n_ubatch: 512, ..ContextParams::default() };
     let threads = tandem_cpu::Threads::new(threads, threads).expect("thread pool");
     Context::new(model, Box::new(CpuBackend::new(threads)), params).expect("context")
 }

@@ -12,9 +12,7 @@ use tandem_cpu::{RopeParams, RopeStyle};
 use tandem_cuda::f16;
 use tandem_cuda::{AttnShape, Gating, GgmlType, RouterParams, Runtime, MATVEC_TYPES};
 use tandem_gguf::{GgufModel, LoadOptions};
-use tandem_model::{
-    AttnInput, Backend, Batch, CacheType, Context, ContextParams, CpuBackend, GpuBackend, GpuOptions, Model,
-};
+use tandem_model::{AttnInput, Backend, Batch, Context, ContextParams, CpuBackend, GpuBackend, GpuOptions, Model};
 
 /// The repository (for fixtures): `TANDEM_REPO` when the test binary runs away from its build tree
 /// (scripts/gpu-check.sh), else where it was built.
@@ -465,8 +463,7 @@ fn model_files() -> Vec<PathBuf> {
 }
 
 fn logits(model: &Arc<Model>, backend: Box<dyn Backend>, tokens: &[u32], one_by_one: bool) -> Vec<f32> {
-    let params =
-        ContextParams { n_ctx: 128, n_ubatch: 512, ..ContextParams::default() };
+    let params = ContextParams { n_ctx: 128, n_ubatch: 512, ..ContextParams::default() };
     let mut ctx = Context::new(model.clone(), backend, params).unwrap();
     if one_by_one {
         tokens
