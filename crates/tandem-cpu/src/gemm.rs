@@ -214,17 +214,7 @@ mod x86 {
 mod tests {
     use super::*;
 
-    fn rand(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
-    }
+    use crate::test_data as rand;
 
     /// Every level this machine runs gives the scalar code's bits, for tile edges in every
     /// direction, strided operands and several panels of `b`; the scalar code is an f64 product

@@ -35,6 +35,20 @@ mod ops;
 pub mod packed;
 mod pool;
 
+/// Deterministic test data in [-1, 1) (xorshift), shared by the unit tests.
+#[cfg(test)]
+pub(crate) fn test_data(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
 pub use attention::{attention, attention_many, Attn, KvType};
 pub use jobs::{ffn_jobs, matmul_jobs, FfnJob, MatJob};
 pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY};

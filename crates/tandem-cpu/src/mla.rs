@@ -163,15 +163,7 @@ mod tests {
     use super::*;
 
     fn rand(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale
-            })
-            .collect()
+        crate::test_data(seed, n).into_iter().map(|v| v * scale).collect()
     }
 
     struct Case {

@@ -5,17 +5,7 @@ use crate::kernels::{kernel, Isa, MAX_NY};
 use std::time::Instant;
 use tandem_quant::{quantize_row, row_size, GgmlType};
 
-fn data(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
+use crate::test_data as data;
 
 /// Weight bytes per second (GB/s) of `rows` rows of `n` run against `ny` activation rows (median
 /// over chunks of the matrix).
