@@ -233,7 +233,7 @@ pub struct PlacementArgs {
 /// does not need: each one set yields a one-line note of what tandem does instead.
 #[derive(Args, Debug, Clone, Default)]
 pub struct CompatArgs {
-    /// ik_llama.cpp's MLA mode (ignored: tandem always uses absorbed MLA).
+    /// ik_llama.cpp's MLA mode (ignored: tandem's MLA form is `--mla`).
     #[arg(long = "mla-use", value_name = "N")]
     pub mla_use: Option<u32>,
     /// ik_llama.cpp's attention batch cap in MiB (ignored: attention is chunked automatically).
@@ -292,7 +292,7 @@ impl CompatArgs {
             }
         };
         let v = |o: &Option<String>| o.clone().unwrap_or_default();
-        note(self.mla_use.is_some(), format!("-mla {}: ignored; tandem always runs MLA with the absorbed attn_k_b/attn_v_b over the latent KV cache (ik_llama.cpp's -mla 3)", self.mla_use.unwrap_or(0)));
+        note(self.mla_use.is_some(), format!("-mla {}: ignored; tandem's MLA form is set with --mla (absorbed: over the latent KV cache, llama.cpp's arithmetic, the default; auto: keys and values rebuilt from the latent for long prompt runs)", self.mla_use.unwrap_or(0)));
         note(self.attn_max_batch.is_some(), format!("-amb {}: ignored; tandem computes attention scores in chunks of {} cached positions, so their buffer does not grow with -c", self.attn_max_batch.unwrap_or(0), tandem_plan::ATTN_KV_CHUNK));
         note(self.merge_qkv, "--merge-qkv: ignored; deepseek2 has no separate Q/K/V projections to merge and tandem reads the others as stored".into());
         note(self.jinja, "--jinja: ignored; tandem always renders the chat template stored in the GGUF".into());
