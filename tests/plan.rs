@@ -109,7 +109,7 @@ fn seed_lines_run_on_a_fixture_with_one_note_per_ignored_flag() {
     let notes: Vec<String> = stderr(&o).lines().map(str::to_string).collect();
     assert_eq!(notes.len(), 6, "{notes:#?}");
     assert!(notes.iter().all(|n| n.starts_with("tandem: note: ") && n.contains("ignored; ")));
-    assert!(notes.iter().any(|n| n.starts_with("tandem: note: -mla 3: ignored; tandem always runs MLA")));
+    assert!(notes.iter().any(|n| n.starts_with("tandem: note: -mla 3: ignored; tandem's MLA form is set with --mla")));
 }
 
 #[test]
