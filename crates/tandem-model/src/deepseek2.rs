@@ -188,8 +188,10 @@ impl Deepseek2 {
                 let mut o = vec![0f32; n * nh * dv];
                 let row = nh * dv;
                 // Each sequence's run of tokens in the form that costs less; the rest absorbed.
-                let mut absorbed = Vec::new();
-                for (seq, tokens) in by_sequence(ub) {
+                // Under the default (absorbed) form there is nothing to choose per sequence.
+                let runs = if ub.mla == MlaMode::Absorbed { Vec::new() } else { by_sequence(ub) };
+                let mut absorbed: Vec<usize> = if runs.is_empty() { (0..n).collect() } else { Vec::new() };
+                for (seq, tokens) in runs {
                     let n_kv: Vec<usize> = tokens.iter().map(|&t| ub.pos[t] as usize + 1).collect();
                     if self.decompress(ub.mla, &n_kv) {
                         let qs: Vec<f32> =
