@@ -474,7 +474,7 @@ pub(crate) mod x86 {
     /// polynomial llama.cpp's softmax uses.
     #[inline]
     #[target_feature(enable = "avx512f,avx512dq")]
-    unsafe fn expf(x: __m512) -> __m512 {
+    pub(crate) unsafe fn expf(x: __m512) -> __m512 {
         let r = _mm512_set1_ps(f32::from_bits(0x4B40_0000)); // 0x1.8p23
         let z = _mm512_fmadd_ps(x, _mm512_set1_ps(f32::from_bits(0x3FB8_AA3B)), r); // 0x1.715476p+0
         let n = _mm512_sub_ps(z, r);
@@ -549,7 +549,7 @@ pub(crate) mod x86 {
     /// [`expf`] gives it (a result below the normal range is rounded once, by the second factor).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn expf8(x: __m256) -> __m256 {
+    pub(crate) unsafe fn expf8(x: __m256) -> __m256 {
         let r = _mm256_set1_ps(f32::from_bits(0x4B40_0000)); // 0x1.8p23
         let z = _mm256_fmadd_ps(x, _mm256_set1_ps(f32::from_bits(0x3FB8_AA3B)), r); // 0x1.715476p+0
         let n = _mm256_sub_ps(z, r);

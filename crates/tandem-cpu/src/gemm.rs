@@ -11,13 +11,16 @@ const KC: usize = 256;
 /// Rows of `a` per register tile.
 const MR: usize = 6;
 
-/// Strided row-major matrix operands.
+/// Strided matrix operands: `b` and `c` row-major, `a` with any row and column strides.
 #[derive(Clone, Copy)]
 pub(crate) struct Dims {
     pub m: usize,
     pub n: usize,
     pub k: usize,
+    /// Between rows of `a`.
     pub lda: usize,
+    /// Between columns of `a` (1: row-major; `a` transposed has `lda` 1 and `ka` its row length).
+    pub ka: usize,
     pub ldb: usize,
     pub ldc: usize,
 }
@@ -25,21 +28,22 @@ pub(crate) struct Dims {
 impl Dims {
     /// Whether `a`, `b`, `c` hold every element the product reads and writes.
     fn fits(&self, a: usize, b: usize, c: usize) -> bool {
-        let need = |rows: usize, ld: usize, cols: usize| {
+        // The last element's index + 1, for `rows` x `cols` with strides `ld` and `step`.
+        let need = |rows: usize, ld: usize, cols: usize, step: usize| {
             if rows == 0 || cols == 0 {
                 Some(0)
             } else {
-                (rows - 1).checked_mul(ld).and_then(|x| x.checked_add(cols))
+                (rows - 1).checked_mul(ld).and_then(|x| x.checked_add((cols - 1).checked_mul(step)?.checked_add(1)?))
             }
         };
         let ok = |n: Option<usize>, have: usize| n.is_some_and(|n| n <= have);
-        ok(need(self.m, self.lda, self.k), a)
-            && ok(need(self.k, self.ldb, self.n), b)
-            && ok(need(self.m, self.ldc, self.n), c)
+        ok(need(self.m, self.lda, self.k, self.ka), a)
+            && ok(need(self.k, self.ldb, self.n, 1), b)
+            && ok(need(self.m, self.ldc, self.n, 1), c)
     }
 }
 
-/// `c[i * ldc + j] += sum_k a[i * lda + k] * b[k * ldb + j]` for `i < m`, `j < n`, `k < kk`.
+/// `c[i * ldc + j] += sum_k a[i * lda + k * ka] * b[k * ldb + j]` for `i < m`, `j < n`, `k < kk`.
 ///
 /// # Panics
 /// When a slice is shorter than the dimensions need (the callers size them; a panic is a bug).
@@ -61,7 +65,7 @@ pub(crate) fn gemm(d: Dims, a: &[f32], b: &[f32], c: &mut [f32], level: Level) {
         for i in 0..d.m {
             let crow = &mut c[i * d.ldc..i * d.ldc + d.n];
             for k in k0..k1 {
-                let av = a[i * d.lda + k];
+                let av = a[i * d.lda + k * d.ka];
                 for (cv, bv) in crow.iter_mut().zip(&b[k * d.ldb..k * d.ldb + d.n]) {
                     *cv = av.mul_add(*bv, *cv);
                 }
@@ -89,13 +93,13 @@ mod x86 {
                     let rows = (d.m - i0).min(MR);
                     // SAFETY: inside the operands (`fits`), as the caller promised.
                     let (ap, bp, cp) =
-                        unsafe { (a.add(i0 * d.lda + k0), b.add(k0 * d.ldb + j0), c.add(i0 * d.ldc + j0)) };
+                        unsafe { (a.add(i0 * d.lda + k0 * d.ka), b.add(k0 * d.ldb + j0), c.add(i0 * d.ldc + j0)) };
                     // SAFETY: as above; the tile reads `rows` x `kk` of a, `kk` x `cols` of b.
                     unsafe {
                         if avx2 {
-                            by_rows!(rows, tile2(kk, cols, ap, d.lda, bp, d.ldb, cp, d.ldc));
+                            by_rows!(rows, tile2(kk, cols, ap, d.lda, d.ka, bp, d.ldb, cp, d.ldc));
                         } else {
-                            by_rows!(rows, tile512(kk, cols, ap, d.lda, bp, d.ldb, cp, d.ldc));
+                            by_rows!(rows, tile512(kk, cols, ap, d.lda, d.ka, bp, d.ldb, cp, d.ldc));
                         }
                     }
                 }
@@ -126,6 +130,7 @@ mod x86 {
         cols: usize,
         a: *const f32,
         lda: usize,
+        ka: usize,
         b: *const f32,
         ldb: usize,
         c: *mut f32,
@@ -150,7 +155,7 @@ mod x86 {
             let bv = unsafe { [0, 1, 2, 3].map(|v| _mm512_maskz_loadu_ps(m[v], b.wrapping_add(k * ldb + 16 * v))) };
             for (r, acc) in acc.iter_mut().enumerate() {
                 // SAFETY: element (r, k) of a.
-                let av = _mm512_set1_ps(unsafe { *a.wrapping_add(r * lda + k) });
+                let av = _mm512_set1_ps(unsafe { *a.wrapping_add(r * lda + k * ka) });
                 for v in 0..4 {
                     acc[v] = _mm512_fmadd_ps(av, bv[v], acc[v]);
                 }
@@ -172,6 +177,7 @@ mod x86 {
         cols: usize,
         a: *const f32,
         lda: usize,
+        ka: usize,
         b: *const f32,
         ldb: usize,
         c: *mut f32,
@@ -195,7 +201,7 @@ mod x86 {
             let bv = unsafe { [0, 1].map(|v| _mm256_maskload_ps(b.wrapping_add(k * ldb + 8 * v), m[v])) };
             for (r, acc) in acc.iter_mut().enumerate() {
                 // SAFETY: element (r, k) of a.
-                let av = _mm256_set1_ps(unsafe { *a.wrapping_add(r * lda + k) });
+                let av = _mm256_set1_ps(unsafe { *a.wrapping_add(r * lda + k * ka) });
                 for v in 0..2 {
                     acc[v] = _mm256_fmadd_ps(av, bv[v], acc[v]);
                 }
@@ -239,30 +245,33 @@ mod tests {
         for &(m, n, k) in
             &[(1, 1, 1), (6, 64, 8), (7, 65, 300), (13, 130, 513), (64, 37, 192), (2, 17, 1000), (5, 200, 3)]
         {
-            let d = Dims { m, n, k, lda: k + 3, ldb: n + 5, ldc: n + 2 };
-            let a = rand(1, m * d.lda);
-            let b = rand(2, k * d.ldb);
-            let c0 = rand(3, m * d.ldc);
-            let mut want = c0.clone();
-            gemm(d, &a, &b, &mut want, Level::Scalar);
-            for i in 0..m {
-                for j in 0..n {
-                    let exact: f64 = c0[i * d.ldc + j] as f64
-                        + (0..k).map(|x| a[i * d.lda + x] as f64 * b[x * d.ldb + j] as f64).sum::<f64>();
-                    assert!(
-                        (want[i * d.ldc + j] as f64 - exact).abs() < 1e-4 * (k as f64).sqrt(),
-                        "{m}x{n}x{k} ({i},{j})"
-                    );
+            // Row-major `a`, and `a` stored transposed.
+            for (lda, ka) in [(k + 3, 1), (1, m + 2)] {
+                let d = Dims { m, n, k, lda, ka, ldb: n + 5, ldc: n + 2 };
+                let a = rand(1, (m + 2) * (k + 3));
+                let b = rand(2, k * d.ldb);
+                let c0 = rand(3, m * d.ldc);
+                let mut want = c0.clone();
+                gemm(d, &a, &b, &mut want, Level::Scalar);
+                for i in 0..m {
+                    for j in 0..n {
+                        let exact: f64 = c0[i * d.ldc + j] as f64
+                            + (0..k).map(|x| a[i * lda + x * ka] as f64 * b[x * d.ldb + j] as f64).sum::<f64>();
+                        assert!(
+                            (want[i * d.ldc + j] as f64 - exact).abs() < 1e-4 * (k as f64).sqrt(),
+                            "{m}x{n}x{k} ({i},{j})"
+                        );
+                    }
+                    // Padding between rows is left alone.
+                    for j in n..d.ldc {
+                        assert_eq!(want[i * d.ldc + j].to_bits(), c0[i * d.ldc + j].to_bits());
+                    }
                 }
-                // Padding between rows is left alone.
-                for j in n..d.ldc {
-                    assert_eq!(want[i * d.ldc + j].to_bits(), c0[i * d.ldc + j].to_bits());
+                for &level in &levels[1..] {
+                    let mut got = c0.clone();
+                    gemm(d, &a, &b, &mut got, level);
+                    assert!(got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits()), "{level:?} {m}x{n}x{k}");
                 }
-            }
-            for &level in &levels[1..] {
-                let mut got = c0.clone();
-                gemm(d, &a, &b, &mut got, level);
-                assert!(got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits()), "{level:?} {m}x{n}x{k}");
             }
         }
     }
@@ -270,7 +279,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "gemm operands shorter")]
     fn short_operands_are_caught() {
-        let d = Dims { m: 2, n: 2, k: 2, lda: 2, ldb: 2, ldc: 2 };
+        let d = Dims { m: 2, n: 2, k: 2, lda: 2, ka: 1, ldb: 2, ldc: 2 };
         gemm(d, &[0.0; 3], &[0.0; 4], &mut [0.0; 4], Level::Scalar);
     }
 
@@ -282,7 +291,7 @@ mod tests {
     fn gemm_speed() {
         let level = Level::detected();
         for &(m, n, k, name) in &[(128, 3584, 512, "keys"), (64, 3328, 128, "scores"), (64, 128, 3328, "values")] {
-            let d = Dims { m, n, k, lda: k, ldb: n, ldc: n };
+            let d = Dims { m, n, k, lda: k, ka: 1, ldb: n, ldc: n };
             let (a, b) = (rand(1, m * k), rand(2, k * n));
             let mut c = vec![0f32; m * n];
             let reps = 20;

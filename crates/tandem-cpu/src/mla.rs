@@ -5,9 +5,11 @@
 //! head (`k_nope = W_kb^T latent`, `v = W_vb latent`), once for the whole run, and then the run
 //! attends as ordinary multi-head attention with `nope + n_rot` and `dv` per row: at a depth of
 //! thousands of rows and a few hundred tokens that is two to three times fewer operations. The
-//! products are f32 matrix products ([`crate::gemm`]), the softmax is the fast path's.
+//! products are f32 matrix products ([`crate::gemm`]) with the cached rows as the long dimension
+//! of every operand (no transposed copy of the latent), and the softmax runs down the columns of
+//! the scores, 16 (or 8) tokens per vector, with ggml's vector exp.
 
-use crate::attention::{softmax_rows, KvType, Level};
+use crate::attention::{KvType, Level};
 use crate::gemm::{gemm, Dims};
 use rayon::prelude::*;
 
@@ -63,28 +65,40 @@ impl MlaPrefill<'_> {
     }
 }
 
-/// Rows `0..rows` of a cache (`row` values each, in `ty`) as f32.
-pub fn cache_rows_f32(bytes: &[u8], ty: KvType, rows: usize, row: usize) -> crate::Result<Vec<f32>> {
+/// Rows `0..rows` of a cache (`row` values each, in `ty`) as f32, converted on `pool`.
+pub fn cache_rows_f32(
+    pool: &rayon::ThreadPool,
+    bytes: &[u8],
+    ty: KvType,
+    rows: usize,
+    row: usize,
+) -> crate::Result<Vec<f32>> {
     let row_bytes = ty.bytes(row);
-    if !row.is_multiple_of(ty.block()) || rows.checked_mul(row_bytes).is_none_or(|n| bytes.len() < n) {
+    if row == 0 || !row.is_multiple_of(ty.block()) || rows.checked_mul(row_bytes).is_none_or(|n| bytes.len() < n) {
         return Err(crate::Error::Shape(format!(
             "{rows} cached rows of {row} {ty:?} values: cache too short or rows not whole blocks"
         )));
     }
+    // Rows per task.
+    const RB: usize = 64;
     let mut out = vec![0f32; rows * row];
-    let mut h = vec![half::f16::ZERO; if ty == KvType::F16 { row } else { 0 }];
-    for (o, b) in out.chunks_exact_mut(row.max(1)).zip(bytes.chunks_exact(row_bytes.max(1))) {
-        if ty == KvType::F16 {
-            // The vector conversion (F16C where the machine has it): the same values, 2-3x faster.
-            use half::slice::HalfFloatSliceExt;
-            for (v, c) in h.iter_mut().zip(b.chunks_exact(2)) {
-                *v = half::f16::from_bits(u16::from_le_bytes([c[0], c[1]]));
+    pool.install(|| {
+        out.par_chunks_mut(RB * row).zip(bytes[..rows * row_bytes].par_chunks(RB * row_bytes)).for_each(|(o, b)| {
+            let mut h = vec![half::f16::ZERO; if ty == KvType::F16 { row } else { 0 }];
+            for (o, b) in o.chunks_exact_mut(row).zip(b.chunks_exact(row_bytes)) {
+                if ty == KvType::F16 {
+                    // The vector conversion (F16C where the machine has it): the same values, 2-3x faster.
+                    use half::slice::HalfFloatSliceExt;
+                    for (v, c) in h.iter_mut().zip(b.chunks_exact(2)) {
+                        *v = half::f16::from_bits(u16::from_le_bytes([c[0], c[1]]));
+                    }
+                    h.convert_to_f32_slice(o);
+                } else {
+                    crate::attention::row_f32(ty, b, o);
+                }
             }
-            h.convert_to_f32_slice(o);
-        } else {
-            crate::attention::row_f32(ty, b, o);
-        }
-    }
+        })
+    });
     Ok(out)
 }
 
@@ -97,21 +111,12 @@ pub fn mla_prefill(pool: &rayon::ThreadPool, a: &MlaPrefill, out: &mut [f32]) ->
 
 fn mla_prefill_at(pool: &rayon::ThreadPool, a: &MlaPrefill, out: &mut [f32], level: Level) -> crate::Result<()> {
     let cols = a.check(out)?;
-    let (n, nh, kl, nr, dv) = (a.n_kv.len(), a.n_head, a.kv_lora, a.n_rot, a.dv);
+    let (n, nh, dv) = (a.n_kv.len(), a.n_head, a.dv);
     if n == 0 {
         return Ok(());
     }
-    // The latent and the rotary key transposed, `[kv_lora][cols]` and `[n_rot][cols]`: the
-    // right-hand operands of the key products.
-    let row = kl + nr;
-    let mut ct = vec![0f32; row * cols];
-    for (j, r) in a.kv.chunks_exact(row).take(cols).enumerate() {
-        for (i, v) in r.iter().enumerate() {
-            ct[i * cols + j] = *v;
-        }
-    }
     let per_head: Vec<Vec<f32>> =
-        pool.install(|| (0..nh).into_par_iter().with_max_len(1).map(|h| one_head(a, h, &ct, cols, level)).collect());
+        pool.install(|| (0..nh).into_par_iter().with_max_len(1).map(|h| one_head(a, h, cols, level)).collect());
     for (h, o) in per_head.iter().enumerate() {
         for t in 0..n {
             out[(t * nh + h) * dv..(t * nh + h + 1) * dv].copy_from_slice(&o[t * dv..(t + 1) * dv]);
@@ -120,42 +125,238 @@ fn mla_prefill_at(pool: &rayon::ThreadPool, a: &MlaPrefill, out: &mut [f32], lev
     Ok(())
 }
 
-/// Head `h` for every token: `[n][dv]`.
-fn one_head(a: &MlaPrefill, h: usize, ct: &[f32], cols: usize, level: Level) -> Vec<f32> {
-    let (n, nh, nope, kl, dv, dk) = (a.n_kv.len(), a.n_head, a.nope, a.kv_lora, a.dv, a.dk());
-    // W_kb,h transposed, [nope][kv_lora], times the latent: the rebuilt keys [nope][cols].
+/// Head `h` for every token: `[n][dv]`. Everything is kept with the cached rows as the long
+/// dimension (keys `[cols][nope]`, scores `[cols][tokens]`), so no operand is transposed but a
+/// block of queries, and the softmax runs down the columns, one token per lane.
+fn one_head(a: &MlaPrefill, h: usize, cols: usize, level: Level) -> Vec<f32> {
+    let (n, nh, nope, nr, kl, dv, dk) = (a.n_kv.len(), a.n_head, a.nope, a.n_rot, a.kv_lora, a.dv, a.dk());
+    let row = kl + nr;
+    // The rebuilt keys, latent `[cols][kv_lora]` times W_kb,h `[kv_lora][nope]`.
+    let mut kt = vec![0f32; cols * nope];
     let wb = &a.k_b[h * kl * nope..(h + 1) * kl * nope];
-    let mut wt = vec![0f32; nope * kl];
-    for (j, r) in wb.chunks_exact(nope).enumerate() {
-        for (i, v) in r.iter().enumerate() {
-            wt[i * kl + j] = *v;
-        }
+    gemm(Dims { m: cols, n: nope, k: kl, lda: row, ka: 1, ldb: nope, ldc: nope }, a.kv, wb, &mut kt, level);
+    // This head's values, `[cols][dv]`: consecutive rows of the product's right-hand side.
+    let mut vh = vec![0f32; cols * dv];
+    for (r, d) in vh.chunks_exact_mut(dv).enumerate() {
+        d.copy_from_slice(&a.v[(r * nh + h) * dv..(r * nh + h + 1) * dv]);
     }
-    let mut kt = vec![0f32; nope * cols];
-    gemm(Dims { m: nope, n: cols, k: kl, lda: kl, ldb: cols, ldc: cols }, &wt, ct, &mut kt, level);
-    let pt = &ct[kl * cols..];
     let mut o = vec![0f32; n * dv];
-    let mut s = vec![0f32; TB.min(n) * cols];
+    let mut qt = vec![0f32; dk * TB];
+    let mut st = vec![0f32; cols * TB.min(n)];
     for t0 in (0..n).step_by(TB) {
         let t1 = (t0 + TB).min(n);
         let tb = t1 - t0;
-        let nk = a.n_kv[t0..t1].iter().copied().max().unwrap_or(0);
-        let s = &mut s[..tb * nk];
-        s.fill(0.0);
-        let q = &a.q[(t0 * nh + h) * dk..];
-        let d = |k: usize| Dims { m: tb, n: nk, k, lda: nh * dk, ldb: cols, ldc: nk };
-        gemm(d(nope), q, &kt, s, level);
-        gemm(d(a.n_rot), &q[nope..], pt, s, level);
-        for (r, sr) in s.chunks_exact_mut(nk).enumerate() {
-            let len = a.n_kv[t0 + r];
-            sr[..len].iter_mut().for_each(|v| *v *= a.scale);
-            softmax_rows(len, 1, &mut sr[..len], 1, KvType::F32, level);
-            sr[len..].fill(0.0);
+        let n_kv = &a.n_kv[t0..t1];
+        let nk = n_kv.iter().copied().max().unwrap_or(0);
+        // The block's queries transposed, `[dk][tb]`.
+        let qt = &mut qt[..dk * tb];
+        for t in 0..tb {
+            let q = &a.q[((t0 + t) * nh + h) * dk..][..dk];
+            for (i, v) in q.iter().enumerate() {
+                qt[i * tb + t] = *v;
+            }
         }
-        let dp = Dims { m: tb, n: dv, k: nk, lda: nk, ldb: nh * dv, ldc: dv };
-        gemm(dp, s, &a.v[h * dv..], &mut o[t0 * dv..t1 * dv], level);
+        // Scores `[nk][tb]`: the rebuilt keys, then the rotary keys, one chain per score.
+        let st = &mut st[..nk * tb];
+        st.fill(0.0);
+        gemm(Dims { m: nk, n: tb, k: nope, lda: nope, ka: 1, ldb: tb, ldc: tb }, &kt, qt, st, level);
+        gemm(Dims { m: nk, n: tb, k: nr, lda: row, ka: 1, ldb: tb, ldc: tb }, &a.kv[kl..], &qt[nope * tb..], st, level);
+        let inv = softmax_columns(st, n_kv, a.scale, level);
+        // The weighted values of the unnormalized probabilities, then 1 / sum per token.
+        let o = &mut o[t0 * dv..t1 * dv];
+        gemm(Dims { m: tb, n: dv, k: nk, lda: 1, ka: tb, ldb: dv, ldc: dv }, st, &vh, o, level);
+        for (o, s) in o.chunks_exact_mut(dv).zip(&inv) {
+            o.iter_mut().for_each(|v| *v *= s);
+        }
     }
     o
+}
+
+/// Rows summed in f32 before each addition to a token's f64 sum.
+const SUM_ROWS: usize = 32;
+
+/// `s` is `[rows][tokens]` (`tokens = n_kv.len()`): token `t` attends rows `0..n_kv[t]`.
+/// Replaces each attended score by `e^(scale s - max)` (the token's largest `scale s`), every
+/// other by 0, and returns each token's `1 / sum`. A token's lane sees only its own column, in
+/// row order, so its result does not depend on the other tokens or on the level (AVX-512 and
+/// AVX2 give the same bits; the scalar code differs only in its `exp`).
+fn softmax_columns(s: &mut [f32], n_kv: &[usize], scale: f32, level: Level) -> Vec<f32> {
+    let tb = n_kv.len();
+    let mut max = vec![f32::NEG_INFINITY; tb];
+    let mut sum = vec![0f64; tb];
+    #[cfg(target_arch = "x86_64")]
+    if level != Level::Scalar {
+        // SAFETY: the level's instructions are present (Level::detected or a test that checked).
+        unsafe { x86::softmax_columns(s, n_kv, scale, &mut max, &mut sum, level == Level::Avx2) };
+        return sum.iter().map(|&x| (1.0 / x) as f32).collect();
+    }
+    let _ = level;
+    for (r, sr) in s.chunks_exact(tb).enumerate() {
+        for ((m, &v), &len) in max.iter_mut().zip(sr).zip(n_kv) {
+            if r < len {
+                *m = m.max(v * scale);
+            }
+        }
+    }
+    let mut part = vec![0f32; tb];
+    for (r, sr) in s.chunks_exact_mut(tb).enumerate() {
+        for (t, v) in sr.iter_mut().enumerate() {
+            *v = if r < n_kv[t] { (*v * scale - max[t]).exp() } else { 0.0 };
+            part[t] += *v;
+        }
+        if (r + 1) % SUM_ROWS == 0 {
+            sum.iter_mut().zip(&mut part).for_each(|(s, p)| *s += std::mem::take(p) as f64);
+        }
+    }
+    sum.iter_mut().zip(&part).for_each(|(s, p)| *s += *p as f64);
+    sum.iter().map(|&x| (1.0 / x) as f32).collect()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::SUM_ROWS;
+    use crate::attention::x86::{expf, expf8};
+    use std::arch::x86_64::*;
+
+    /// [`super::softmax_columns`] 16 tokens (AVX-512) or 8 (AVX2) at a time.
+    ///
+    /// # Safety
+    /// AVX-512F and DQ (or AVX2 and FMA with `avx2`) are present; `s` is `[rows][n_kv.len()]`.
+    pub(super) unsafe fn softmax_columns(
+        s: &mut [f32],
+        n_kv: &[usize],
+        scale: f32,
+        max: &mut [f32],
+        sum: &mut [f64],
+        avx2: bool,
+    ) {
+        let w = if avx2 { 8 } else { 16 };
+        for l0 in (0..n_kv.len()).step_by(w) {
+            let l1 = (l0 + w).min(n_kv.len());
+            // SAFETY: as the caller promised.
+            unsafe {
+                if avx2 {
+                    lanes8(s, n_kv, l0, l1, scale, &mut max[l0..l1], &mut sum[l0..l1]);
+                } else {
+                    lanes16(s, n_kv, l0, l1, scale, &mut max[l0..l1], &mut sum[l0..l1]);
+                }
+            }
+        }
+    }
+
+    /// Tokens `l0..l1` (at most 16).
+    #[target_feature(enable = "avx512f,avx512dq")]
+    unsafe fn lanes16(
+        s: &mut [f32],
+        n_kv: &[usize],
+        l0: usize,
+        l1: usize,
+        scale: f32,
+        max: &mut [f32],
+        sum: &mut [f64],
+    ) {
+        let tb = n_kv.len();
+        let rows = s.len() / tb;
+        let mut lens = [0i32; 16];
+        for (l, n) in lens.iter_mut().zip(&n_kv[l0..l1]) {
+            *l = (*n).min(rows) as i32;
+        }
+        let lens = _mm512_loadu_si512(lens.as_ptr().cast());
+        let lanes: __mmask16 = ((1u32 << (l1 - l0)) - 1) as u16;
+        let sc = _mm512_set1_ps(scale);
+        let rows_of = |r: usize| _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(r as i32)) & lanes;
+        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+        for r in 0..rows {
+            let k = rows_of(r);
+            // SAFETY: lanes below l1 of row r.
+            let v = unsafe { _mm512_maskz_loadu_ps(lanes, s.as_ptr().add(r * tb + l0)) };
+            m = _mm512_mask_max_ps(m, k, m, _mm512_mul_ps(v, sc));
+        }
+        let mut part = _mm512_setzero_ps();
+        let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
+        for r in 0..rows {
+            let k = rows_of(r);
+            // SAFETY: lanes below l1 of row r.
+            unsafe {
+                let p = s.as_mut_ptr().add(r * tb + l0);
+                let v = _mm512_maskz_loadu_ps(lanes, p);
+                let e = _mm512_maskz_mov_ps(k, expf(_mm512_sub_ps(_mm512_mul_ps(v, sc), m)));
+                _mm512_mask_storeu_ps(p, lanes, e);
+                part = _mm512_add_ps(part, e);
+            }
+            if (r + 1) % SUM_ROWS == 0 || r + 1 == rows {
+                lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(part)));
+                hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps::<1>(part)));
+                part = _mm512_setzero_ps();
+            }
+        }
+        let (mut mx, mut sl, mut sh) = ([0f32; 16], [0f64; 8], [0f64; 8]);
+        _mm512_storeu_ps(mx.as_mut_ptr(), m);
+        _mm512_storeu_pd(sl.as_mut_ptr(), lo);
+        _mm512_storeu_pd(sh.as_mut_ptr(), hi);
+        for (i, (mo, so)) in max.iter_mut().zip(sum.iter_mut()).enumerate() {
+            *mo = mx[i];
+            *so = if i < 8 { sl[i] } else { sh[i - 8] };
+        }
+    }
+
+    /// Tokens `l0..l1` (at most 8): [`lanes16`]'s operations on 8 lanes.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn lanes8(
+        s: &mut [f32],
+        n_kv: &[usize],
+        l0: usize,
+        l1: usize,
+        scale: f32,
+        max: &mut [f32],
+        sum: &mut [f64],
+    ) {
+        let tb = n_kv.len();
+        let rows = s.len() / tb;
+        let mut lens = [0i32; 8];
+        for (l, n) in lens.iter_mut().zip(&n_kv[l0..l1]) {
+            *l = (*n).min(rows) as i32;
+        }
+        let lens = _mm256_loadu_si256(lens.as_ptr().cast());
+        let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((l1 - l0) as i32), idx);
+        let sc = _mm256_set1_ps(scale);
+        let rows_of = |r: usize| _mm256_castsi256_ps(_mm256_cmpgt_epi32(lens, _mm256_set1_epi32(r as i32)));
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        for r in 0..rows {
+            let k = rows_of(r);
+            // SAFETY: lanes below l1 of row r.
+            let v = unsafe { _mm256_maskload_ps(s.as_ptr().add(r * tb + l0), lanes) };
+            // max(m, x) where the row is attended, as the AVX-512 masked max.
+            m = _mm256_blendv_ps(m, _mm256_max_ps(m, _mm256_mul_ps(v, sc)), k);
+        }
+        let mut part = _mm256_setzero_ps();
+        let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+        for r in 0..rows {
+            let k = rows_of(r);
+            // SAFETY: lanes below l1 of row r.
+            unsafe {
+                let p = s.as_mut_ptr().add(r * tb + l0);
+                let v = _mm256_maskload_ps(p, lanes);
+                let e = _mm256_and_ps(k, expf8(_mm256_sub_ps(_mm256_mul_ps(v, sc), m)));
+                _mm256_maskstore_ps(p, lanes, e);
+                part = _mm256_add_ps(part, e);
+            }
+            if (r + 1) % SUM_ROWS == 0 || r + 1 == rows {
+                lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(part)));
+                hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(part)));
+                part = _mm256_setzero_ps();
+            }
+        }
+        let (mut mx, mut sl, mut sh) = ([0f32; 8], [0f64; 4], [0f64; 4]);
+        _mm256_storeu_ps(mx.as_mut_ptr(), m);
+        _mm256_storeu_pd(sl.as_mut_ptr(), lo);
+        _mm256_storeu_pd(sh.as_mut_ptr(), hi);
+        for (i, (mo, so)) in max.iter_mut().zip(sum.iter_mut()).enumerate() {
+            *mo = mx[i];
+            *so = if i < 4 { sl[i] } else { sh[i - 4] };
+        }
+    }
 }
 
 #[cfg(test)]
@@ -315,8 +516,8 @@ mod tests {
         let k_b = vec![0f32; 7];
         assert!(mla_prefill(&pool, &MlaPrefill { k_b: &k_b, ..input(&c) }, &mut out).is_err());
         assert!(mla_prefill(&pool, &input(&c), &mut out[1..]).is_err());
-        assert!(cache_rows_f32(&[0u8; 10], KvType::F16, 3, 2).is_err());
-        assert!(cache_rows_f32(&[0u8; 34], KvType::Q8_0, 1, 16).is_err());
-        assert_eq!(cache_rows_f32(&[0u8, 0x3c, 0, 0xc0], KvType::F16, 2, 1).unwrap(), vec![1.0, -2.0]);
+        assert!(cache_rows_f32(&pool, &[0u8; 10], KvType::F16, 3, 2).is_err());
+        assert!(cache_rows_f32(&pool, &[0u8; 34], KvType::Q8_0, 1, 16).is_err());
+        assert_eq!(cache_rows_f32(&pool, &[0u8, 0x3c, 0, 0xc0], KvType::F16, 2, 1).unwrap(), vec![1.0, -2.0]);
     }
 }

@@ -263,21 +263,46 @@ impl Backend for CpuBackend {
             return Err(Error::Model(format!("decompressed MLA attention of {n} tokens: query or output size wrong")));
         }
         let rows = a.n_kv.iter().copied().max().unwrap_or(0);
-        let kv = tandem_cpu::cache_rows_f32(a.kv, ty, rows, row)?;
-        let latent: Vec<f32> = kv.chunks_exact(row).flat_map(|r| r[..kl].iter().copied()).collect();
-        let k_b = a.k_b.to_f32()?;
+        let pool = self.threads.for_tokens(n);
+        let kv = tandem_cpu::cache_rows_f32(pool, a.kv, ty, rows, row)?;
+        let mut latent = Vec::with_capacity(rows * kl);
+        for r in kv.chunks_exact(row) {
+            latent.extend_from_slice(&r[..kl]);
+        }
+        // attn_k_b as f32, a head per task.
+        let mut k_b = vec![0f32; nh * kl * nope];
+        let head_bytes = row_size(a.k_b.ty, kl * nope)?;
+        if a.k_b.bytes().len() != nh * head_bytes {
+            return Err(Error::Model(format!(
+                "{}: {} bytes for {nh} heads of {head_bytes}",
+                a.k_b.name,
+                a.k_b.bytes().len()
+            )));
+        }
+        pool.install(|| {
+            k_b.par_chunks_mut(kl * nope)
+                .zip(a.k_b.bytes().par_chunks(head_bytes))
+                .try_for_each(|(o, b)| dequantize_row(a.k_b.ty, b, o))
+        })?;
         // Each head's q_nope as the absorbed form hands it to attn_k_b (rounded to the weight's
         // dot type: Q8 blocks, f16), so the scores are llama.cpp's up to the order of the sums.
         let mut q = a.q.to_vec();
-        let q_nope: Vec<f32> = q.chunks_exact(dk).flat_map(|h| h[..nope].iter().copied()).collect();
-        let acts = quantize_activations(a.k_b.ty, &q_nope, nope)?;
         let dot_ty = vec_dot_type(a.k_b.ty);
-        for (i, h) in q.chunks_exact_mut(dk).enumerate() {
-            dequantize_row(dot_ty, acts.row(i), &mut h[..nope])?;
-        }
+        pool.install(|| {
+            q.par_chunks_mut(Q_ROUND_TOKENS * nh * dk).try_for_each(|qc| -> Result<()> {
+                let mut q_nope = Vec::with_capacity(qc.len() / dk * nope);
+                for h in qc.chunks_exact(dk) {
+                    q_nope.extend_from_slice(&h[..nope]);
+                }
+                let acts = quantize_activations(a.k_b.ty, &q_nope, nope)?;
+                for (i, h) in qc.chunks_exact_mut(dk).enumerate() {
+                    dequantize_row(dot_ty, acts.row(i), &mut h[..nope])?;
+                }
+                Ok(())
+            })
+        })?;
         // Heads in groups whose rebuilt values take at most MLA_VALUE_BYTES (one head per thread
         // at least): at Kimi's 64 heads and 128K rows all values would be 4 GiB per layer.
-        let pool = self.threads.for_tokens(n);
         let per_head = rows * dv * std::mem::size_of::<f32>();
         let hg = (MLA_VALUE_BYTES / per_head.max(1)).max(pool.current_num_threads()).clamp(1, nh);
         for h0 in (0..nh).step_by(hg) {
@@ -329,6 +354,9 @@ impl Backend for CpuBackend {
 /// Most bytes of rebuilt values the decompressed MLA attention holds at once (see
 /// `CpuBackend::mla_decompressed`).
 const MLA_VALUE_BYTES: usize = 1 << 30;
+
+/// Tokens per task when the decompressed MLA attention rounds the queries.
+const Q_ROUND_TOKENS: usize = 16;
 
 /// An f16, bf16, f32 or q8_0 cache whose heads are whole blocks takes the fast path of tandem-cpu.
 fn fast_view<'a>(a: &AttnInput<'a>) -> Option<tandem_cpu::Attn<'a>> {
