@@ -5,7 +5,7 @@
 //! Every timed step runs on random tokens (seeded, uniform in the vocabulary) through
 //! [`Context::decode`]; the KV cache is filled to the depth untimed and truncated back between steps.
 
-use crate::cli::{ModelArgs, PlacementArgs, RuntimeArgs};
+use crate::cli::{CompatArgs, ModelArgs, PlacementArgs, RuntimeArgs};
 use anyhow::{bail, Context as _};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -89,6 +89,8 @@ pub struct BenchArgs {
     /// Size of the read-bandwidth buffer in MiB (0 = do not measure) [default: 1 GiB or 4 x L3, capped by free RAM].
     #[arg(long = "bandwidth-mib", value_name = "MiB", allow_negative_numbers = true)]
     pub bandwidth_mib: Option<i64>,
+    #[command(flatten)]
+    pub compat: CompatArgs,
 }
 
 /// One result row: medians over the repetitions. `None` where that part was skipped (`-p 0`, `-n 0`).
@@ -632,6 +634,9 @@ fn human_bytes(b: u64) -> String {
 }
 
 pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
+    for note in a.compat.notes() {
+        eprintln!("tandem: note: {note}");
+    }
     let plan = Plan::new(a)?;
     let bw_bytes = match a.bandwidth_mib {
         Some(m) => count("--bandwidth-mib", m)? as u64 * MIB,

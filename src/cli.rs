@@ -254,15 +254,15 @@ pub struct CompatArgs {
     /// ik_llama.cpp's warm-up with a full batch (ignored).
     #[arg(long = "warmup-batch")]
     pub warmup_batch: bool,
-    /// Flash attention: on, off, auto (ignored: one attention path).
+    /// Flash attention: on, off, auto (llama-bench: 1, 0) (ignored: one attention path).
     #[arg(long = "flash-attn", value_name = "on|off|auto", num_args = 0..=1, default_missing_value = "on",
-          value_parser = ["on", "off", "auto"])]
+          value_parser = ["on", "off", "auto", "1", "0"])]
     pub flash_attn: Option<String>,
     /// ik_llama.cpp's fused MoE (ignored).
     #[arg(long = "fused-moe", value_name = "0|1", num_args = 0..=1, default_missing_value = "1",
           value_parser = ["0", "1"])]
     pub fused_moe: Option<String>,
-    /// ik_llama.cpp's run-time repacking (ignored).
+    /// ik_llama.cpp's run-time repacking: the same as --repack.
     #[arg(long = "run-time-repack")]
     pub run_time_repack: bool,
     /// ik_llama.cpp's smart expert reduction K[,T] (ignored).
@@ -309,7 +309,7 @@ impl CompatArgs {
         );
         note(
             self.run_time_repack,
-            "-rtr: ignored; tandem uses the weights in their GGUF layout, so mmap keeps working".into(),
+            "-rtr: taken as --repack: the matrices the CPU multiplies are repacked at load (a second copy in memory; the mapped file stays as it is)".into(),
         );
         note(
             self.smart_expert_reduction.is_some(),

@@ -3,7 +3,7 @@
 //! as it is sampled; timings go to stderr. `--chat` is an interactive conversation on stdin that
 //! keeps the KV cache between turns and only evaluates the tokens a turn adds.
 
-use crate::cli::{ModelArgs, PlacementArgs, RuntimeArgs};
+use crate::cli::{CompatArgs, ModelArgs, PlacementArgs, RuntimeArgs};
 use crate::logits::open_context;
 use crate::tokenize::{input_text, read_text_file};
 use anyhow::{bail, Context as _};
@@ -80,6 +80,8 @@ pub struct RunArgs {
     pub runtime: RuntimeArgs,
     #[command(flatten)]
     pub placement: PlacementArgs,
+    #[command(flatten)]
+    pub compat: CompatArgs,
 }
 
 impl RunArgs {
@@ -274,6 +276,9 @@ fn render(tmpl: &ChatTemplate, tok: &Tokenizer, messages: &[serde_json::Value]) 
 }
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
+    for note in args.compat.notes() {
+        eprintln!("tandem: note: {note}");
+    }
     let first = match (&args.prompt, &args.file) {
         (None, None) if args.chat => None,
         _ => Some(input_text(&args.prompt, &args.file, "prompt")?),

@@ -269,3 +269,18 @@ fn gpu_placement_falls_back_to_the_cpu_with_one_line() {
     assert!(err.contains("GPU7"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// ik_llama.cpp's and llama-bench's flags run: `-rtr` is `--repack`, the others are one note each.
+#[test]
+fn ik_llama_cpp_flags_are_taken() {
+    let args =
+        ["-t", "2", "-p", "8", "-n", "2", "-r", "1", "-mla", "3", "-fmoe", "1", "-amb", "512", "-fa", "1", "-rtr"];
+    let (v, se) = json("deepseek2-mla-tiny-Q4_K_M.gguf", &args);
+    check_rows(&v);
+    let notes: Vec<&str> = se.lines().filter(|l| l.starts_with("tandem: note: ")).collect();
+    assert_eq!(notes.len(), 5, "{se}");
+    for flag in ["-mla 3", "-fmoe", "-amb 512", "-fa 1", "-rtr: taken as --repack"] {
+        assert!(notes.iter().any(|n| n.contains(flag)), "no note for {flag}:\n{se}");
+    }
+    assert_eq!(v["repack"], Value::Bool(tandem_cpu::packed::packing_pays()), "{v}");
+}

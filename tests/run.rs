@@ -122,6 +122,20 @@ fn fixed_seed_repeats_at_temperature() {
     assert_ne!(a, c, "another seed should give another story");
 }
 
+/// An ik_llama.cpp command line runs: its flags give one note each, `-rtr` is taken as `--repack`
+/// (which says what it packed: nothing in this Q4_1 file), and greedy text is what it is without them.
+#[test]
+fn ik_llama_cpp_flags_run_with_notes() {
+    let base = ["-p", "Explain what a CPU does in one sentence.", "-n", "12", "--temp", "0"];
+    let plain = stdout(&run(&base));
+    let o = run(&[&base[..], &["-mla", "3", "-fmoe", "-amb", "512", "-rtr", "-fa", "on"]].concat());
+    assert_eq!(stdout(&o), plain);
+    let err = String::from_utf8_lossy(&o.stderr);
+    let notes = err.lines().filter(|l| l.starts_with("tandem: note: ")).count();
+    assert_eq!(notes, 5, "{err}");
+    assert!(err.lines().any(|l| l.starts_with("tandem: --repack: ")), "{err}");
+}
+
 #[test]
 fn stop_strings_are_not_printed() {
     // greedy text of this prompt (fixture) contains "Central Processing Unit"
