@@ -16,6 +16,10 @@ use rayon::prelude::*;
 /// Tokens per block of scores.
 const TB: usize = 64;
 
+/// Most bytes of one head's values copied into consecutive rows (16 MiB: 32K cached rows at
+/// Kimi's 128 values per head).
+const VALUE_COPY_BYTES: usize = 16 << 20;
+
 /// The decompressed attention of `n = n_kv.len()` tokens of one sequence.
 pub struct MlaPrefill<'a> {
     /// `[n][n_head][nope + n_rot]`: the queries after rope.
@@ -106,17 +110,24 @@ pub fn cache_rows_f32(
 /// the same on any number of threads, and each token's result depends only on its query, its
 /// `n_kv` and the rows (not on the other tokens of the run).
 pub fn mla_prefill(pool: &rayon::ThreadPool, a: &MlaPrefill, out: &mut [f32]) -> crate::Result<()> {
-    mla_prefill_at(pool, a, out, Level::detected())
+    mla_prefill_at(pool, a, out, Level::detected(), VALUE_COPY_BYTES)
 }
 
-fn mla_prefill_at(pool: &rayon::ThreadPool, a: &MlaPrefill, out: &mut [f32], level: Level) -> crate::Result<()> {
+/// [`mla_prefill`] at `level`, copying a head's values when they take at most `copy_bytes`.
+fn mla_prefill_at(
+    pool: &rayon::ThreadPool,
+    a: &MlaPrefill,
+    out: &mut [f32],
+    level: Level,
+    copy_bytes: usize,
+) -> crate::Result<()> {
     let cols = a.check(out)?;
     let (n, nh, dv) = (a.n_kv.len(), a.n_head, a.dv);
     if n == 0 {
         return Ok(());
     }
-    let per_head: Vec<Vec<f32>> =
-        pool.install(|| (0..nh).into_par_iter().with_max_len(1).map(|h| one_head(a, h, cols, level)).collect());
+    let per_head: Vec<Vec<f32>> = pool
+        .install(|| (0..nh).into_par_iter().with_max_len(1).map(|h| one_head(a, h, cols, level, copy_bytes)).collect());
     for (h, o) in per_head.iter().enumerate() {
         for t in 0..n {
             out[(t * nh + h) * dv..(t * nh + h + 1) * dv].copy_from_slice(&o[t * dv..(t + 1) * dv]);
@@ -128,18 +139,26 @@ fn mla_prefill_at(pool: &rayon::ThreadPool, a: &MlaPrefill, out: &mut [f32], lev
 /// Head `h` for every token: `[n][dv]`. Everything is kept with the cached rows as the long
 /// dimension (keys `[cols][nope]`, scores `[cols][tokens]`), so no operand is transposed but a
 /// block of queries, and the softmax runs down the columns, one token per lane.
-fn one_head(a: &MlaPrefill, h: usize, cols: usize, level: Level) -> Vec<f32> {
+fn one_head(a: &MlaPrefill, h: usize, cols: usize, level: Level, copy_bytes: usize) -> Vec<f32> {
     let (n, nh, nope, nr, kl, dv, dk) = (a.n_kv.len(), a.n_head, a.nope, a.n_rot, a.kv_lora, a.dv, a.dk());
     let row = kl + nr;
     // The rebuilt keys, latent `[cols][kv_lora]` times W_kb,h `[kv_lora][nope]`.
     let mut kt = vec![0f32; cols * nope];
     let wb = &a.k_b[h * kl * nope..(h + 1) * kl * nope];
     gemm(Dims { m: cols, n: nope, k: kl, lda: row, ka: 1, ldb: nope, ldc: nope }, a.kv, wb, &mut kt, level);
-    // This head's values, `[cols][dv]`: consecutive rows of the product's right-hand side.
-    let mut vh = vec![0f32; cols * dv];
-    for (r, d) in vh.chunks_exact_mut(dv).enumerate() {
-        d.copy_from_slice(&a.v[(r * nh + h) * dv..(r * nh + h + 1) * dv]);
-    }
+    // This head's values as consecutive rows `[cols][dv]` (the product reads rows `nh * dv`
+    // apart 30% slower), unless the copy would be large: at most a few tasks' worth of memory
+    // per thread at long contexts.
+    let mut vh = Vec::new();
+    let (vb, ldv) = if cols * dv * std::mem::size_of::<f32>() <= copy_bytes {
+        vh.reserve_exact(cols * dv);
+        for r in 0..cols {
+            vh.extend_from_slice(&a.v[(r * nh + h) * dv..(r * nh + h + 1) * dv]);
+        }
+        (&vh[..], dv)
+    } else {
+        (&a.v[h * dv..], nh * dv)
+    };
     let mut o = vec![0f32; n * dv];
     let mut qt = vec![0f32; dk * TB];
     let mut st = vec![0f32; cols * TB.min(n)];
@@ -164,7 +183,7 @@ fn one_head(a: &MlaPrefill, h: usize, cols: usize, level: Level) -> Vec<f32> {
         let inv = softmax_columns(st, n_kv, a.scale, level);
         // The weighted values of the unnormalized probabilities, then 1 / sum per token.
         let o = &mut o[t0 * dv..t1 * dv];
-        gemm(Dims { m: tb, n: dv, k: nk, lda: 1, ka: tb, ldb: dv, ldc: dv }, st, &vh, o, level);
+        gemm(Dims { m: tb, n: dv, k: nk, lda: 1, ka: tb, ldb: ldv, ldc: dv }, st, vb, o, level);
         for (o, s) in o.chunks_exact_mut(dv).zip(&inv) {
             o.iter_mut().for_each(|v| *v *= s);
         }
@@ -472,13 +491,17 @@ mod tests {
             let mut base = Vec::new();
             for level in levels() {
                 let mut got = vec![0f32; want.len()];
-                mla_prefill_at(&one, &input(&c), &mut got, level).unwrap();
+                mla_prefill_at(&one, &input(&c), &mut got, level, VALUE_COPY_BYTES).unwrap();
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert!((*g as f64 - w).abs() < 2e-5, "{level:?} [{i}]: {g} vs {w}");
                 }
                 let mut par = vec![0f32; want.len()];
-                mla_prefill_at(&two, &input(&c), &mut par, level).unwrap();
+                mla_prefill_at(&two, &input(&c), &mut par, level, VALUE_COPY_BYTES).unwrap();
                 assert!(par == got, "{level:?}: two threads differ from one");
+                // The values read in place (as at long contexts) instead of copied.
+                let mut strided = vec![0f32; want.len()];
+                mla_prefill_at(&one, &input(&c), &mut strided, level, 0).unwrap();
+                assert!(strided == got, "{level:?}: values in place differ from the copy");
                 if level != Level::Scalar {
                     if base.is_empty() {
                         base = got;
@@ -493,9 +516,9 @@ mod tests {
                 let n1 = [c.n_kv[t]];
                 let single = MlaPrefill { q: &q1, n_kv: &n1, ..input(&c) };
                 let mut alone = vec![0f32; NH * DV];
-                mla_prefill_at(&one, &single, &mut alone, level).unwrap();
+                mla_prefill_at(&one, &single, &mut alone, level, VALUE_COPY_BYTES).unwrap();
                 let mut run = vec![0f32; want.len()];
-                mla_prefill_at(&one, &input(&c), &mut run, level).unwrap();
+                mla_prefill_at(&one, &input(&c), &mut run, level, VALUE_COPY_BYTES).unwrap();
                 assert!(
                     alone[..] == run[t * NH * DV..(t + 1) * NH * DV],
                     "{level:?}: token alone differs from the run"
