@@ -20,7 +20,7 @@ enum Command {
     /// Describe a GGUF model from its headers: hyperparameters, metadata, tensors, totals.
     Inspect(InspectArgs),
     /// Write every position's logits for a token sequence (little-endian f32 [n_tokens][n_vocab]).
-    Logits(tandem::logits::LogitsArgs),
+    Logits(Box<tandem::logits::LogitsArgs>),
     /// Plan where every tensor goes (-ngl, -ot, --cpu-moe, --fit) and the memory of each device, from headers only.
     Plan(Box<tandem::plan::PlanArgs>),
     /// Generate text: the prompt through the chat template, tokens streamed to stdout (--chat: interactive).
