@@ -634,9 +634,7 @@ fn human_bytes(b: u64) -> String {
 }
 
 pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
-    for note in a.compat.notes() {
-        eprintln!("tandem: note: {note}");
-    }
+    a.compat.print_notes();
     let plan = Plan::new(a)?;
     let bw_bytes = match a.bandwidth_mib {
         Some(m) => count("--bandwidth-mib", m)? as u64 * MIB,

@@ -283,6 +283,13 @@ pub struct CompatArgs {
 }
 
 impl CompatArgs {
+    /// [`CompatArgs::notes`] on stderr, one `tandem: note:` line each.
+    pub fn print_notes(&self) {
+        for note in self.notes() {
+            eprintln!("tandem: note: {note}");
+        }
+    }
+
     /// One line per flag that was given: what tandem does instead.
     pub fn notes(&self) -> Vec<String> {
         let mut n = Vec::new();

@@ -123,9 +123,7 @@ fn machine_memory() -> Option<u64> {
 }
 
 pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
-    for note in args.compat.notes() {
-        eprintln!("tandem: note: {note}");
-    }
+    args.compat.print_notes();
     let path = &args.model.model;
     // Headers only: always mapped, never read whole and never locked; --no-mmap and --mlock
     // change the estimate, not how the plan reads the file.

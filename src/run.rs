@@ -276,9 +276,7 @@ fn render(tmpl: &ChatTemplate, tok: &Tokenizer, messages: &[serde_json::Value]) 
 }
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
-    for note in args.compat.notes() {
-        eprintln!("tandem: note: {note}");
-    }
+    args.compat.print_notes();
     let first = match (&args.prompt, &args.file) {
         (None, None) if args.chat => None,
         _ => Some(input_text(&args.prompt, &args.file, "prompt")?),
