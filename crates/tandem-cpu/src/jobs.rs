@@ -235,17 +235,18 @@ fn quantize_par(
 #[cfg(target_arch = "x86_64")]
 const PREFETCH: usize = 4096;
 
-/// Prefetch hints for the cache lines of `data[at + PREFETCH .. at + PREFETCH + len]` that exist.
+/// Prefetch hints for the cache lines of `data[at + PREFETCH .. at + PREFETCH + len]` that exist,
+/// non-temporal like the packed kernels' (`packed::x86::prefetch_ahead`).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 fn prefetch(data: &[u8], at: usize, len: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_NTA};
     let start = at + PREFETCH;
     let end = (start + len).min(data.len());
     let mut o = start;
     while o < end {
         // SAFETY: `o` is inside `data`; a prefetch never faults anyway.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().add(o) as *const i8) };
+        unsafe { _mm_prefetch::<_MM_HINT_NTA>(data.as_ptr().add(o) as *const i8) };
         o += 64;
     }
 }

@@ -272,12 +272,14 @@ mod x86 {
     }
 
     /// Prefetch hints for the `len` bytes 4 KiB past `p`: a single token streams the weights once,
-    /// and the hardware prefetchers stop at page boundaries.
+    /// and the hardware prefetchers stop at page boundaries. Non-temporal: lines read once need not
+    /// pass through L2 and be evicted into L3, which at 2 threads made a decode step 10-20% slower
+    /// than with `_MM_HINT_T0` (docs/PERFORMANCE.md).
     #[inline(always)]
     pub(super) fn prefetch_ahead(p: *const u8, len: usize) {
         for l in (0..len).step_by(64) {
             // SAFETY: a prefetch never faults, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l + 4096) as *const i8) };
+            unsafe { _mm_prefetch::<_MM_HINT_NTA>(p.wrapping_add(l + 4096) as *const i8) };
         }
     }
 
