@@ -80,7 +80,7 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, prefetch_ahead};
+    use super::super::x86::{bcast, prefetch_part};
     use super::{GroupActs, D, GROUP_BLOCK, KVALUES_IQ4NL, LS, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QS, SUBS};
     use std::arch::x86_64::*;
 
@@ -109,13 +109,13 @@ mod x86 {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
                 let wb = w.add(b * GROUP_BLOCK);
-                if NY == 1 {
-                    prefetch_ahead(wb, GROUP_BLOCK);
-                }
                 let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
                 let mut isum = [_mm512_setzero_si512(); NY];
                 let mut ibias = [_mm512_setzero_si512(); NY];
                 for j in 0..SUBS {
+                    if NY == 1 {
+                        prefetch_part(wb, GROUP_BLOCK, j, SUBS);
+                    }
                     let ls = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(LS + 16 * j) as *const __m128i));
                     let ls = _mm512_sub_epi32(ls, off32);
                     // (ls, ls) as an i16 pair per lane, against the pair (bsums[2j], bsums[2j + 1]).

@@ -275,11 +275,36 @@ mod x86 {
     /// and the hardware prefetchers stop at page boundaries. Non-temporal: lines read once need not
     /// pass through L2 and be evicted into L3, which at 2 threads made a decode step 10-20% slower
     /// than with `_MM_HINT_T0` (docs/PERFORMANCE.md).
+    /// Prefetch hints for the `len` bytes 4 KiB past `p`, all at once: for the blocks of a few
+    /// cache lines (Q8_0, Q5_0, Q4_0) that a kernel passes through in a few dozen instructions. A
+    /// single token streams the weights once, and the hardware prefetchers stop at page
+    /// boundaries. Non-temporal: lines read once need not pass through L2 and be evicted into L3,
+    /// which at 2 threads made a decode step 10-20% slower than with `_MM_HINT_T0`
+    /// (docs/PERFORMANCE.md).
     #[inline(always)]
     pub(super) fn prefetch_ahead(p: *const u8, len: usize) {
         for l in (0..len).step_by(64) {
             // SAFETY: a prefetch never faults, whatever the address.
             unsafe { _mm_prefetch::<_MM_HINT_NTA>(p.wrapping_add(l + 4096) as *const i8) };
+        }
+    }
+
+    /// How far ahead [`prefetch_part`] asks for weight bytes.
+    const PART_AHEAD: usize = 8192;
+
+    /// Part `j` of `parts` of the prefetch hints (non-temporal, as [`prefetch_ahead`]) for the
+    /// `len` bytes [`PART_AHEAD`] past `p`: for the k-quant blocks of 2-3 KiB, spread over the
+    /// kernel's passes through the block. Asked for all at once at the start of the block, the
+    /// 37-53 lines of a block stalled the kernel: a 2-thread product of a large Q4_K matrix ran at
+    /// 64-67 GB/s against 78-83 spread (Q6_K: 43 against 82), 8 KiB ahead a little better than
+    /// 4 or 6 (docs/PERFORMANCE.md).
+    #[inline(always)]
+    pub(super) fn prefetch_part(p: *const u8, len: usize, j: usize, parts: usize) {
+        let lines = len.div_ceil(64);
+        let per = lines.div_ceil(parts);
+        for l in j * per..((j + 1) * per).min(lines) {
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_NTA>(p.wrapping_add(PART_AHEAD + 64 * l) as *const i8) };
         }
     }
 

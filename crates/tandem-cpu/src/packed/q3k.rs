@@ -89,7 +89,7 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, prefetch_ahead};
+    use super::super::x86::{bcast, prefetch_part};
     use super::{GroupActs, D, GROUP_BLOCK, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QH, QS, SC, SUBS};
     use std::arch::x86_64::*;
 
@@ -116,13 +116,13 @@ mod x86 {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
                 let wb = w.add(b * GROUP_BLOCK);
-                if NY == 1 {
-                    prefetch_ahead(wb, GROUP_BLOCK);
-                }
                 let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
                 let mut isum = [_mm512_setzero_si512(); NY];
                 let mut ibias = [_mm512_setzero_si512(); NY];
                 for i in 0..SUBS / 2 {
+                    if NY == 1 {
+                        prefetch_part(wb, GROUP_BLOCK, i, SUBS / 2);
+                    }
                     let hv = _mm512_loadu_si512(wb.add(QH + 64 * i) as *const __m512i);
                     let mut sc = [_mm512_setzero_si512(); 2];
                     let mut planes = [[_mm512_setzero_si512(); 4]; 2];

@@ -149,7 +149,7 @@ pub(super) unsafe fn group_scalar<const HIGH: bool>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, bcast8, prefetch_ahead};
+    use super::super::x86::{bcast, bcast8, prefetch_part};
     use super::{layout, GroupActs, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, SUBS};
     use std::arch::x86_64::*;
 
@@ -190,13 +190,13 @@ mod x86 {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
                 let wb = w.add(b * lay.size);
-                if NY == 1 {
-                    prefetch_ahead(wb, lay.size);
-                }
                 let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
                 let mut isum = [_mm512_setzero_si512(); NY];
                 let mut imin = [_mm512_setzero_si512(); NY];
                 for j in 0..SUBS {
+                    if NY == 1 {
+                        prefetch_part(wb, lay.size, j, SUBS);
+                    }
                     let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(lay.sc + 16 * j) as *const __m128i));
                     let mz = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(lay.mn + 16 * j) as *const __m128i));
                     // (m, m) as an i16 pair per lane, against the pair (bsums[2j], bsums[2j + 1]).
@@ -274,14 +274,14 @@ mod x86 {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
                 let wb = w.add(b * lay.size);
-                if NY == 1 {
-                    prefetch_ahead(wb, lay.size);
-                }
                 let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
                 for hf in 0..2 {
                     let mut isum = [_mm256_setzero_si256(); NY];
                     let mut imin = [_mm256_setzero_si256(); NY];
                     for j in 0..SUBS {
+                        if NY == 1 {
+                            prefetch_part(wb, lay.size, hf * SUBS + j, 2 * SUBS);
+                        }
                         let sc =
                             _mm256_cvtepu8_epi32(_mm_loadl_epi64(wb.add(lay.sc + 16 * j + 8 * hf) as *const __m128i));
                         let mz =

@@ -105,7 +105,7 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, prefetch_ahead};
+    use super::super::x86::{bcast, prefetch_part};
     use super::{GroupActs, D, GROUP_BLOCK, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QH, QL, SC, SUBS};
     use std::arch::x86_64::*;
 
@@ -130,13 +130,13 @@ mod x86 {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
                 let wb = w.add(b * GROUP_BLOCK);
-                if NY == 1 {
-                    prefetch_ahead(wb, GROUP_BLOCK);
-                }
                 let y: [*const u8; NY] = std::array::from_fn(|t| a.ys.add(t * a.yb + b * Q8K_BYTES));
                 let mut isum = [_mm512_setzero_si512(); NY];
                 let mut imin = [_mm512_setzero_si512(); NY];
                 for j in 0..SUBS {
+                    if NY == 1 {
+                        prefetch_part(wb, GROUP_BLOCK, j, SUBS);
+                    }
                     // (sc[2j], sc[2j + 1]) as an i16 pair per lane, and each alone as i32.
                     let pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256(wb.add(SC + 32 * j) as *const __m256i));
                     let sc0 = _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(pair));
