@@ -152,9 +152,9 @@ fn run_piece(p: Piece) {
             for r in r..end {
                 let wrow = &p.w.data[r * rb..(r + 1) * rb];
                 #[cfg(target_arch = "x86_64")]
-                if n == 1 {
+                if n == 1 && !kernel.prefetches() {
                     // Decode streams the weights once: ask for the bytes PREFETCH ahead of this row
-                    // (the hardware prefetchers stop at every 4 KiB page).
+                    // (the hardware prefetchers stop at every 4 KiB page), unless the kernel does.
                     prefetch(p.w.data, (r + 1) * rb, rb);
                 }
                 // SAFETY: the lengths were checked for the whole piece above.

@@ -155,6 +155,8 @@ pub struct Kernel {
     f: Option<KernelFn>,
     /// A multi-row kernel of the same level.
     tile: Option<TileFn>,
+    /// The single-row kernel asks for the weight bytes ahead of what it reads itself (for one token).
+    prefetches: bool,
 }
 
 impl std::fmt::Debug for Kernel {
@@ -206,6 +208,13 @@ impl Kernel {
 }
 
 impl Kernel {
+    /// Whether a single-token call asks for the weight bytes ahead of the ones it reads itself
+    /// (the k-quants' SIMD kernels, a few lines per block); otherwise the caller may.
+    #[inline]
+    pub fn prefetches(&self) -> bool {
+        self.prefetches
+    }
+
     /// Whether this kernel has a multi-row (tile) kernel of its own ([`Kernel::run_tile`] takes
     /// every count of [`TILE_ROWS`] then).
     #[inline]
@@ -299,12 +308,13 @@ pub fn kernel(ty: GgmlType, isa: Isa) -> Option<Kernel> {
         if level == Isa::Scalar {
             break;
         }
-        if let Some(f) = kquants::lookup(ty, level).or_else(|| legacy::lookup(ty, level)) {
+        let kq = kquants::lookup(ty, level);
+        if let Some(f) = kq.or_else(|| legacy::lookup(ty, level)) {
             let tile = kquants::lookup_tile(ty, level).or_else(|| legacy::lookup_tile(ty, level));
-            return Some(Kernel { ty, isa: level, f: Some(f), tile });
+            return Some(Kernel { ty, isa: level, f: Some(f), tile, prefetches: kq.is_some() });
         }
     }
-    Some(Kernel { ty, isa: Isa::Scalar, f: None, tile: None })
+    Some(Kernel { ty, isa: Isa::Scalar, f: None, tile: None, prefetches: false })
 }
 
 /// The kernel [`Isa::detected`] selects for `ty`, cached per type.

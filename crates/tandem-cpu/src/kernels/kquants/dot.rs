@@ -24,6 +24,26 @@ unsafe fn yd(y: *const u8) -> f32 {
     unsafe { (y as *const f32).read_unaligned() }
 }
 
+/// How far ahead of the block being multiplied a single-token dot asks for weight bytes.
+const AHEAD: usize = 12 * 1024;
+
+/// Prefetch hints (non-temporal) for the cache lines of the `T::BYTES` bytes [`AHEAD`] past the
+/// block at `p`: one block's few lines per block, so the requests stay spread over the row and the
+/// rows after it (a single token streams the weights once; the hardware prefetchers stop at page
+/// boundaries). A burst of a whole row's lines before each row, as the caller used to ask, kept a
+/// 2-thread product of a large Q4_K matrix at 55-58 GB/s; spread, 12 KiB ahead, it ran at 72-73
+/// (8 KiB: 59-60, 16 KiB: 62; Q6_K 63 against 74; docs/PERFORMANCE.md).
+#[inline(always)]
+fn prefetch_block<T: KQuant>(p: *const u8) {
+    let start = p as usize + AHEAD;
+    let mut line = start & !63;
+    while line < start + T::BYTES {
+        // SAFETY: a prefetch never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_NTA>(line as *const i8) };
+        line += 64;
+    }
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn hsum256(v: __m256) -> f32 {
@@ -63,6 +83,9 @@ pub(crate) unsafe fn dot_avx2<T: KQuant, const NY: usize>(n: usize, w: *const u8
     for i in 0..nb {
         // SAFETY: block `i` of the weight row and of each of the NY activation rows is in bounds.
         unsafe {
+            if NY == 1 {
+                prefetch_block::<T>(w.add(i * T::BYTES));
+            }
             let Unpacked { w: wb, f } = T::unpack(w.add(i * T::BYTES));
             let s = scales_256(f.sc);
             let (dv, dmv) = (_mm256_set1_ps(f.d), _mm256_set1_ps(f.dmin));
@@ -272,6 +295,9 @@ macro_rules! dot_512 {
             for i in 0..nb {
                 // SAFETY: block `i` of the weight row and of each of the NY activation rows is in bounds.
                 unsafe {
+                    if NY == 1 {
+                        prefetch_block::<T>(w.add(i * T::BYTES));
+                    }
                     let (wz, f) = T::unpack512(w.add(i * T::BYTES));
                     let s = $scales(f.sc);
                     let (dv, dmv) = (_mm512_set1_ps(f.d), _mm512_set1_ps(f.dmin));

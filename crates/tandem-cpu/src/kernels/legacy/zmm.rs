@@ -188,8 +188,11 @@ unsafe fn q8_0_act<W: Pair, D: Dot512, const NY: usize>(n: usize, w: *const u8, 
                 let idx = join(_mm256_set1_epi32(b as i32), _mm256_set1_epi32((b + two as usize) as i32));
                 for (j, a) in acc.iter_mut().enumerate() {
                     let yb = ys.add(j * yrow + (b0 + b) * Q8_0_BYTES + 2);
-                    let y1 =
-                        if two { _mm256_loadu_si256(yb.add(Q8_0_BYTES) as *const __m256i) } else { _mm256_setzero_si256() };
+                    let y1 = if two {
+                        _mm256_loadu_si256(yb.add(Q8_0_BYTES) as *const __m256i)
+                    } else {
+                        _mm256_setzero_si256()
+                    };
                     let y = join(_mm256_loadu_si256(yb as *const __m256i), y1);
                     let p = D::dot(ax, apply_sign(y, neg));
                     let dj = _mm512_castps256_ps512(_mm256_loadu_ps(d[j].as_ptr()));
@@ -260,8 +263,11 @@ unsafe fn q8_0_act_tile<W: Pair, const NR: usize, const NY: usize>(
                 let idx = join(_mm256_set1_epi32(b as i32), _mm256_set1_epi32((b + two as usize) as i32));
                 for j in 0..NY {
                     let yb = ys.add(j * yrow + (b0 + b) * Q8_0_BYTES + 2);
-                    let y1 =
-                        if two { _mm256_loadu_si256(yb.add(Q8_0_BYTES) as *const __m256i) } else { _mm256_setzero_si256() };
+                    let y1 = if two {
+                        _mm256_loadu_si256(yb.add(Q8_0_BYTES) as *const __m256i)
+                    } else {
+                        _mm256_setzero_si256()
+                    };
                     let y = join(_mm256_loadu_si256(yb as *const __m256i), y1);
                     let c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, y);
                     for r in 0..NR {
