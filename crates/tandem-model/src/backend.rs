@@ -119,6 +119,15 @@ pub trait Backend: Send + Sync {
             .collect()
     }
 
+    /// `ys[i] = ws[i] x` for several weights that take the same input (`x` is `[n][cols]`, `ys[i]`
+    /// is `[n][ws[i].rows()]`). Backends run them together where that pays.
+    fn matmul_same_input(&self, ws: &[&Weight], x: &[f32], ys: &mut [&mut [f32]]) -> Result<()> {
+        for (w, y) in ws.iter().zip(ys.iter_mut()) {
+            self.matmul(w, x, y)?;
+        }
+        Ok(())
+    }
+
     /// `ys[g] = W[rows of group g] xs[g]` for groups `(first_row, n_rows)` of one weight (e.g. the
     /// per-head matrices of MLA).
     fn matmul_groups(&self, w: &Weight, groups: &[(usize, usize)], xs: &[&[f32]], ys: &mut [Vec<f32>]) -> Result<()> {
@@ -186,6 +195,34 @@ impl Backend for CpuBackend {
             tandem_cpu::Error::Shape(m) => {
                 Error::Model(format!("{}: {m}", specs.first().map_or("", |s| s.gate.name.as_str())))
             }
+            other => other.into(),
+        })
+    }
+
+    fn matmul_same_input(&self, ws: &[&Weight], x: &[f32], ys: &mut [&mut [f32]]) -> Result<()> {
+        let names = || ws.iter().map(|w| w.name.as_str()).collect::<Vec<_>>().join(", ");
+        if ws.len() != ys.len() {
+            return Err(Error::Model(format!("{}: {} outputs for {} weights", names(), ys.len(), ws.len())));
+        }
+        let mut mats = Vec::with_capacity(ws.len());
+        for w in ws {
+            mats.push(w.matrix()?);
+        }
+        // The input quantized once per activation type the weights take.
+        let mut acts: Vec<tandem_cpu::QuantizedActs> = Vec::new();
+        for m in &mats {
+            if !acts.iter().any(|a| a.ty == vec_dot_type(m.ty)) {
+                acts.push(quantize_activations(m.ty, x, m.cols)?);
+            }
+        }
+        let n = x.len() / mats.first().map_or(1, |m| m.cols.max(1));
+        let mut jobs = Vec::with_capacity(ws.len());
+        for (m, y) in mats.iter().zip(ys.iter_mut()) {
+            let a = acts.iter().find(|a| a.ty == vec_dot_type(m.ty)).expect("quantized above");
+            jobs.push(tandem_cpu::MatJob { w: *m, acts: a, out: y });
+        }
+        tandem_cpu::matmul_jobs(self.threads.for_tokens(n), jobs).map_err(|e| match e {
+            tandem_cpu::Error::Shape(s) => Error::Model(format!("{}: {s}", names())),
             other => other.into(),
         })
     }
@@ -456,6 +493,48 @@ mod tests {
                 tandem_quant::quantize_row(ty, x, &mut out).unwrap();
                 out
             }
+        }
+    }
+
+    /// Products of several weights on one input in one parallel step: the same bits as each
+    /// product alone (weights of two activation types, a packed copy, one and several tokens), and
+    /// mismatched outputs refused by name.
+    #[test]
+    fn products_on_one_input_equal_each_alone() {
+        let (cols, ra, rb, rc) = (512usize, 48usize, 80usize, 16usize);
+        let mut wr = tandem_gguf::GgufWriter::new();
+        for (name, ty, rows, seed) in
+            [("a", GgmlType::Q4_K, ra, 11u64), ("b", GgmlType::Q8_0, rb, 12), ("c", GgmlType::F32, rc, 13)]
+        {
+            wr.add_tensor(name, ty, &[cols as u64, rows as u64], cache_bytes(ty, &rand(seed, rows * cols, 1.0)))
+                .unwrap();
+        }
+        let file = tandem_gguf::GgufFile::from_bytes(wr.to_bytes().unwrap(), "same-input.gguf").unwrap();
+        let src = std::sync::Arc::new(tandem_gguf::GgufModel::from_file(file).unwrap());
+        let b = CpuBackend::new(Threads::new(2, 2).unwrap());
+        for repack in [false, true] {
+            let l = crate::weights::WeightLoader::with_repack(src.clone(), repack);
+            let (wa, wb, wc) =
+                (l.get("a", &[cols, ra]).unwrap(), l.get("b", &[cols, rb]).unwrap(), l.get("c", &[cols, rc]).unwrap());
+            for n in [1usize, 3] {
+                let x = rand(20 + n as u64, n * cols, 2.0);
+                let alone: Vec<Vec<f32>> = [&wa, &wb, &wc]
+                    .iter()
+                    .map(|w| {
+                        let mut y = vec![0f32; n * w.rows()];
+                        b.matmul(w, &x, &mut y).unwrap();
+                        y
+                    })
+                    .collect();
+                let (mut ya, mut yb, mut yc) = (vec![0f32; n * ra], vec![0f32; n * rb], vec![0f32; n * rc]);
+                b.matmul_same_input(&[&wa, &wb, &wc], &x, &mut [&mut ya, &mut yb, &mut yc]).unwrap();
+                assert!(ya == alone[0] && yb == alone[1] && yc == alone[2], "repack {repack}, {n} tokens");
+            }
+            let mut short = vec![0f32; ra - 1];
+            let err = b.matmul_same_input(&[&wa], &rand(1, cols, 1.0), &mut [&mut short]).unwrap_err().to_string();
+            assert!(err.contains("a:"), "{err}");
+            let err = b.matmul_same_input(&[&wa, &wb], &rand(1, cols, 1.0), &mut [&mut short]).unwrap_err().to_string();
+            assert!(err.contains("a, b: 1 outputs for 2 weights"), "{err}");
         }
     }
 

@@ -160,18 +160,18 @@ impl Deepseek2 {
         let (nh, dk, dv, nr, kl) = (self.n_head, self.dk, self.dv, self.n_rot, self.kv_lora);
         let nope = dk - nr;
         let mut q = vec![0f32; n * nh * dk];
+        // [n][kv_lora + n_rot]: the latent, normalized, and the shared rotary key; computed with
+        // the first projection of the query, which takes the same input.
+        let mut kv = vec![0f32; n * (kl + nr)];
         match &ly.q {
             Query::Lora { a, norm, b: wb } => {
                 let mut qa = vec![0f32; n * a.rows()];
-                b.matmul(a, h, &mut qa)?;
+                b.matmul_same_input(&[a, &ly.kv_a], h, &mut [&mut qa, &mut kv])?;
                 b.rmsnorm(&mut qa, a.rows(), Some(norm), self.eps);
                 b.matmul(wb, &qa, &mut q)?;
             }
-            Query::Full(w) => b.matmul(w, h, &mut q)?,
+            Query::Full(w) => b.matmul_same_input(&[w, &ly.kv_a], h, &mut [&mut q, &mut kv])?,
         }
-        // [n][kv_lora + n_rot]: the latent, normalized, and the shared rotary key.
-        let mut kv = vec![0f32; n * (kl + nr)];
-        b.matmul(&ly.kv_a, h, &mut kv)?;
         for t in 0..n {
             let cache_t = self.rope.cache(ub.pos[t]);
             let row = &mut kv[t * (kl + nr)..(t + 1) * (kl + nr)];

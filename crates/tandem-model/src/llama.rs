@@ -69,9 +69,7 @@ impl Gqa {
         let mut q = vec![0f32; n * s.n_head * s.dk];
         let mut k = vec![0f32; n * s.n_head_kv * s.dk];
         let mut v = vec![0f32; n * s.n_head_kv * s.dv];
-        b.matmul(&w.wq, &h, &mut q)?;
-        b.matmul(&w.wk, &h, &mut k)?;
-        b.matmul(&w.wv, &h, &mut v)?;
+        b.matmul_same_input(&[&w.wq, &w.wk, &w.wv], &h, &mut [&mut q, &mut k, &mut v])?;
         if let Some((qn, kn)) = &w.qk_norm {
             b.rmsnorm(&mut q, s.dk, Some(qn), self.eps);
             b.rmsnorm(&mut k, s.dk, Some(kn), self.eps);
