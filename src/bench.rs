@@ -693,8 +693,18 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     let per_t = progress_total(&plan, n_ctx, !a.no_warmup);
     pb.set_length(per_t * plan.threads.len() as u64);
     let mut rows = Vec::new();
+    let mut bandwidth = bandwidth;
     for &t in &plan.threads {
         let mut rs = run_threads(&model, &plan, n_ctx, t, a, &out)?;
+        if let Some(before) = bandwidth.get(&t).copied() {
+            // Measured again after the runs: on a shared host the bandwidth can change from minute
+            // to minute, and the roofline takes the better of the two.
+            let after = measure_bandwidth(&[t], bw_bytes, &pb).get(&t).copied().unwrap_or(0.0);
+            out.line(&format!(
+                "memory read bandwidth, -t {t}: {before:.2} GB/s before the runs, {after:.2} GB/s after"
+            ))?;
+            bandwidth.insert(t, before.max(after));
+        }
         if let Some(&gbs) = bandwidth.get(&t) {
             for r in &mut rs {
                 r.roofline_pct = r.s_tg_tps.map(|s| active as f64 * s / (gbs * 1e9) * 100.0);

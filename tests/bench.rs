@@ -78,6 +78,10 @@ fn table_for_two_thread_counts() {
     assert_eq!(so.matches(TABLE_HEADER).count(), 2, "{so}");
     assert!(so.contains("n_threads = 1,") && so.contains("n_threads = 2,"), "{so}");
     assert!(so.contains("active weights per decoded token:") && so.contains("GB/s"), "{so}");
+    for t in [1, 2] {
+        let line = so.lines().find(|l| l.starts_with(&format!("memory read bandwidth, -t {t}:"))).expect(&so);
+        assert!(line.contains("before the runs") && line.contains("after"), "{line}");
+    }
     let rows = table_rows(&so);
     assert_eq!(rows.len(), 2, "{so}");
     for r in rows {
