@@ -1,6 +1,6 @@
 //! Batched products (`matmul_jobs`, `ffn_jobs`) against one `matmul` per product.
 
-use tandem_cpu::{ffn_jobs, matmul, silu_mul, FfnJob, WeightRef};
+use tandem_cpu::{ffn_jobs, matmul, matmul_jobs, packed, quantize_activations, silu_mul, FfnJob, MatJob, WeightRef};
 use tandem_quant::{quantize_row, row_size, GgmlType};
 
 fn data(seed: u64, n: usize) -> Vec<f32> {
@@ -82,6 +82,60 @@ fn ffn_jobs_equal_separate_matmuls() {
         silu_mul(&mut g, &u);
         matmul(&pool, &j.down, &g, &mut d).unwrap();
         close(out, &d, "ffn job");
+    }
+}
+
+/// One parallel step of several products (row-major and, where this machine packs, packed; rows
+/// that are not a multiple of any block; 1 and 5 tokens; a job with no tokens) writes every output,
+/// with the same bits on 2 and 3 threads as each product alone on 1: however the threads divide
+/// the rows among them.
+#[test]
+fn a_step_writes_every_output_the_same_on_any_number_of_threads() {
+    let cols = 2048;
+    let mut mats: Vec<(GgmlType, usize, Vec<u8>)> = vec![
+        (GgmlType::Q4_K, 1000, weight(GgmlType::Q4_K, 1000, cols, 1)),
+        (GgmlType::Q8_0, 77, weight(GgmlType::Q8_0, 77, cols, 2)),
+        (GgmlType::Q6_K, 3, weight(GgmlType::Q6_K, 3, cols, 3)),
+        (GgmlType::F32, 40, data(4, 40 * cols).iter().flat_map(|v| v.to_le_bytes()).collect()),
+    ];
+    let packs: Vec<packed::Packed> =
+        [(GgmlType::Q4_K, 640usize, 5u64), (GgmlType::Q6_K, 48, 6), (GgmlType::Q8_0, 208, 7)]
+            .iter()
+            .filter(|&&(ty, rows, _)| packed::packing_pays_for(ty) && packed::packable(ty, rows, cols))
+            .map(|&(ty, rows, seed)| packed::pack(ty, rows, cols, &weight(ty, rows, cols, seed)).unwrap())
+            .collect();
+    mats.push((GgmlType::Q4_K, 16, weight(GgmlType::Q4_K, 16, cols, 8)));
+    let mut ws: Vec<WeightRef> =
+        mats.iter().map(|(ty, rows, d)| WeightRef::new(*ty, *rows, cols, d).unwrap()).collect();
+    ws.extend(packs.iter().map(|p| p.weight_ref()));
+    for n in [1usize, 5] {
+        let x = data(20 + n as u64, n * cols);
+        let acts: Vec<_> = ws.iter().map(|w| quantize_activations(w.ty, &x, cols).unwrap()).collect();
+        let none = quantize_activations(GgmlType::Q8_0, &[], cols).unwrap();
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let alone: Vec<Vec<f32>> = ws
+            .iter()
+            .zip(&acts)
+            .map(|(w, a)| {
+                let mut y = vec![0f32; n * w.rows];
+                matmul_jobs(&one, vec![MatJob { w: *w, acts: a, out: &mut y }]).unwrap();
+                y
+            })
+            .collect();
+        for threads in [2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; n * w.rows]).collect();
+            let mut empty: Vec<f32> = Vec::new();
+            let mut jobs: Vec<MatJob> =
+                ws.iter().zip(&acts).zip(outs.iter_mut()).map(|((w, a), out)| MatJob { w: *w, acts: a, out }).collect();
+            jobs.insert(2, MatJob { w: ws[1], acts: &none, out: &mut empty });
+            matmul_jobs(&pool, jobs).unwrap();
+            for (i, (got, want)) in outs.iter().zip(&alone).enumerate() {
+                let what = format!("{} threads, {n} tokens, job {i} ({} x {} {})", threads, ws[i].rows, cols, ws[i].ty);
+                assert!(got.iter().all(|v| !v.is_nan()), "{what}: an output was not written");
+                assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: other bits than alone");
+            }
+        }
     }
 }
 
