@@ -271,12 +271,23 @@ impl Deepseek2 {
         let nope = dk - nr;
         let dq = kl + nr;
         let mut qcur = vec![0f32; n * nh * dq];
-        let q_nope: Vec<Vec<f32>> = (0..nh)
-            .map(|hd| {
-                tokens.iter().flat_map(|&t| q[(t * nh + hd) * dk..(t * nh + hd) * dk + nope].iter().copied()).collect()
-            })
-            .collect();
-        let xs: Vec<&[f32]> = q_nope.iter().map(|v| &v[..]).collect();
+        // Each head's `q_nope` rows; for one token they are in place in `q`.
+        let q_nope: Vec<Vec<f32>> = match tokens {
+            [_] => Vec::new(),
+            _ => (0..nh)
+                .map(|hd| {
+                    let mut v = Vec::with_capacity(n * nope);
+                    for &t in tokens {
+                        v.extend_from_slice(&q[(t * nh + hd) * dk..(t * nh + hd) * dk + nope]);
+                    }
+                    v
+                })
+                .collect(),
+        };
+        let xs: Vec<&[f32]> = match tokens {
+            &[t] => (0..nh).map(|hd| &q[(t * nh + hd) * dk..(t * nh + hd) * dk + nope]).collect(),
+            _ => q_nope.iter().map(|v| &v[..]).collect(),
+        };
         let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * kl, kl)).collect();
         let mut absorbed = vec![vec![0f32; n * kl]; nh];
         b.matmul_groups(k_b, &groups, &xs, &mut absorbed)?;
@@ -289,11 +300,23 @@ impl Deepseek2 {
         }
         let shape = AttnShape { n_head: nh, n_head_kv: 1, dk: dq, dv: kl, scale: self.kq_scale };
         let lat = attend_cached(b, cache, il, ub, tokens, &qcur, false, shape)?;
-        // Decompress each head's latent output with W_vb,h.
-        let lat_h: Vec<Vec<f32>> = (0..nh)
-            .map(|hd| (0..n).flat_map(|i| lat[(i * nh + hd) * kl..(i * nh + hd + 1) * kl].iter().copied()).collect())
-            .collect();
-        let xs: Vec<&[f32]> = lat_h.iter().map(|v| &v[..]).collect();
+        // Decompress each head's latent output with W_vb,h (for one token, in place in `lat`).
+        let lat_h: Vec<Vec<f32>> = match n {
+            1 => Vec::new(),
+            _ => (0..nh)
+                .map(|hd| {
+                    let mut v = Vec::with_capacity(n * kl);
+                    for i in 0..n {
+                        v.extend_from_slice(&lat[(i * nh + hd) * kl..(i * nh + hd + 1) * kl]);
+                    }
+                    v
+                })
+                .collect(),
+        };
+        let xs: Vec<&[f32]> = match n {
+            1 => lat.chunks_exact(kl).collect(),
+            _ => lat_h.iter().map(|v| &v[..]).collect(),
+        };
         let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * dv, dv)).collect();
         let mut ys = vec![vec![0f32; n * dv]; nh];
         b.matmul_groups(v_b, &groups, &xs, &mut ys)?;
