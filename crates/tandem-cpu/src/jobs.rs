@@ -240,15 +240,9 @@ const PREFETCH: usize = 4096;
 #[cfg(target_arch = "x86_64")]
 #[inline]
 fn prefetch(data: &[u8], at: usize, len: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_NTA};
-    let start = at + PREFETCH;
+    let start = (at + PREFETCH).min(data.len());
     let end = (start + len).min(data.len());
-    let mut o = start;
-    while o < end {
-        // SAFETY: `o` is inside `data`; a prefetch never faults anyway.
-        unsafe { _mm_prefetch::<_MM_HINT_NTA>(data.as_ptr().add(o) as *const i8) };
-        o += 64;
-    }
+    crate::prefetch_nta(data[start..].as_ptr(), end - start);
 }
 
 /// A SwiGLU feed-forward network applied to some of the tokens: one expert, a shared expert or a

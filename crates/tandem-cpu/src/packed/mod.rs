@@ -271,22 +271,14 @@ mod x86 {
         _mm512_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
     }
 
-    /// Prefetch hints for the `len` bytes 4 KiB past `p`: a single token streams the weights once,
-    /// and the hardware prefetchers stop at page boundaries. Non-temporal: lines read once need not
-    /// pass through L2 and be evicted into L3, which at 2 threads made a decode step 10-20% slower
-    /// than with `_MM_HINT_T0` (docs/PERFORMANCE.md).
     /// Prefetch hints for the `len` bytes 4 KiB past `p`, all at once: for the blocks of a few
     /// cache lines (Q8_0, Q5_0, Q4_0) that a kernel passes through in a few dozen instructions. A
     /// single token streams the weights once, and the hardware prefetchers stop at page
-    /// boundaries. Non-temporal: lines read once need not pass through L2 and be evicted into L3,
-    /// which at 2 threads made a decode step 10-20% slower than with `_MM_HINT_T0`
+    /// boundaries. Non-temporal: against `_MM_HINT_T0`, 10-20% faster 2-thread decode
     /// (docs/PERFORMANCE.md).
     #[inline(always)]
     pub(super) fn prefetch_ahead(p: *const u8, len: usize) {
-        for l in (0..len).step_by(64) {
-            // SAFETY: a prefetch never faults, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_NTA>(p.wrapping_add(l + 4096) as *const i8) };
-        }
+        crate::prefetch_nta(p.wrapping_add(4096), len);
     }
 
     /// How far ahead [`prefetch_part`] asks for weight bytes.
@@ -302,10 +294,8 @@ mod x86 {
     pub(super) fn prefetch_part(p: *const u8, len: usize, j: usize, parts: usize) {
         let lines = len.div_ceil(64);
         let per = lines.div_ceil(parts);
-        for l in j * per..((j + 1) * per).min(lines) {
-            // SAFETY: a prefetch never faults, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_NTA>(p.wrapping_add(PART_AHEAD + 64 * l) as *const i8) };
-        }
+        let (first, end) = ((j * per).min(lines), ((j + 1) * per).min(lines));
+        crate::prefetch_nta(p.wrapping_add(PART_AHEAD + 64 * first), 64 * (end - first));
     }
 
     /// Four bytes at `p` in every 32-bit lane of a ymm register.

@@ -33,15 +33,10 @@ const AHEAD: usize = 12 * 1024;
 /// boundaries). A burst of a whole row's lines before each row, as the caller used to ask, kept a
 /// 2-thread product of a large Q4_K matrix at 55-58 GB/s; spread, 12 KiB ahead, it ran at 72-73
 /// (8 KiB: 59-60, 16 KiB: 62; Q6_K 63 against 74; docs/PERFORMANCE.md).
+/// (A block's last line, where it straddles two, is the next block's first.)
 #[inline(always)]
 fn prefetch_block<T: KQuant>(p: *const u8) {
-    let start = p as usize + AHEAD;
-    let mut line = start & !63;
-    while line < start + T::BYTES {
-        // SAFETY: a prefetch never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_NTA>(line as *const i8) };
-        line += 64;
-    }
+    crate::prefetch_nta(p.wrapping_add(AHEAD), T::BYTES);
 }
 
 #[inline]
