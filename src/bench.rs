@@ -678,6 +678,11 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         model.n_vocab()
     ))?;
     out.line(&format!("active weights per decoded token: {} ({active} bytes)", human_bytes(active)))?;
+    out.line(&format!(
+        "CPU kernels: {}, weight prefetch {} (TANDEM_CPU_ISA, TANDEM_PREFETCH)",
+        tandem_cpu::Isa::detected(),
+        tandem_cpu::Prefetch::detected()
+    ))?;
 
     let bandwidth = if bw_bytes > 0 { measure_bandwidth(&plan.threads, bw_bytes, &pb) } else { BTreeMap::new() };
     if !bandwidth.is_empty() {

@@ -78,6 +78,7 @@ fn table_for_two_thread_counts() {
     assert_eq!(so.matches(TABLE_HEADER).count(), 2, "{so}");
     assert!(so.contains("n_threads = 1,") && so.contains("n_threads = 2,"), "{so}");
     assert!(so.contains("active weights per decoded token:") && so.contains("GB/s"), "{so}");
+    assert!(so.contains("CPU kernels: ") && so.contains(", weight prefetch "), "{so}");
     for t in [1, 2] {
         let line = so.lines().find(|l| l.starts_with(&format!("memory read bandwidth, -t {t}:"))).expect(&so);
         assert!(line.contains("before the runs") && line.contains("after"), "{line}");
@@ -287,4 +288,25 @@ fn ik_llama_cpp_flags_are_taken() {
         assert!(notes.iter().any(|n| n.contains(flag)), "no note for {flag}:\n{se}");
     }
     assert_eq!(v["repack"], Value::Bool(tandem_cpu::packed::packing_pays()), "{v}");
+}
+
+/// `TANDEM_PREFETCH` picks the weight prefetch hint (shown with the kernels' level); a name it
+/// does not know is reported in one line and the processor's default is kept.
+#[test]
+fn the_prefetch_hint_follows_tandem_prefetch() {
+    let m = fixture("deepseek2-mla-tiny.gguf");
+    let run = |hint: &str| {
+        Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["bench", "-m", m.to_str().unwrap(), "--bandwidth-mib", "0", "--no-progress", "-p", "4", "-n", "2"])
+            .env("TANDEM_PREFETCH", hint)
+            .output()
+            .unwrap()
+    };
+    for hint in ["nta", "t0", "t1", "off"] {
+        let (so, _) = ok(&run(hint));
+        assert!(so.contains(&format!(", weight prefetch {hint} (")), "{hint}: {so}");
+    }
+    let (so, se) = ok(&run("t7"));
+    assert!(se.contains("TANDEM_PREFETCH=\"t7\" is not one of nta, t0, t1, off; ignored"), "{se}");
+    assert!(so.contains(", weight prefetch t1 (") || so.contains(", weight prefetch nta ("), "{so}");
 }

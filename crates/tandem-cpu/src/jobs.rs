@@ -236,13 +236,13 @@ fn quantize_par(
 const PREFETCH: usize = 4096;
 
 /// Prefetch hints for the cache lines of `data[at + PREFETCH .. at + PREFETCH + len]` that exist,
-/// non-temporal like the packed kernels' (`packed::x86::prefetch_ahead`).
+/// with the processor's hint for streamed weights, like the packed kernels' ([`crate::Prefetch`]).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 fn prefetch(data: &[u8], at: usize, len: usize) {
     let start = (at + PREFETCH).min(data.len());
     let end = (start + len).min(data.len());
-    crate::prefetch_nta(data[start..].as_ptr(), end - start);
+    crate::prefetch_stream(data[start..].as_ptr(), end - start);
 }
 
 /// A SwiGLU feed-forward network applied to some of the tokens: one expert, a shared expert or a

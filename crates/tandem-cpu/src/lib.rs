@@ -34,6 +34,7 @@ mod mla;
 mod ops;
 pub mod packed;
 mod pool;
+mod prefetch;
 
 /// Deterministic test data in [-1, 1) (xorshift), shared by the unit tests.
 #[cfg(test)]
@@ -49,19 +50,6 @@ pub(crate) fn test_data(seed: u64, n: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Non-temporal prefetch hints for the `len` bytes from `p`, one per 64 bytes: what every
-/// single-token kernel asks for the weights it will stream next (read once per token, they need
-/// not pass through L2 and be evicted into L3; docs/PERFORMANCE.md).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(crate) fn prefetch_nta(p: *const u8, len: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_NTA};
-    for l in (0..len).step_by(64) {
-        // SAFETY: a prefetch never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_NTA>(p.wrapping_add(l) as *const i8) };
-    }
-}
-
 pub use attention::{attention, attention_many, Attn, KvType};
 pub use jobs::{ffn_jobs, matmul_jobs, FfnJob, MatJob};
 pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY};
@@ -69,6 +57,9 @@ pub use matmul::{matmul, matmul_quantized, quantize_activations, QuantizedActs, 
 pub use mla::{cache_rows_f32, mla_prefill, MlaPrefill};
 pub use ops::{add_assign, rmsnorm, rope, silu_mul, softmax_in_place, RopeParams, RopeStyle};
 pub use pool::Threads;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use prefetch::prefetch_stream;
+pub use prefetch::Prefetch;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

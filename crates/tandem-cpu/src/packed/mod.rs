@@ -274,17 +274,17 @@ mod x86 {
     /// Prefetch hints for the `len` bytes 4 KiB past `p`, all at once: for the blocks of a few
     /// cache lines (Q8_0, Q5_0, Q4_0) that a kernel passes through in a few dozen instructions. A
     /// single token streams the weights once, and the hardware prefetchers stop at page
-    /// boundaries. Non-temporal: against `_MM_HINT_T0`, 10-20% faster 2-thread decode
-    /// (docs/PERFORMANCE.md).
+    /// boundaries. The hint is the processor's ([`crate::Prefetch`]: non-temporal on AMD, where it
+    /// gave 10-20% faster 2-thread decode than `t0`; `t1` on Intel, where non-temporal halved it).
     #[inline(always)]
     pub(super) fn prefetch_ahead(p: *const u8, len: usize) {
-        crate::prefetch_nta(p.wrapping_add(4096), len);
+        crate::prefetch_stream(p.wrapping_add(4096), len);
     }
 
     /// How far ahead [`prefetch_part`] asks for weight bytes.
     const PART_AHEAD: usize = 8192;
 
-    /// Part `j` of `parts` of the prefetch hints (non-temporal, as [`prefetch_ahead`]) for the
+    /// Part `j` of `parts` of the prefetch hints (the processor's, as [`prefetch_ahead`]) for the
     /// `len` bytes [`PART_AHEAD`] past `p`: for the k-quant blocks of 2-3 KiB, spread over the
     /// kernel's passes through the block. Asked for all at once at the start of the block, the
     /// 37-53 lines of a block stalled the kernel: a 2-thread product of a large Q4_K matrix ran at
@@ -295,7 +295,7 @@ mod x86 {
         let lines = len.div_ceil(64);
         let per = lines.div_ceil(parts);
         let (first, end) = ((j * per).min(lines), ((j + 1) * per).min(lines));
-        crate::prefetch_nta(p.wrapping_add(PART_AHEAD + 64 * first), 64 * (end - first));
+        crate::prefetch_stream(p.wrapping_add(PART_AHEAD + 64 * first), 64 * (end - first));
     }
 
     /// Four bytes at `p` in every 32-bit lane of a ymm register.

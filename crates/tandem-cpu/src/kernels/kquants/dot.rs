@@ -27,7 +27,7 @@ unsafe fn yd(y: *const u8) -> f32 {
 /// How far ahead of the block being multiplied a single-token dot asks for weight bytes.
 const AHEAD: usize = 12 * 1024;
 
-/// Prefetch hints (non-temporal) for the cache lines of the `T::BYTES` bytes [`AHEAD`] past the
+/// Prefetch hints ([`crate::Prefetch`]) for the cache lines of the `T::BYTES` bytes [`AHEAD`] past the
 /// block at `p`: one block's few lines per block, so the requests stay spread over the row and the
 /// rows after it (a single token streams the weights once; the hardware prefetchers stop at page
 /// boundaries). A burst of a whole row's lines before each row, as the caller used to ask, kept a
@@ -36,7 +36,7 @@ const AHEAD: usize = 12 * 1024;
 /// (A block's last line, where it straddles two, is the next block's first.)
 #[inline(always)]
 fn prefetch_block<T: KQuant>(p: *const u8) {
-    crate::prefetch_nta(p.wrapping_add(AHEAD), T::BYTES);
+    crate::prefetch_stream(p.wrapping_add(AHEAD), T::BYTES);
 }
 
 #[inline]
