@@ -1151,6 +1151,7 @@ mod tests {
     #[test]
     fn a_batch_of_tokens_equals_each_token_alone_bit_for_bit() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let three = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         let mut seed = 11u64;
         let mut rnd = move || {
@@ -1167,7 +1168,7 @@ mod tests {
                 if !dk.is_multiple_of(ty.block()) {
                     continue;
                 }
-                let rows = 300;
+                let rows = 800;
                 let mut values = |n: usize| -> Vec<u8> { cache_rows(ty, &(0..n).map(|_| rnd()).collect::<Vec<f32>>()) };
                 let (k, v, k2) = (values(rows * nkv * dk), values(rows * nkv * dv), values(rows * nkv * dk));
                 let n_tok = 37;
@@ -1186,7 +1187,8 @@ mod tests {
                         v: sep.then_some(&v[..]),
                         v_type: ty,
                         v_row: nkv * dv,
-                        n_kv: if t < 30 { 200 + t } else { 1 + 17 * (t - 30) },
+                        // Depths from 100 to 767 rows.
+                        n_kv: if t < 30 { 100 + 23 * t } else { 1 + 17 * (t - 30) },
                         scale: 0.125,
                     })
                     .collect();
@@ -1200,13 +1202,16 @@ mod tests {
                         batch[t].iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()),
                         "{ty:?} {nh}/{nkv}/{dk}/{dv} token {t}: batch differs from alone"
                     );
-                    // Alone on two threads (its heads split over them where the work pays for it).
-                    let mut two = vec![f32::NAN; nh * dv];
-                    attention(&pool, a, &mut two).unwrap();
-                    assert!(
-                        two.iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()),
-                        "{ty:?} {nh}/{nkv}/{dk}/{dv} token {t}: two threads differ from one"
-                    );
+                    // Alone on two and three threads (its heads split over them where the work pays
+                    // for it).
+                    for (threads, p) in [(2, &pool), (3, &three)] {
+                        let mut split = vec![f32::NAN; nh * dv];
+                        attention(p, a, &mut split).unwrap();
+                        assert!(
+                            split.iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "{ty:?} {nh}/{nkv}/{dk}/{dv} token {t}: {threads} threads differ from one"
+                        );
+                    }
                 }
             }
         }
