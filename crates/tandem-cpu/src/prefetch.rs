@@ -103,23 +103,27 @@ fn vendor() -> [u8; 12] {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_stream(p: *const u8, len: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_NTA, _MM_HINT_T0, _MM_HINT_T1};
-    let hint = MODE.load(Ordering::Relaxed);
-    if hint == UNSET {
-        Prefetch::detected();
-        return;
+    use std::arch::x86_64::{_MM_HINT_NTA, _MM_HINT_T0, _MM_HINT_T1};
+    let hint = match MODE.load(Ordering::Relaxed) {
+        UNSET => Prefetch::detected() as u8,
+        m => m,
+    };
+    // The hint chosen once per call, not per line.
+    match hint {
+        0 => lines::<_MM_HINT_NTA>(p, len),
+        1 => lines::<_MM_HINT_T0>(p, len),
+        2 => lines::<_MM_HINT_T1>(p, len),
+        _ => {}
     }
+}
+
+/// One prefetch with hint `H` per 64 bytes of the `len` bytes from `p`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn lines<const H: i32>(p: *const u8, len: usize) {
     for l in (0..len).step_by(64) {
-        let a = p.wrapping_add(l) as *const i8;
         // SAFETY: a prefetch never faults, whatever the address.
-        unsafe {
-            match hint {
-                0 => _mm_prefetch::<_MM_HINT_NTA>(a),
-                1 => _mm_prefetch::<_MM_HINT_T0>(a),
-                2 => _mm_prefetch::<_MM_HINT_T1>(a),
-                _ => {}
-            }
-        }
+        unsafe { std::arch::x86_64::_mm_prefetch::<H>(p.wrapping_add(l) as *const i8) };
     }
 }
 
