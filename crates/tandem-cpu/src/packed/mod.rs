@@ -416,13 +416,7 @@ mod tests {
     /// (where each type keeps them).
     pub(super) fn random_rows(ty: GgmlType, rows: usize, n: usize, rng: &mut Rng) -> Vec<u8> {
         let mut w: Vec<u8> = (0..rows * row_size(ty, n).unwrap()).map(|_| rng.next() as u8).collect();
-        let factors: &[usize] = match ty {
-            GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-            GgmlType::Q6_K => &[208],
-            GgmlType::Q2_K => &[80, 82],
-            GgmlType::Q3_K => &[108],
-            _ => &[0],
-        };
+        let factors = factor_offsets(ty);
         for b in w.chunks_exact_mut(ty.type_size()) {
             for &o in factors {
                 let bits = 0x1400u16 | (rng.next() as u16 & 0x03FF) | (rng.next() as u16 & 0x8000);
@@ -430,6 +424,17 @@ mod tests {
             }
         }
         w
+    }
+
+    /// Where the blocks of `ty` keep their fp16 factors.
+    fn factor_offsets(ty: GgmlType) -> &'static [usize] {
+        match ty {
+            GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+            GgmlType::Q6_K => &[208],
+            GgmlType::Q2_K => &[80, 82],
+            GgmlType::Q3_K => &[108],
+            _ => &[0],
+        }
     }
 
     fn acts(ty: GgmlType, n: usize, ny: usize, rng: &mut Rng) -> Vec<u8> {
@@ -497,6 +502,61 @@ mod tests {
                         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         assert_eq!(bits(&a), bits(&b), "{ty} {isa} n {n}, {ny} tokens");
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_simd_group_kernels_are_exact_at_the_extremes() {
+        // Every level and scale at its largest (all bits set) against activations all at -128:
+        // the largest partial sums the kernels keep in narrow lanes.
+        let mut rng = Rng(17);
+        for ty in PACKED_TYPES {
+            let (vnni, avx2) = simd_kernels(ty);
+            let levels = [(crate::Isa::Avx512Vnni, vnni), (crate::Isa::Avx2, avx2)];
+            let n = 512;
+            let mut w = random_rows(ty, PACK_ROWS, n, &mut rng);
+            let factors = factor_offsets(ty);
+            for b in w.chunks_exact_mut(ty.type_size()) {
+                for (i, byte) in b.iter_mut().enumerate() {
+                    if !factors.iter().any(|&o| (o..o + 2).contains(&i)) {
+                        *byte = 0xFF;
+                    }
+                }
+            }
+            let p = pack(ty, PACK_ROWS, n, &w).unwrap();
+            for q in [-128i8, 127] {
+                let ny = 2;
+                let mut ys = crate::quantize_activations(ty, &vec![1.0; n * ny], n).unwrap().data;
+                if ty.block_size() == 256 {
+                    for b in ys.chunks_exact_mut(Q8K_BYTES) {
+                        b[Q8K_QS..Q8K_QS + 256].fill(q as u8);
+                        for g in 0..16 {
+                            b[Q8K_BSUMS + 2 * g..Q8K_BSUMS + 2 * g + 2].copy_from_slice(&(16 * q as i16).to_le_bytes());
+                        }
+                    }
+                } else {
+                    for b in ys.chunks_exact_mut(b32::Q8_0_BYTES) {
+                        b[2..].fill(q as u8);
+                    }
+                }
+                let mut want = vec![0f32; ny * PACK_ROWS];
+                run(scalar_kernel(ty), ty, p.bytes(), n, &ys, ny, &mut want, PACK_ROWS);
+                let (rb, yb) = (row_size(ty, n).unwrap(), ys.len() / ny);
+                for r in 0..PACK_ROWS {
+                    let dot = tandem_quant::vec_dot(ty, n, &w[r * rb..(r + 1) * rb], &ys[..yb]).unwrap();
+                    assert!((want[r] - dot).abs() <= 1e-5 * dot.abs().max(1.0), "{ty} row {r}: {} vs {dot}", want[r]);
+                }
+                for (isa, k) in levels.into_iter().filter_map(|(isa, k)| k.map(|k| (isa, k))) {
+                    if !isa.supported() {
+                        println!("SKIPPED {isa} packed {ty} kernel at the extremes: this machine does not run it");
+                        continue;
+                    }
+                    let mut got = vec![0f32; ny * PACK_ROWS];
+                    run(k, ty, p.bytes(), n, &ys, ny, &mut got, PACK_ROWS);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{ty} {isa} activations {q}");
                 }
             }
         }

@@ -153,6 +153,42 @@ mod x86 {
     use super::{layout, GroupActs, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, SUBS};
     use std::arch::x86_64::*;
 
+    /// `vpshufb` control: 32-bit lane `r` gets byte `r` of its 128-bit lane twice, as two u16.
+    static PAIRS: [u8; 64] = {
+        let mut c = [0x80u8; 64];
+        let mut r = 0;
+        while r < 16 {
+            c[4 * r] = r as u8;
+            c[4 * r + 2] = r as u8;
+            r += 1;
+        }
+        c
+    };
+    /// `vpshufb` control: bytes 0 and 1 of each 32-bit lane into its bytes 2 and 3 (the other
+    /// two are masked off by [`HIGH_HALVES`]).
+    static UP: [u8; 64] = {
+        let mut c = [0u8; 64];
+        let mut r = 0;
+        while r < 16 {
+            c[4 * r + 2] = (4 * (r % 4)) as u8;
+            c[4 * r + 3] = (4 * (r % 4) + 1) as u8;
+            r += 1;
+        }
+        c
+    };
+    /// Bytes 2 and 3 of every 32-bit lane.
+    const HIGH_HALVES: u64 = 0xCCCC_CCCC_CCCC_CCCC;
+
+    /// The 16 bytes at `p` (one per row), each as the u16 pair (b, b) in its row's lane.
+    ///
+    /// # Safety
+    /// 16 readable bytes at `p`; the machine has AVX-512 BW.
+    #[inline(always)]
+    unsafe fn pairs_of(p: *const u8, pairs: __m512i) -> __m512i {
+        // SAFETY: as the caller guarantees.
+        unsafe { _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(p as *const __m128i)), pairs) }
+    }
+
     /// A [`super::GroupFn`] for AVX-512 VNNI (Q4_K, or with `HIGH` Q5_K).
     ///
     /// # Safety
@@ -185,6 +221,8 @@ mod x86 {
         let lay = const { layout(HIGH) };
         let nib = _mm512_set1_epi8(0x0F);
         let bit4 = _mm512_set1_epi8(0x10);
+        let pairs = _mm512_loadu_si512(PAIRS.as_ptr() as *const __m512i);
+        let up = _mm512_loadu_si512(UP.as_ptr() as *const __m512i);
         let mut acc = [_mm512_setzero_ps(); NY];
         for b in 0..nb {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
@@ -197,32 +235,63 @@ mod x86 {
                     if NY == 1 {
                         prefetch_part(wb, lay.size, j, SUBS);
                     }
-                    let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(lay.sc + 16 * j) as *const __m128i));
-                    let mz = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(lay.mn + 16 * j) as *const __m128i));
                     // (m, m) as an i16 pair per lane, against the pair (bsums[2j], bsums[2j + 1]).
-                    let mm = _mm512_or_si512(mz, _mm512_slli_epi32::<16>(mz));
-                    let mut lo = [_mm512_setzero_si512(); 4];
-                    let mut hi = [_mm512_setzero_si512(); 4];
-                    let fifth = if HIGH { _mm512_loadu_si512(wb.add(lay.qh + 64 * j) as *const __m512i) } else { nib };
-                    for l in 0..4 {
-                        let raw = _mm512_loadu_si512(wb.add(256 * j + 64 * l) as *const __m512i);
-                        lo[l] = _mm512_and_si512(raw, nib);
-                        hi[l] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
-                        if HIGH {
-                            // level | (bit 2l (+1) of `fifth`, moved to bit 4 of its byte)
-                            lo[l] = _mm512_ternarylogic_epi32::<0xF8>(lo[l], to_bit4(fifth, 2 * l), bit4);
-                            hi[l] = _mm512_ternarylogic_epi32::<0xF8>(hi[l], to_bit4(fifth, 2 * l + 1), bit4);
-                        }
-                    }
-                    for t in 0..NY {
-                        let q = y[t].add(Q8K_QS + 32 * j);
-                        let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                    let mm = pairs_of(wb.add(lay.mn + 16 * j), pairs);
+                    let bsums = |t: usize| bcast(y[t].add(Q8K_BSUMS + 4 * j));
+                    if HIGH {
+                        let mut lo = [_mm512_setzero_si512(); 4];
+                        let mut hi = [_mm512_setzero_si512(); 4];
+                        let fifth = _mm512_loadu_si512(wb.add(lay.qh + 64 * j) as *const __m512i);
                         for l in 0..4 {
-                            s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
-                            s1 = _mm512_dpbusd_epi32(s1, hi[l], bcast(q.add(8 * l + 4)));
+                            let raw = _mm512_loadu_si512(wb.add(256 * j + 64 * l) as *const __m512i);
+                            // level | (bit 2l (+1) of `fifth`, moved to bit 4 of its byte)
+                            lo[l] = _mm512_ternarylogic_epi32::<0xF8>(
+                                _mm512_and_si512(raw, nib),
+                                to_bit4(fifth, 2 * l),
+                                bit4,
+                            );
+                            hi[l] = _mm512_ternarylogic_epi32::<0xF8>(
+                                _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib),
+                                to_bit4(fifth, 2 * l + 1),
+                                bit4,
+                            );
                         }
-                        isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc));
-                        imin[t] = _mm512_dpwssd_epi32(imin[t], mm, bcast(y[t].add(Q8K_BSUMS + 4 * j)));
+                        let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(lay.sc + 16 * j) as *const __m128i));
+                        for t in 0..NY {
+                            let q = y[t].add(Q8K_QS + 32 * j);
+                            let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                            for l in 0..4 {
+                                s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
+                                s1 = _mm512_dpbusd_epi32(s1, hi[l], bcast(q.add(8 * l + 4)));
+                            }
+                            // Levels up to 31: the sums of 16 need not fit an i16.
+                            isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc));
+                            imin[t] = _mm512_dpwssd_epi32(imin[t], mm, bsums(t));
+                        }
+                    } else {
+                        // The high nibbles stay in place: 16 times the level, at no shift.
+                        let scsc = pairs_of(wb.add(lay.sc + 16 * j), pairs);
+                        let mut lo = [_mm512_setzero_si512(); 4];
+                        let mut hi16 = [_mm512_setzero_si512(); 4];
+                        for l in 0..4 {
+                            let raw = _mm512_loadu_si512(wb.add(256 * j + 64 * l) as *const __m512i);
+                            lo[l] = _mm512_and_si512(raw, nib);
+                            hi16[l] = _mm512_andnot_si512(nib, raw);
+                        }
+                        for t in 0..NY {
+                            let q = y[t].add(Q8K_QS + 32 * j);
+                            let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                            for l in 0..4 {
+                                s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
+                                s1 = _mm512_dpbusd_epi32(s1, hi16[l], bcast(q.add(8 * l + 4)));
+                            }
+                            // s0 and s1 / 16 are sums of 16 products of a level <= 15 and an i8:
+                            // |.| <= 30720, exact as i16. As the pair (s0, s1 / 16) per lane,
+                            // `vpdpwssd` against (sc, sc) adds sc * (s0 + s1 / 16) exactly.
+                            let both = _mm512_mask_shuffle_epi8(s0, HIGH_HALVES, _mm512_srai_epi32::<4>(s1), up);
+                            isum[t] = _mm512_dpwssd_epi32(isum[t], both, scsc);
+                            imin[t] = _mm512_dpwssd_epi32(imin[t], mm, bsums(t));
+                        }
                     }
                 }
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(lay.d) as *const __m256i));
