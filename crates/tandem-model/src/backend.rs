@@ -248,7 +248,7 @@ impl Backend for CpuBackend {
     }
 
     fn in_pool(&self, n_tokens: usize, f: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
-        self.threads.for_tokens(n_tokens).install(f)
+        self.threads.run_step(n_tokens, f)
     }
 
     fn rmsnorm(&self, x: &mut [f32], dim: usize, weight: Option<&[f32]>, eps: f32) {
