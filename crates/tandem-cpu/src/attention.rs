@@ -1145,6 +1145,70 @@ mod tests {
         }
     }
 
+    /// Scores and weighted values have the same bits however the rows are cut into calls (at any
+    /// row for scores, at whole blocks of 16 for values): a split of the rows between threads or
+    /// into blocks may rely on it.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn rows_cut_into_calls_give_the_same_bits() {
+        let levels: Vec<bool> = match Level::detected() {
+            Level::Avx512 => vec![false, true],
+            Level::Avx2 => vec![true],
+            Level::Scalar => {
+                println!("SKIPPED attention row blocks: this machine has no AVX2");
+                return;
+            }
+        };
+        let mut seed = 5u64;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        };
+        let (nh, dk, dv, n) = (16usize, 576usize, 512usize, 300usize);
+        let k = cache_rows(KvType::F16, &(0..n * dk).map(|_| rnd()).collect::<Vec<_>>());
+        let q: Vec<f32> = (0..nh * dk).map(|_| rnd()).collect();
+        let p: Vec<f32> = (0..nh * n).map(|_| rnd().abs() / n as f32).collect();
+        let a = Attn {
+            q: &q,
+            n_head: nh,
+            n_head_kv: 1,
+            dk,
+            dv,
+            k: &k,
+            k_type: KvType::F16,
+            k_row: dk,
+            v: None,
+            v_type: KvType::F16,
+            v_row: dk,
+            n_kv: n,
+            scale: 0.1,
+        };
+        let (v, v_row, _) = a.v_rows();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for avx2 in levels {
+            let (mut whole, mut cut) = (vec![0f32; nh * n], vec![0f32; nh * n]);
+            // SAFETY: the level was detected; every row read is within the n rows of the cache.
+            unsafe {
+                x86::scores(&a, 0, &q, nh, 0..n, &mut whole, n, avx2);
+                for (r0, r1) in [(0, 37), (37, 200), (200, n)] {
+                    x86::scores(&a, 0, &q, nh, r0..r1, &mut cut[r0..], n, avx2);
+                }
+            }
+            assert_eq!(bits(&whole), bits(&cut), "scores, avx2 {avx2}");
+            let (mut whole, mut cut) = (vec![0f32; nh * dv], vec![0f32; nh * dv]);
+            // SAFETY: as above; the outputs hold nh rows of dv.
+            unsafe {
+                x86::weighted_values(v, KvType::F16, v_row, 0, dv, &p, nh, n, 0..n, &mut whole, avx2);
+                for (r0, r1) in [(0, 80), (80, 96), (96, n)] {
+                    x86::weighted_values(v, KvType::F16, v_row, 0, dv, &p[r0..], nh, n, r0..r1, &mut cut, avx2);
+                }
+            }
+            assert_eq!(bits(&whole), bits(&cut), "values, avx2 {avx2}");
+        }
+    }
+
     /// A prefill's tokens (each seeing one more row of the same cache, as a causal batch does),
     /// and tokens of another sequence, give in a batch exactly the bits they give one at a time,
     /// for every cache format.
