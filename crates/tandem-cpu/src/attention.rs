@@ -1131,6 +1131,16 @@ pub(crate) mod x86 {
 mod tests {
     use super::*;
 
+    /// Values in [-1, 1) from an xorshift generator seeded with `seed`.
+    fn uniform(mut seed: u64) -> impl FnMut() -> f32 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        }
+    }
+
     /// Rows of random values in a cache format.
     fn cache_rows(ty: KvType, x: &[f32]) -> Vec<u8> {
         match ty {
@@ -1159,13 +1169,7 @@ mod tests {
                 return;
             }
         };
-        let mut seed = 5u64;
-        let mut rnd = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        };
+        let mut rnd = uniform(5);
         let (nh, dk, dv, n) = (16usize, 576usize, 512usize, 300usize);
         let k = cache_rows(KvType::F16, &(0..n * dk).map(|_| rnd()).collect::<Vec<_>>());
         let q: Vec<f32> = (0..nh * dk).map(|_| rnd()).collect();
@@ -1217,13 +1221,7 @@ mod tests {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         let three = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        let mut seed = 11u64;
-        let mut rnd = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        };
+        let mut rnd = uniform(11);
         // (n_head, n_head_kv, dk, dv, separate V)
         for &(nh, nkv, dk, dv, sep) in
             &[(16usize, 1usize, 576usize, 512usize, false), (12, 4, 64, 64, true), (6, 2, 48, 32, true)]
@@ -1293,13 +1291,7 @@ mod tests {
                 println!("SKIPPED {isa} attention kernels: this machine does not run them");
             }
         }
-        let mut seed = 5u64;
-        let mut rnd = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        };
+        let mut rnd = uniform(5);
         for &(nh, nkv, dk, dv, sep, n_kv) in &[
             (16usize, 1usize, 576usize, 512usize, false, 300usize),
             (8, 2, 64, 64, true, 77),

@@ -237,61 +237,46 @@ mod x86 {
                     }
                     // (m, m) as an i16 pair per lane, against the pair (bsums[2j], bsums[2j + 1]).
                     let mm = pairs_of(wb.add(lay.mn + 16 * j), pairs);
-                    let bsums = |t: usize| bcast(y[t].add(Q8K_BSUMS + 4 * j));
-                    if HIGH {
-                        let mut lo = [_mm512_setzero_si512(); 4];
-                        let mut hi = [_mm512_setzero_si512(); 4];
-                        let fifth = _mm512_loadu_si512(wb.add(lay.qh + 64 * j) as *const __m512i);
-                        for l in 0..4 {
-                            let raw = _mm512_loadu_si512(wb.add(256 * j + 64 * l) as *const __m512i);
+                    // The levels of the group's four loads, low and high nibbles. Q4_K keeps its
+                    // high nibbles in place: 16 times the level, at no shift.
+                    let mut lo = [_mm512_setzero_si512(); 4];
+                    let mut hi = [_mm512_setzero_si512(); 4];
+                    let fifth = if HIGH { _mm512_loadu_si512(wb.add(lay.qh + 64 * j) as *const __m512i) } else { nib };
+                    for l in 0..4 {
+                        let raw = _mm512_loadu_si512(wb.add(256 * j + 64 * l) as *const __m512i);
+                        lo[l] = _mm512_and_si512(raw, nib);
+                        hi[l] = if HIGH {
                             // level | (bit 2l (+1) of `fifth`, moved to bit 4 of its byte)
-                            lo[l] = _mm512_ternarylogic_epi32::<0xF8>(
-                                _mm512_and_si512(raw, nib),
-                                to_bit4(fifth, 2 * l),
-                                bit4,
-                            );
-                            hi[l] = _mm512_ternarylogic_epi32::<0xF8>(
-                                _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib),
-                                to_bit4(fifth, 2 * l + 1),
-                                bit4,
-                            );
-                        }
-                        let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(lay.sc + 16 * j) as *const __m128i));
-                        for t in 0..NY {
-                            let q = y[t].add(Q8K_QS + 32 * j);
-                            let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                            for l in 0..4 {
-                                s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
-                                s1 = _mm512_dpbusd_epi32(s1, hi[l], bcast(q.add(8 * l + 4)));
-                            }
-                            // Levels up to 31: the sums of 16 need not fit an i16.
-                            isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc));
-                            imin[t] = _mm512_dpwssd_epi32(imin[t], mm, bsums(t));
-                        }
-                    } else {
-                        // The high nibbles stay in place: 16 times the level, at no shift.
-                        let scsc = pairs_of(wb.add(lay.sc + 16 * j), pairs);
-                        let mut lo = [_mm512_setzero_si512(); 4];
-                        let mut hi16 = [_mm512_setzero_si512(); 4];
+                            lo[l] = _mm512_ternarylogic_epi32::<0xF8>(lo[l], to_bit4(fifth, 2 * l), bit4);
+                            let h = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
+                            _mm512_ternarylogic_epi32::<0xF8>(h, to_bit4(fifth, 2 * l + 1), bit4)
+                        } else {
+                            _mm512_andnot_si512(nib, raw)
+                        };
+                    }
+                    let scales = wb.add(lay.sc + 16 * j);
+                    let (sc, scsc) = match HIGH {
+                        true => (_mm512_cvtepu8_epi32(_mm_loadu_si128(scales as *const __m128i)), nib),
+                        false => (nib, pairs_of(scales, pairs)),
+                    };
+                    for t in 0..NY {
+                        let q = y[t].add(Q8K_QS + 32 * j);
+                        let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
                         for l in 0..4 {
-                            let raw = _mm512_loadu_si512(wb.add(256 * j + 64 * l) as *const __m512i);
-                            lo[l] = _mm512_and_si512(raw, nib);
-                            hi16[l] = _mm512_andnot_si512(nib, raw);
+                            s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
+                            s1 = _mm512_dpbusd_epi32(s1, hi[l], bcast(q.add(8 * l + 4)));
                         }
-                        for t in 0..NY {
-                            let q = y[t].add(Q8K_QS + 32 * j);
-                            let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                            for l in 0..4 {
-                                s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
-                                s1 = _mm512_dpbusd_epi32(s1, hi16[l], bcast(q.add(8 * l + 4)));
-                            }
+                        isum[t] = if HIGH {
+                            // Levels up to 31: the sums of 16 need not fit an i16.
+                            _mm512_add_epi32(isum[t], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc))
+                        } else {
                             // s0 and s1 / 16 are sums of 16 products of a level <= 15 and an i8:
                             // |.| <= 30720, exact as i16. As the pair (s0, s1 / 16) per lane,
                             // `vpdpwssd` against (sc, sc) adds sc * (s0 + s1 / 16) exactly.
                             let both = _mm512_mask_shuffle_epi8(s0, HIGH_HALVES, _mm512_srai_epi32::<4>(s1), up);
-                            isum[t] = _mm512_dpwssd_epi32(isum[t], both, scsc);
-                            imin[t] = _mm512_dpwssd_epi32(imin[t], mm, bsums(t));
-                        }
+                            _mm512_dpwssd_epi32(isum[t], both, scsc)
+                        };
+                        imin[t] = _mm512_dpwssd_epi32(imin[t], mm, bcast(y[t].add(Q8K_BSUMS + 4 * j)));
                     }
                 }
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(lay.d) as *const __m256i));
