@@ -2,9 +2,10 @@
 //! path computes it (`kq = mul_mat(k, q)` with q converted to the cache's dot type: f16, bf16 or
 //! Q8_0 blocks; `soft_max_ext` with the scale; the probabilities converted to V's dot type, f16 or
 //! bf16, for `kqv = mul_mat(v, kq)`), but organized for speed: every cached row is read once for
-//! all the heads that share it (all of them under MLA), the rows are split into chunks that run in
-//! parallel (flash-decoding style for one token), and the inner loops are AVX-512 when the machine
-//! has it (every row format converted to f32 on the fly, q8_0 as `d * q`).
+//! all the heads that share it (all of them under MLA), beyond [`FLASH_MIN`] rows the rows are
+//! split into chunks with a softmax each that run in parallel and are combined at the end
+//! (flash-decoding), and the inner loops are AVX-512 when the machine has it (every row format
+//! converted to f32 on the fly, q8_0 as `d * q`).
 
 use crate::kernels::Isa;
 use half::f16;
@@ -147,10 +148,14 @@ impl Attn<'_> {
 
 /// Computes `out` (`[n_head][dv]`) for one token on `pool`.
 ///
-/// The heads are split over the threads when there are enough of them (every head's arithmetic is
-/// then exactly what [`one_token`] does, so a token gets the same bits alone or in a batch, on any
-/// number of threads); with fewer heads than threads the rows are split instead, flash-decoding
-/// style, with partial sums per chunk of rows.
+/// Up to [`FLASH_MIN`] rows, ggml's order: all of a head's scores, their softmax, then the
+/// weighted values; the heads are split over the threads when the work pays for it. Beyond, the
+/// rows are cut into chunks of [`CHUNK`], each with its own softmax, and the chunks' sums are
+/// combined at the end (flash-decoding): the threads split the rows, so each core reads only its
+/// share of the cache, and once, instead of every thread reading all of it for its heads.
+///
+/// Either way every head's arithmetic is what [`one_token`] does, so a token gets the same bits
+/// alone or in a batch, on any number of threads.
 pub fn attention(pool: &rayon::ThreadPool, a: &Attn, out: &mut [f32]) -> crate::Result<()> {
     if !a.check(out) {
         return Err(shape_error(a));
@@ -162,73 +167,123 @@ pub fn attention(pool: &rayon::ThreadPool, a: &Attn, out: &mut [f32]) -> crate::
         one_token(a, &qr, out, level);
         return Ok(());
     }
+    if a.n_kv > FLASH_MIN {
+        flash(Some(pool), a, &qr, out, level);
+        return Ok(());
+    }
     let g = a.group();
     // Heads per unit of work: at most eight (one register block), fewer until every thread has one.
     let mut hb = g.min(8);
     while hb > 1 && a.n_head_kv * g.div_ceil(hb) < threads {
         hb = hb.div_ceil(2);
     }
-    if a.n_head_kv * g.div_ceil(hb) >= threads {
-        let mut units = Vec::with_capacity(a.n_head_kv * g.div_ceil(hb));
-        let mut rest = out;
+    let mut units = Vec::with_capacity(a.n_head_kv * g.div_ceil(hb));
+    let mut rest = out;
+    for kvh in 0..a.n_head_kv {
+        for h0 in (0..g).step_by(hb) {
+            let hs = h0..(h0 + hb).min(g);
+            let (o, r) = rest.split_at_mut(hs.len() * a.dv);
+            units.push((kvh, hs, o));
+            rest = r;
+        }
+    }
+    pool.install(|| units.into_par_iter().with_max_len(1).for_each(|(kvh, hs, o)| heads(a, &qr, kvh, hs, o, level)));
+    Ok(())
+}
+
+/// Rows beyond which a token's attention runs by chunks, each with its own softmax (`flash`):
+/// the probabilities are then not rounded to V's dot type as ggml's non-flash path rounds them.
+pub const FLASH_MIN: usize = 2 * CHUNK;
+
+/// Bytes of partial sums [`flash`] keeps for a token at most (`[chunk][head][dv]` f32): with many
+/// heads (128 under DeepSeek V3) the chunks grow instead, so that writing and reading the partial
+/// sums stays small next to reading the cache.
+const FLASH_PARTS: usize = 2 << 20;
+
+/// Rows per chunk of [`flash`]: [`CHUNK`], or more where [`FLASH_PARTS`] would not hold the
+/// partial sums. It depends on the shape and the rows alone, never on the threads.
+fn flash_rows(a: &Attn) -> usize {
+    let max_chunks = (FLASH_PARTS / (4 * a.n_head * a.dv).max(1)).max(1);
+    CHUNK.max(a.n_kv.div_ceil(max_chunks))
+}
+
+/// One token's attention by chunks of [`flash_rows`] rows: for each chunk and block of heads, the
+/// scores, their maximum `m` and `l = sum exp(s - m)`, and the values weighted by `exp(s - m)`;
+/// then for each head the chunks combined in order, each scaled by `exp(m - max m) / sum l`.
+/// With a pool the units run in parallel in chunk order, so each thread takes a run of rows (the
+/// next block of heads of a chunk finds its rows in the thread's cache). A head's arithmetic does
+/// not depend on which heads share its unit.
+fn flash(pool: Option<&rayon::ThreadPool>, a: &Attn, qr: &[f32], out: &mut [f32], level: Level) {
+    let (g, nh, dv) = (a.group(), a.n_head, a.dv);
+    let chunk = flash_rows(a);
+    let n_chunks = a.n_kv.div_ceil(chunk);
+    // Heads per unit: at most eight (one register block), fewer until every thread has a unit.
+    let mut hb = g.min(8);
+    let threads = pool.map_or(1, |p| p.current_num_threads());
+    while hb > 1 && n_chunks * a.n_head_kv * g.div_ceil(hb) < threads {
+        hb = hb.div_ceil(2);
+    }
+    // [chunk][head][dv] and [chunk][head]: (m, l).
+    let mut part = vec![0f32; n_chunks * nh * dv];
+    let mut ml = vec![(0f32, 0f64); n_chunks * nh];
+    let mut units = Vec::with_capacity(n_chunks * a.n_head_kv * g.div_ceil(hb));
+    for (c, (pc, mc)) in part.chunks_exact_mut(nh * dv).zip(ml.chunks_exact_mut(nh)).enumerate() {
+        let rows = c * chunk..(c * chunk + chunk).min(a.n_kv);
+        let (mut pc, mut mc) = (pc, mc);
         for kvh in 0..a.n_head_kv {
             for h0 in (0..g).step_by(hb) {
                 let hs = h0..(h0 + hb).min(g);
-                let (o, r) = rest.split_at_mut(hs.len() * a.dv);
-                units.push((kvh, hs, o));
-                rest = r;
+                let (p, pr) = pc.split_at_mut(hs.len() * dv);
+                let (m, mr) = mc.split_at_mut(hs.len());
+                units.push(FlashUnit { kvh, hs, rows: rows.clone(), out: p, ml: m });
+                (pc, mc) = (pr, mr);
             }
         }
-        pool.install(|| {
-            units.into_par_iter().with_max_len(1).for_each(|(kvh, hs, o)| heads(a, &qr, kvh, hs, o, level))
-        });
-        return Ok(());
     }
-    if a.n_kv < 2 * CHUNK {
-        one_token(a, &qr, out, level);
-        return Ok(());
+    let run = |u: FlashUnit| flash_unit(a, qr, u, level);
+    match pool {
+        Some(pool) => pool.install(|| units.into_par_iter().with_max_len(1).for_each(run)),
+        None => units.into_iter().for_each(run),
     }
-    let n_chunks = a.n_kv.div_ceil(CHUNK);
-    let nh = a.n_head;
-    // Scores per chunk: [chunk][head][CHUNK].
-    let mut s = vec![0f32; n_chunks * nh * CHUNK];
-    pool.install(|| {
-        s.par_chunks_mut(nh * CHUNK).enumerate().for_each(|(c, sc)| {
-            let rows = c * CHUNK..(c * CHUNK + CHUNK).min(a.n_kv);
-            for kvh in 0..a.n_head_kv {
-                let q = &qr[kvh * g * a.dk..(kvh + 1) * g * a.dk];
-                scores(a, kvh, q, g, rows.clone(), &mut sc[kvh * g * CHUNK..(kvh + 1) * g * CHUNK], CHUNK, level);
+    for (h, o) in out.chunks_exact_mut(dv).enumerate() {
+        let top = (0..n_chunks).map(|c| ml[c * nh + h].0).fold(f32::NEG_INFINITY, f32::max);
+        o.fill(0.0);
+        let mut sum = 0f64;
+        for c in 0..n_chunks {
+            let (m, l) = ml[c * nh + h];
+            let w = (m - top).exp();
+            sum += w as f64 * l;
+            for (o, p) in o.iter_mut().zip(&part[(c * nh + h) * dv..][..dv]) {
+                *o += w * p;
             }
-        })
-    });
-    softmax_rows(a.n_kv, nh, &mut s, n_chunks, a.v_type, level);
-    let mut part = vec![0f32; n_chunks * nh * a.dv];
-    pool.install(|| {
-        part.par_chunks_mut(nh * a.dv).enumerate().for_each(|(c, pc)| {
-            let rows = c * CHUNK..(c * CHUNK + CHUNK).min(a.n_kv);
-            let sc = &s[c * nh * CHUNK..(c + 1) * nh * CHUNK];
-            for kvh in 0..a.n_head_kv {
-                let p = &sc[kvh * g * CHUNK..(kvh + 1) * g * CHUNK];
-                weighted_values(
-                    a,
-                    kvh,
-                    p,
-                    g,
-                    CHUNK,
-                    rows.clone(),
-                    &mut pc[kvh * g * a.dv..(kvh + 1) * g * a.dv],
-                    level,
-                );
-            }
-        })
-    });
-    out.copy_from_slice(&part[..nh * a.dv]);
-    for pc in part.chunks_exact(nh * a.dv).skip(1) {
-        for (o, p) in out.iter_mut().zip(pc) {
-            *o += p;
         }
+        let inv = (1.0 / sum) as f32;
+        o.iter_mut().for_each(|v| *v *= inv);
     }
-    Ok(())
+}
+
+/// One unit of [`flash`]: heads `hs` of KV head `kvh` over `rows` (one chunk). `out` gets each
+/// head's `dv` values weighted by `exp(s - m)`, `ml` each head's `(m, sum exp(s - m))`.
+struct FlashUnit<'o> {
+    kvh: usize,
+    hs: std::ops::Range<usize>,
+    rows: std::ops::Range<usize>,
+    out: &'o mut [f32],
+    ml: &'o mut [(f32, f64)],
+}
+
+fn flash_unit(a: &Attn, qr: &[f32], u: FlashUnit, level: Level) {
+    let FlashUnit { kvh, hs, rows, out, ml } = u;
+    let (n, len) = (hs.len(), rows.len());
+    let first = kvh * a.group() + hs.start;
+    let q = &qr[first * a.dk..(first + n) * a.dk];
+    let mut s = vec![0f32; n * len];
+    scores(a, kvh, q, n, rows.clone(), &mut s, len, level);
+    for (r, ml) in s.chunks_exact_mut(len).zip(ml.iter_mut()) {
+        let m = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        *ml = (m, exp_sub(r, m, level));
+    }
+    weighted_values(a, kvh, &s, n, len, rows, out, level);
 }
 
 fn shape_error(a: &Attn) -> crate::Error {
@@ -285,6 +340,9 @@ impl Level {
 
 /// The whole computation of one token on the calling thread.
 fn one_token(a: &Attn, qr: &[f32], out: &mut [f32], level: Level) {
+    if a.n_kv > FLASH_MIN {
+        return flash(None, a, qr, out, level);
+    }
     let g = a.group();
     for (kvh, o) in out.chunks_exact_mut(g * a.dv).enumerate() {
         heads(a, qr, kvh, 0..g, o, level);
@@ -300,63 +358,54 @@ fn heads(a: &Attn, qr: &[f32], kvh: usize, hs: std::ops::Range<usize>, out: &mut
     let stride = a.n_kv.max(1);
     let mut s = vec![0f32; n * stride];
     scores(a, kvh, q, n, 0..a.n_kv, &mut s, stride, level);
-    softmax_rows(a.n_kv, n, &mut s, 1, a.v_type, level);
+    softmax_rows(a.n_kv, &mut s, stride, a.v_type, level);
     weighted_values(a, kvh, &s, n, stride, 0..a.n_kv, out, level);
 }
 
-/// Softmax over each head's scores laid out as `[chunk][head][stride]` (`stride = len / (n_chunks *
-/// n_head)`), then rounded to f16 or bf16 as ggml converts the probabilities for the V product
-/// (kept as they are for f32 and q8_0 V rows).
-pub(crate) fn softmax_rows(n_kv: usize, nh: usize, s: &mut [f32], n_chunks: usize, v_type: KvType, level: Level) {
-    let simd = level == Level::Avx512;
-    let stride = s.len() / (n_chunks * nh).max(1);
-    let len = |c: usize| (n_kv - c * stride).min(stride);
-    for h in 0..nh {
-        let mut max = f32::NEG_INFINITY;
-        for c in 0..n_chunks {
-            let r = &s[(c * nh + h) * stride..][..len(c)];
-            max = r.iter().copied().fold(max, f32::max);
+/// Softmax over the first `n_kv` scores of each head's row of `stride` (`s` is `[head][stride]`),
+/// then rounded to f16 or bf16 as ggml converts the probabilities for the V product (kept as they
+/// are for f32 and q8_0 V rows).
+fn softmax_rows(n_kv: usize, s: &mut [f32], stride: usize, v_type: KvType, level: Level) {
+    for row in s.chunks_exact_mut(stride.max(1)) {
+        let r = &mut row[..n_kv];
+        let max = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let inv = (1.0 / exp_sub(r, max, level)) as f32;
+        #[cfg(target_arch = "x86_64")]
+        if level == Level::Avx512 {
+            // SAFETY: AVX-512 is present.
+            unsafe { x86::scale_round(r, inv, v_type) };
+            continue;
         }
-        let mut sum = 0f64;
-        for c in 0..n_chunks {
-            let r = &mut s[(c * nh + h) * stride..][..len(c)];
-            #[cfg(target_arch = "x86_64")]
-            if simd {
-                // SAFETY: AVX-512 is present.
-                sum += unsafe { x86::exp_sub(r, max) };
-                continue;
-            }
-            #[cfg(target_arch = "x86_64")]
-            if level == Level::Avx2 {
-                // SAFETY: AVX2 and FMA are present.
-                sum += unsafe { x86::exp_sub_avx2(r, max) };
-                continue;
-            }
-            for v in r.iter_mut() {
-                *v = (*v - max).exp();
-                sum += *v as f64;
-            }
+        #[cfg(target_arch = "x86_64")]
+        if level == Level::Avx2 {
+            // SAFETY: AVX2 and F16C are present.
+            unsafe { x86::scale_round_avx2(r, inv, v_type) };
+            continue;
         }
-        let inv = (1.0 / sum) as f32;
-        for c in 0..n_chunks {
-            let r = &mut s[(c * nh + h) * stride..][..len(c)];
-            #[cfg(target_arch = "x86_64")]
-            if simd {
-                // SAFETY: AVX-512 is present.
-                unsafe { x86::scale_round(r, inv, v_type) };
-                continue;
-            }
-            #[cfg(target_arch = "x86_64")]
-            if level == Level::Avx2 {
-                // SAFETY: AVX2 and F16C are present.
-                unsafe { x86::scale_round_avx2(r, inv, v_type) };
-                continue;
-            }
-            for v in r.iter_mut() {
-                *v = round_p(*v * inv, v_type);
-            }
+        for v in r.iter_mut() {
+            *v = round_p(*v * inv, v_type);
         }
     }
+}
+
+/// `r[i] = exp(r[i] - max)`, returning their sum.
+fn exp_sub(r: &mut [f32], max: f32, level: Level) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if level == Level::Avx512 {
+        // SAFETY: AVX-512 is present.
+        return unsafe { x86::exp_sub(r, max) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if level == Level::Avx2 {
+        // SAFETY: AVX2 and FMA are present.
+        return unsafe { x86::exp_sub_avx2(r, max) };
+    }
+    let mut sum = 0f64;
+    for v in r.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v as f64;
+    }
+    sum
 }
 
 /// A probability as V's dot type holds it.
@@ -1294,6 +1343,8 @@ mod tests {
         let mut rnd = uniform(5);
         for &(nh, nkv, dk, dv, sep, n_kv) in &[
             (16usize, 1usize, 576usize, 512usize, false, 300usize),
+            // Past FLASH_MIN rows: by chunks, the last one partial.
+            (16, 1, 576, 512, false, 700),
             (8, 2, 64, 64, true, 77),
             (2, 1, 32, 32, true, 1),
             (4, 4, 128, 128, true, 1000),
@@ -1337,6 +1388,64 @@ mod tests {
                         a512.iter().zip(a2).all(|(x, y)| x.to_bits() == y.to_bits()),
                         "{ty:?} {nh}/{nkv}/{dk}/{dv}: AVX2 differs from AVX-512 in bits"
                     );
+                }
+            }
+        }
+    }
+
+    /// Past [`FLASH_MIN`] rows a token runs by chunks of [`CHUNK`] rows, and with many heads by
+    /// larger chunks, so that the partial sums stay within [`FLASH_PARTS`]. The bits do not depend
+    /// on the threads either way, and the result is the textbook softmax(q K) V.
+    #[test]
+    fn long_caches_run_by_chunks_the_same_on_any_threads() {
+        let mut rnd = uniform(21);
+        // (n_head, dk, dv, n_kv, rows per chunk): 16 heads of 512 values keep 32 KiB of partial
+        // sums per chunk; 128 heads 256 KiB, so 2 MiB hold 8 chunks: 2100 rows in chunks of 263.
+        for &(nh, dk, dv, n_kv, chunk) in &[(16usize, 64usize, 512usize, 1500usize, CHUNK), (128, 32, 512, 2100, 263)] {
+            let k: Vec<f32> = (0..n_kv * dk).map(|_| rnd()).collect();
+            let v: Vec<f32> = (0..n_kv * dv).map(|_| rnd()).collect();
+            let q: Vec<f32> = (0..nh * dk).map(|_| rnd()).collect();
+            let (kb, vb) = (cache_rows(KvType::F32, &k), cache_rows(KvType::F32, &v));
+            let a = Attn {
+                q: &q,
+                n_head: nh,
+                n_head_kv: 1,
+                dk,
+                dv,
+                k: &kb,
+                k_type: KvType::F32,
+                k_row: dk,
+                v: Some(&vb),
+                v_type: KvType::F32,
+                v_row: dv,
+                n_kv,
+                scale: 0.25,
+            };
+            assert_eq!(flash_rows(&a), chunk, "{nh} heads of {dv} over {n_kv} rows");
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let mut out = vec![f32::NAN; nh * dv];
+                attention(&pool, &a, &mut out).unwrap();
+                out
+            };
+            let one = run(1);
+            for threads in [2, 3] {
+                assert!(
+                    run(threads).iter().zip(&one).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{nh} heads, {n_kv} rows: {threads} threads differ from one"
+                );
+            }
+            for h in 0..nh {
+                let s: Vec<f64> = (0..n_kv)
+                    .map(|j| 0.25 * (0..dk).map(|d| q[h * dk + d] as f64 * k[j * dk + d] as f64).sum::<f64>())
+                    .collect();
+                let top = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - top).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for d in 0..dv {
+                    let want = (0..n_kv).map(|j| e[j] * v[j * dv + d] as f64).sum::<f64>() / sum;
+                    let got = one[h * dv + d] as f64;
+                    assert!((got - want).abs() <= 1e-5, "{nh} heads, {n_kv} rows, head {h} [{d}]: {got} vs {want}");
                 }
             }
         }

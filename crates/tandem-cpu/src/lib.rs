@@ -50,7 +50,7 @@ pub(crate) fn test_data(seed: u64, n: usize) -> Vec<f32> {
         .collect()
 }
 
-pub use attention::{attention, attention_many, Attn, KvType};
+pub use attention::{attention, attention_many, Attn, KvType, FLASH_MIN};
 pub use jobs::{ffn_jobs, matmul_jobs, FfnJob, MatJob};
 pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY};
 pub use matmul::{matmul, matmul_quantized, quantize_activations, QuantizedActs, WeightRef};
