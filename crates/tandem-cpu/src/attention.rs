@@ -150,7 +150,7 @@ impl Attn<'_> {
 ///
 /// Up to [`FLASH_MIN`] rows, ggml's order: all of a head's scores, their softmax, then the
 /// weighted values; the heads are split over the threads when the work pays for it. Beyond, the
-/// rows are cut into chunks of [`CHUNK`], each with its own softmax, and the chunks' sums are
+/// rows are cut into chunks ([`flash_rows`]), each with its own softmax, and the chunks' sums are
 /// combined at the end (flash-decoding): the threads split the rows, so each core reads only its
 /// share of the cache, and once, instead of every thread reading all of it for its heads.
 ///
@@ -172,11 +172,7 @@ pub fn attention(pool: &rayon::ThreadPool, a: &Attn, out: &mut [f32]) -> crate::
         return Ok(());
     }
     let g = a.group();
-    // Heads per unit of work: at most eight (one register block), fewer until every thread has one.
-    let mut hb = g.min(8);
-    while hb > 1 && a.n_head_kv * g.div_ceil(hb) < threads {
-        hb = hb.div_ceil(2);
-    }
+    let hb = heads_per_unit(g, a.n_head_kv, threads);
     let mut units = Vec::with_capacity(a.n_head_kv * g.div_ceil(hb));
     let mut rest = out;
     for kvh in 0..a.n_head_kv {
@@ -189,6 +185,16 @@ pub fn attention(pool: &rayon::ThreadPool, a: &Attn, out: &mut [f32]) -> crate::
     }
     pool.install(|| units.into_par_iter().with_max_len(1).for_each(|(kvh, hs, o)| heads(a, &qr, kvh, hs, o, level)));
     Ok(())
+}
+
+/// Heads per unit of work for `groups` groups of `g` heads: at most eight (one register block),
+/// fewer until every thread has a unit.
+fn heads_per_unit(g: usize, groups: usize, threads: usize) -> usize {
+    let mut hb = g.min(8);
+    while hb > 1 && groups * g.div_ceil(hb) < threads {
+        hb = hb.div_ceil(2);
+    }
+    hb
 }
 
 /// Rows beyond which a token's attention runs by chunks, each with its own softmax (`flash`):
@@ -217,12 +223,7 @@ fn flash(pool: Option<&rayon::ThreadPool>, a: &Attn, qr: &[f32], out: &mut [f32]
     let (g, nh, dv) = (a.group(), a.n_head, a.dv);
     let chunk = flash_rows(a);
     let n_chunks = a.n_kv.div_ceil(chunk);
-    // Heads per unit: at most eight (one register block), fewer until every thread has a unit.
-    let mut hb = g.min(8);
-    let threads = pool.map_or(1, |p| p.current_num_threads());
-    while hb > 1 && n_chunks * a.n_head_kv * g.div_ceil(hb) < threads {
-        hb = hb.div_ceil(2);
-    }
+    let hb = heads_per_unit(g, n_chunks * a.n_head_kv, pool.map_or(1, |p| p.current_num_threads()));
     // [chunk][head][dv] and [chunk][head]: (m, l).
     let mut part = vec![0f32; n_chunks * nh * dv];
     let mut ml = vec![(0f32, 0f64); n_chunks * nh];
