@@ -65,6 +65,35 @@ impl std::fmt::Display for Prefetch {
     }
 }
 
+// The discriminants of [`Prefetch`], for kernels compiled once per hint ([`prefetch_stream_as`]).
+#[cfg(target_arch = "x86_64")]
+pub(crate) const PF_NTA: u8 = Prefetch::Nta as u8;
+#[cfg(target_arch = "x86_64")]
+pub(crate) const PF_T0: u8 = Prefetch::T0 as u8;
+#[cfg(target_arch = "x86_64")]
+pub(crate) const PF_T1: u8 = Prefetch::T1 as u8;
+#[cfg(target_arch = "x86_64")]
+pub(crate) const PF_OFF: u8 = Prefetch::Off as u8;
+
+/// [`Prefetch::detected`] as its discriminant (one of the `PF_*`).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn hint_index() -> u8 {
+    match MODE.load(Ordering::Relaxed) {
+        UNSET => Prefetch::detected() as u8,
+        m => m,
+    }
+}
+
+/// Sets the hint every kernel uses from now on (a `PF_*`); returns the one it replaces. For tests
+/// that run the kernels compiled for each hint.
+#[cfg(test)]
+pub(crate) fn set_hint(h: u8) -> u8 {
+    let old = Prefetch::detected() as u8;
+    MODE.store(h, Ordering::Relaxed);
+    old
+}
+
 /// [`Prefetch::detected`] as its discriminant, or `UNSET` before the first call.
 static MODE: AtomicU8 = AtomicU8::new(UNSET);
 const UNSET: u8 = u8::MAX;
@@ -103,16 +132,25 @@ fn vendor() -> [u8; 12] {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_stream(p: *const u8, len: usize) {
-    use std::arch::x86_64::{_MM_HINT_NTA, _MM_HINT_T0, _MM_HINT_T1};
-    let hint = match MODE.load(Ordering::Relaxed) {
-        UNSET => Prefetch::detected() as u8,
-        m => m,
-    };
     // The hint chosen once per call, not per line.
-    match hint {
-        0 => lines::<_MM_HINT_NTA>(p, len),
-        1 => lines::<_MM_HINT_T0>(p, len),
-        2 => lines::<_MM_HINT_T1>(p, len),
+    match hint_index() {
+        PF_NTA => prefetch_stream_as::<PF_NTA>(p, len),
+        PF_T0 => prefetch_stream_as::<PF_T0>(p, len),
+        PF_T1 => prefetch_stream_as::<PF_T1>(p, len),
+        _ => {}
+    }
+}
+
+/// [`prefetch_stream`] with the hint `PF` (one of the `PF_*`) fixed at compile time: for kernels
+/// that look the processor's hint up once per call ([`by_ny_pf!`]) rather than at every block.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_stream_as<const PF: u8>(p: *const u8, len: usize) {
+    use std::arch::x86_64::{_MM_HINT_NTA, _MM_HINT_T0, _MM_HINT_T1};
+    match PF {
+        PF_NTA => lines::<_MM_HINT_NTA>(p, len),
+        PF_T0 => lines::<_MM_HINT_T0>(p, len),
+        PF_T1 => lines::<_MM_HINT_T1>(p, len),
         _ => {}
     }
 }

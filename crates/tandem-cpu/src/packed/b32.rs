@@ -122,14 +122,14 @@ mod x86 {
         ostride: usize,
     ) {
         // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny!(ny, group[OFF](nb, w, a, out, ostride)) }
+        unsafe { by_ny_pf!(ny, group[OFF](nb, w, a, out, ostride)) }
     }
 
     /// # Safety
     /// As [`group_vnni`] with `ny == NY`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group<const OFF: i32, const NY: usize>(
+    unsafe fn group<const OFF: i32, const PF: u8, const NY: usize>(
         nb: usize,
         w: *const u8,
         a: GroupActs,
@@ -144,7 +144,7 @@ mod x86 {
             unsafe {
                 let wb = w.add(b * LEVELS);
                 if NY == 1 {
-                    prefetch_ahead(wb, LEVELS);
+                    prefetch_ahead::<PF>(wb, LEVELS);
                 }
                 let mut wv = [_mm512_setzero_si512(); 8];
                 for (q, v) in wv.iter_mut().enumerate() {

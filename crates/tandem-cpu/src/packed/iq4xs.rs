@@ -91,14 +91,21 @@ mod x86 {
     pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
         let (ys, yb) = (a.ys, a.yb);
         // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny!(ny, group[](nb, w, ys, yb, out, ostride)) }
+        unsafe { by_ny_pf!(ny, group[](nb, w, ys, yb, out, ostride)) }
     }
 
     /// # Safety
     /// As [`super::GroupFn`] with `ny == NY`, and the machine has AVX-512 VNNI.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group<const NY: usize>(nb: usize, w: *const u8, ys: *const u8, yb: usize, out: *mut f32, ostride: usize) {
+    unsafe fn group<const PF: u8, const NY: usize>(
+        nb: usize,
+        w: *const u8,
+        ys: *const u8,
+        yb: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
         let nib = _mm512_set1_epi8(0x0F);
         let table: [u8; 16] = std::array::from_fn(|i| (KVALUES_IQ4NL[i] as i32 + 128) as u8);
         // SAFETY: 16 readable bytes.
@@ -114,7 +121,7 @@ mod x86 {
                 let mut ibias = [_mm512_setzero_si512(); NY];
                 for j in 0..SUBS {
                     if NY == 1 {
-                        prefetch_part(wb, GROUP_BLOCK, j, SUBS);
+                        prefetch_part::<PF>(wb, GROUP_BLOCK, j, SUBS);
                     }
                     let ls = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(LS + 16 * j) as *const __m128i));
                     let ls = _mm512_sub_epi32(ls, off32);

@@ -274,11 +274,12 @@ mod x86 {
     /// Prefetch hints for the `len` bytes 4 KiB past `p`, all at once: for the blocks of a few
     /// cache lines (Q8_0, Q5_0, Q4_0) that a kernel passes through in a few dozen instructions. A
     /// single token streams the weights once, and the hardware prefetchers stop at page
-    /// boundaries. The hint is the processor's ([`crate::Prefetch`]: non-temporal on AMD, where it
-    /// gave 10-20% faster 2-thread decode than `t0`; `t1` on Intel, where non-temporal halved it).
+    /// boundaries. The hint `PF` is the processor's ([`crate::Prefetch`]: non-temporal on AMD,
+    /// where it gave 10-20% faster 2-thread decode than `t0`; `t1` on Intel, where non-temporal
+    /// halved it), passed by [`by_ny_pf!`].
     #[inline(always)]
-    pub(super) fn prefetch_ahead(p: *const u8, len: usize) {
-        crate::prefetch_stream(p.wrapping_add(4096), len);
+    pub(super) fn prefetch_ahead<const PF: u8>(p: *const u8, len: usize) {
+        crate::prefetch::prefetch_stream_as::<PF>(p.wrapping_add(4096), len);
     }
 
     /// How far ahead [`prefetch_part`] asks for weight bytes.
@@ -291,11 +292,11 @@ mod x86 {
     /// 64-67 GB/s against 78-83 spread (Q6_K: 43 against 82), 8 KiB ahead a little better than
     /// 4 or 6 (docs/PERFORMANCE.md).
     #[inline(always)]
-    pub(super) fn prefetch_part(p: *const u8, len: usize, j: usize, parts: usize) {
+    pub(super) fn prefetch_part<const PF: u8>(p: *const u8, len: usize, j: usize, parts: usize) {
         let lines = len.div_ceil(64);
         let per = lines.div_ceil(parts);
         let (first, end) = ((j * per).min(lines), ((j + 1) * per).min(lines));
-        crate::prefetch_stream(p.wrapping_add(PART_AHEAD + 64 * first), 64 * (end - first));
+        crate::prefetch::prefetch_stream_as::<PF>(p.wrapping_add(PART_AHEAD + 64 * first), 64 * (end - first));
     }
 
     /// Four bytes at `p` in every 32-bit lane of a ymm register.
@@ -498,9 +499,16 @@ mod tests {
                         ys[if ty.block_size() == 256 { 4 } else { 2 }] = 0x80;
                         let (mut a, mut b) = (vec![0f32; ny * 20], vec![0f32; ny * 20]);
                         run(scalar_kernel(ty), ty, p.bytes(), n, &ys, ny, &mut a, 20);
-                        run(k, ty, p.bytes(), n, &ys, ny, &mut b, 20);
                         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(bits(&a), bits(&b), "{ty} {isa} n {n}, {ny} tokens");
+                        // A single token runs the kernel compiled for the processor's prefetch
+                        // hint: every one of them.
+                        let hints: &[u8] = if ny == 1 { &[0, 1, 2, 3] } else { &[0] };
+                        for &h in hints {
+                            let old = crate::prefetch::set_hint(h);
+                            run(k, ty, p.bytes(), n, &ys, ny, &mut b, 20);
+                            crate::prefetch::set_hint(old);
+                            assert_eq!(bits(&a), bits(&b), "{ty} {isa} n {n}, {ny} tokens, prefetch hint {h}");
+                        }
                     }
                 }
             }

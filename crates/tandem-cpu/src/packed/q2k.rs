@@ -91,14 +91,21 @@ mod x86 {
     pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
         let (ys, yb) = (a.ys, a.yb);
         // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny!(ny, group[](nb, w, ys, yb, out, ostride)) }
+        unsafe { by_ny_pf!(ny, group[](nb, w, ys, yb, out, ostride)) }
     }
 
     /// # Safety
     /// As [`super::GroupFn`] with `ny == NY`, and the machine has AVX-512 VNNI.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group<const NY: usize>(nb: usize, w: *const u8, ys: *const u8, yb: usize, out: *mut f32, ostride: usize) {
+    unsafe fn group<const PF: u8, const NY: usize>(
+        nb: usize,
+        w: *const u8,
+        ys: *const u8,
+        yb: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
         let three = _mm512_set1_epi8(3);
         let low4 = _mm512_set1_epi32(0x0F);
         let mut acc = [_mm512_setzero_ps(); NY];
@@ -111,7 +118,7 @@ mod x86 {
                 let mut imin = [_mm512_setzero_si512(); NY];
                 for i in 0..SUBS / 2 {
                     if NY == 1 {
-                        prefetch_part(wb, GROUP_BLOCK, i, SUBS / 2);
+                        prefetch_part::<PF>(wb, GROUP_BLOCK, i, SUBS / 2);
                     }
                     let mut sc = [_mm512_setzero_si512(); 2];
                     let mut m = [_mm512_setzero_si512(); 2];

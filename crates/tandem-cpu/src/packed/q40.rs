@@ -96,14 +96,20 @@ mod x86 {
     /// AVX-512 VNNI.
     pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
         // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny!(ny, group[](nb, w, a, out, ostride)) }
+        unsafe { by_ny_pf!(ny, group[](nb, w, a, out, ostride)) }
     }
 
     /// # Safety
     /// As [`group_vnni`] with `ny == NY`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group<const NY: usize>(nb: usize, w: *const u8, a: GroupActs, out: *mut f32, ostride: usize) {
+    unsafe fn group<const PF: u8, const NY: usize>(
+        nb: usize,
+        w: *const u8,
+        a: GroupActs,
+        out: *mut f32,
+        ostride: usize,
+    ) {
         let nib = _mm512_set1_epi8(0x0F);
         let mut acc = [_mm512_setzero_ps(); NY];
         // SAFETY: the factors follow the codes of all `nb` blocks (see the layout).
@@ -113,7 +119,7 @@ mod x86 {
             unsafe {
                 let wb = w.add(b * CODES);
                 if NY == 1 {
-                    prefetch_ahead(wb, CODES);
+                    prefetch_ahead::<PF>(wb, CODES);
                 }
                 let mut lo = [_mm512_setzero_si512(); 4];
                 let mut hi = [_mm512_setzero_si512(); 4];
@@ -149,14 +155,20 @@ mod x86 {
     /// As [`super::GroupFn`] (Q8_0 activations with their block sums), and the machine has AVX2.
     pub(super) unsafe fn group_avx2(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
         // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
-        unsafe { by_ny!(ny, group2[](nb, w, a, out, ostride)) }
+        unsafe { by_ny_pf!(ny, group2[](nb, w, a, out, ostride)) }
     }
 
     /// # Safety
     /// As [`group_avx2`] with `ny == NY`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group2<const NY: usize>(nb: usize, w: *const u8, a: GroupActs, out: *mut f32, ostride: usize) {
+    unsafe fn group2<const PF: u8, const NY: usize>(
+        nb: usize,
+        w: *const u8,
+        a: GroupActs,
+        out: *mut f32,
+        ostride: usize,
+    ) {
         let nib = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); 2]; NY];
@@ -167,7 +179,7 @@ mod x86 {
             unsafe {
                 let wb = w.add(b * CODES);
                 if NY == 1 {
-                    prefetch_ahead(wb, CODES);
+                    prefetch_ahead::<PF>(wb, CODES);
                 }
                 for hf in 0..2 {
                     let mut lo = [_mm256_setzero_si256(); 4];

@@ -203,14 +203,14 @@ mod x86 {
     ) {
         let (ys, yb) = (a.ys, a.yb);
         // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny!(ny, group[HIGH](nb, w, ys, yb, out, ostride)) }
+        unsafe { by_ny_pf!(ny, group[HIGH](nb, w, ys, yb, out, ostride)) }
     }
 
     /// # Safety
     /// As [`super::GroupFn`] with `ny == NY`, and the machine has AVX-512 VNNI.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group<const HIGH: bool, const NY: usize>(
+    unsafe fn group<const HIGH: bool, const PF: u8, const NY: usize>(
         nb: usize,
         w: *const u8,
         ys: *const u8,
@@ -233,7 +233,7 @@ mod x86 {
                 let mut imin = [_mm512_setzero_si512(); NY];
                 for j in 0..SUBS {
                     if NY == 1 {
-                        prefetch_part(wb, lay.size, j, SUBS);
+                        prefetch_part::<PF>(wb, lay.size, j, SUBS);
                     }
                     // (m, m) as an i16 pair per lane, against the pair (bsums[2j], bsums[2j + 1]).
                     let mm = pairs_of(wb.add(lay.mn + 16 * j), pairs);
@@ -306,14 +306,14 @@ mod x86 {
     pub(super) unsafe fn group_avx2(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
         let (ys, yb) = (a.ys, a.yb);
         // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
-        unsafe { by_ny!(ny, group2[](nb, w, ys, yb, out, ostride)) }
+        unsafe { by_ny_pf!(ny, group2[](nb, w, ys, yb, out, ostride)) }
     }
 
     /// # Safety
     /// As [`group_avx2`] with `ny == NY`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group2<const NY: usize>(
+    unsafe fn group2<const PF: u8, const NY: usize>(
         nb: usize,
         w: *const u8,
         ys: *const u8,
@@ -334,7 +334,7 @@ mod x86 {
                     let mut imin = [_mm256_setzero_si256(); NY];
                     for j in 0..SUBS {
                         if NY == 1 {
-                            prefetch_part(wb, lay.size, hf * SUBS + j, 2 * SUBS);
+                            prefetch_part::<PF>(wb, lay.size, hf * SUBS + j, 2 * SUBS);
                         }
                         let sc =
                             _mm256_cvtepu8_epi32(_mm_loadl_epi64(wb.add(lay.sc + 16 * j + 8 * hf) as *const __m128i));

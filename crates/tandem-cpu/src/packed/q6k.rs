@@ -115,14 +115,20 @@ mod x86 {
     /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
     pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
         // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny!(ny, group[](nb, w, a, out, ostride)) }
+        unsafe { by_ny_pf!(ny, group[](nb, w, a, out, ostride)) }
     }
 
     /// # Safety
     /// As [`group_vnni`] with `ny == NY`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group<const NY: usize>(nb: usize, w: *const u8, a: GroupActs, out: *mut f32, ostride: usize) {
+    unsafe fn group<const PF: u8, const NY: usize>(
+        nb: usize,
+        w: *const u8,
+        a: GroupActs,
+        out: *mut f32,
+        ostride: usize,
+    ) {
         let nib = _mm512_set1_epi8(0x0F);
         let two = _mm512_set1_epi8(0x30);
         let mut acc = [_mm512_setzero_ps(); NY];
@@ -135,7 +141,7 @@ mod x86 {
                 let mut imin = [_mm512_setzero_si512(); NY];
                 for j in 0..SUBS {
                     if NY == 1 {
-                        prefetch_part(wb, GROUP_BLOCK, j, SUBS);
+                        prefetch_part::<PF>(wb, GROUP_BLOCK, j, SUBS);
                     }
                     // (sc[2j], sc[2j + 1]) as an i16 pair per lane, and each alone as i32.
                     let pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256(wb.add(SC + 32 * j) as *const __m256i));
