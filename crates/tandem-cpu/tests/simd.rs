@@ -112,7 +112,7 @@ fn results_do_not_depend_on_the_number_of_rows_per_call() {
             let w = weight_row(ty, n, 3);
             let x = data(9, n * MAX_NY);
             let acts = quantize_activations(ty, &x, n).unwrap();
-            let mut alone = vec![0f32; MAX_NY];
+            let mut alone = [0f32; MAX_NY];
             for j in 0..MAX_NY {
                 k.run(n, &w, acts.row(j), &mut alone[j..j + 1]);
             }

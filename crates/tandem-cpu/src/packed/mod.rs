@@ -448,6 +448,7 @@ mod tests {
     }
 
     /// Runs a group kernel on one packed group.
+    #[allow(clippy::too_many_arguments)] // the kernel's own arguments, spelled out
     fn run(k: GroupFn, ty: GgmlType, p: &[u8], n: usize, ys: &[u8], ny: usize, out: &mut [f32], ostride: usize) {
         let nb = n / ty.block_size();
         let yb = ys.len() / ny;
