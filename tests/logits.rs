@@ -227,10 +227,10 @@ fn smollm2_greedy_continuations_match_llama_cpp() {
         let mut ctx = context(&model, 2, 512, "f16", "f16");
         let mut logits = ctx.decode(&Batch::sequence(&prompt, 0, 0, false)).unwrap();
         let mut got = Vec::new();
-        for i in 0..want.len() {
+        for (i, &w) in want.iter().enumerate() {
             let next = logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
             got.push(next);
-            if next != want[i] {
+            if next != w {
                 break;
             }
             logits = ctx.decode(&Batch::sequence(&[next], (prompt.len() + i) as u32, 0, true)).unwrap();
