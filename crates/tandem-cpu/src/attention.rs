@@ -183,7 +183,7 @@ pub fn attention(pool: &rayon::ThreadPool, a: &Attn, out: &mut [f32]) -> crate::
             rest = r;
         }
     }
-    pool.install(|| units.into_par_iter().with_max_len(1).for_each(|(kvh, hs, o)| heads(a, &qr, kvh, hs, o, level)));
+    crate::pool::for_each_item(pool, units, &|(kvh, hs, o)| heads(a, &qr, kvh, hs, o, level));
     Ok(())
 }
 
@@ -243,7 +243,7 @@ fn flash(pool: Option<&rayon::ThreadPool>, a: &Attn, qr: &[f32], out: &mut [f32]
     }
     let run = |u: FlashUnit| flash_unit(a, qr, u, level);
     match pool {
-        Some(pool) => pool.install(|| units.into_par_iter().with_max_len(1).for_each(run)),
+        Some(pool) => crate::pool::for_each_item(pool, units, &run),
         None => units.into_iter().for_each(run),
     }
     for (h, o) in out.chunks_exact_mut(dv).enumerate() {

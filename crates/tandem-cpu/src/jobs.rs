@@ -21,6 +21,7 @@ pub struct MatJob<'a> {
 
 /// One row block of a job: rows `r0..r0 + w.rows` of the job's weight, writing column `r0 + r` of
 /// every token's output row.
+#[derive(Clone, Copy)]
 struct Piece<'a> {
     w: WeightRef<'a>,
     acts: &'a QuantizedActs,
@@ -110,7 +111,7 @@ pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
     if pieces.len() == 1 || threads == 1 {
         pieces.into_iter().for_each(run_piece);
     } else {
-        pool.install(|| pieces.into_par_iter().with_max_len(1).for_each(run_piece));
+        crate::pool::for_each_piece(pool, pieces.len(), &|i| run_piece(pieces[i]));
     }
     Ok(())
 }

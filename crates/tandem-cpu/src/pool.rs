@@ -1,7 +1,8 @@
 //! Thread pools: one for single-token steps (`-t`) and one for batches (`-tb`), as llama.cpp.
 
 use crate::{Error, Result};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -10,6 +11,8 @@ use std::time::{Duration, Instant};
 pub struct Threads {
     decode: Arc<rayon::ThreadPool>,
     batch: Arc<rayon::ThreadPool>,
+    /// How long the threads of a step poll without work before they sleep ([`IDLE_LIMIT`]).
+    idle_limit: Duration,
 }
 
 impl std::fmt::Debug for Threads {
@@ -32,7 +35,7 @@ impl Threads {
     pub fn new(decode: usize, batch: usize) -> Result<Threads> {
         let decode_pool = pool(decode.max(1))?;
         let batch_pool = if batch.max(1) == decode.max(1) { decode_pool.clone() } else { pool(batch.max(1))? };
-        Ok(Threads { decode: decode_pool, batch: batch_pool })
+        Ok(Threads { decode: decode_pool, batch: batch_pool, idle_limit: IDLE_LIMIT })
     }
 
     /// The pool for a step of `n_tokens` tokens.
@@ -45,8 +48,9 @@ impl Threads {
     }
 
     /// Runs `f`, one forward step of `n_tokens` tokens, on the first thread of their pool while
-    /// the pool's other threads stay awake for the step's parallel work: each polls for it
-    /// (rayon's `yield_now`) until `f` returns, instead of falling asleep in the short serial
+    /// the pool's other threads stay awake for the step's parallel work: each polls for it (the
+    /// step's [`for_each_piece`] loops, and rayon's `yield_now`) until `f` returns, instead of
+    /// falling asleep in the short serial
     /// parts between two ops (norms, routing, a small product) and being woken for the next. A
     /// decode step runs a few hundred parallel ops; a rayon worker woken from sleep took 35-90 µs
     /// to join one. Called from inside the pool, `f` just runs.
@@ -58,16 +62,20 @@ impl Threads {
         let done = AtomicBool::new(false);
         let step = Mutex::new(Some(f));
         let out = Mutex::new(None);
+        let team = Team::new(pool, self.idle_limit);
         pool.broadcast(|ctx| {
             if ctx.index() == 0 {
                 // Set even if `f` panics (rayon passes the panic on once every thread is back).
                 let _done = SetOnDrop(&done);
                 if let Some(f) = step.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                    let _lead = Lead::set(&team);
                     let r = f();
                     *out.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
                 }
             } else {
-                poll_until(&done);
+                team.polling.fetch_add(1, Ordering::SeqCst);
+                poll_until(&done, &team);
+                team.polling.fetch_sub(1, Ordering::SeqCst);
             }
         });
         match out.into_inner().unwrap_or_else(|e| e.into_inner()) {
@@ -93,16 +101,19 @@ impl Drop for SetOnDrop<'_> {
     }
 }
 
-/// Runs the pool's pending work as it appears until `done`: polls with a short pause while work
-/// keeps coming, then gives the core away between polls (`sched_yield`), and once none has come
-/// for [`IDLE_LIMIT`] returns to rayon's idle loop (which sleeps until rayon has work for it):
+/// Runs the step's pending work (the loops of `team`, and rayon's jobs) as it appears until
+/// `done`: polls with a short pause while work keeps coming, then gives the core away between
+/// polls (`sched_yield`), and once none has come for the team's idle limit ([`IDLE_LIMIT`])
+/// returns to rayon's idle loop (which sleeps until rayon has work for it; the step's loops then
+/// go through rayon, which wakes it):
 /// with other jobs on the cores, a thread that kept polling took the forward thread's share of
 /// them (2-thread decode beside two busy processes: 11-12 t/s polling against 12-23 t/s asleep).
-fn poll_until(done: &AtomicBool) {
+fn poll_until(done: &AtomicBool, team: &Team) {
     let mut idle = 0u32;
     let mut since: Option<Instant> = None;
+    let mut seen = 0u64;
     while !done.load(Ordering::Acquire) {
-        if let Some(rayon::Yield::Executed) = rayon::yield_now() {
+        if team.join(&mut seen) || matches!(rayon::yield_now(), Some(rayon::Yield::Executed)) {
             idle = 0;
             since = None;
             continue;
@@ -112,12 +123,196 @@ fn poll_until(done: &AtomicBool) {
             for _ in 0..8 {
                 std::hint::spin_loop();
             }
-        } else if since.get_or_insert_with(Instant::now).elapsed() < IDLE_LIMIT {
+        } else if since.get_or_insert_with(Instant::now).elapsed() < team.idle_limit {
             std::thread::yield_now();
         } else {
             return;
         }
     }
+}
+
+/// The threads of one [`Threads::run_step`]: its first thread hands the step's parallel loops
+/// ([`for_each_piece`]) to the polling threads through a few shared counters, without rayon's
+/// task splitting and stealing. On the 2-vCPU Intel machine of docs/PERFORMANCE.md a loop of 32
+/// pieces took 3-10 us more than its work through rayon and 0.3-3 us through these counters.
+struct Team {
+    pool: *const rayon::ThreadPool,
+    /// Bit 0: a loop is open to join; bits 1..17: threads that joined it; above: its number.
+    ctl: Padded<AtomicU64>,
+    /// Per thread of the pool, the next piece of its own run of the loop: thread `k` takes
+    /// pieces `k n / T ..` in order, then what is left of the others' runs. Each thread thus
+    /// streams its own contiguous part of the weights, as rayon's halving gave them.
+    next: Box<[Padded<AtomicUsize>]>,
+    /// Threads that joined the loop and have finished their share of it.
+    left: Padded<AtomicUsize>,
+    /// The open loop: a `*const Loop` on the first thread's stack.
+    job: AtomicPtr<()>,
+    /// Threads of the pool in [`poll_until`] for this step.
+    polling: AtomicUsize,
+    /// The first panic of a piece run by a joined thread.
+    panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
+    /// [`Threads::idle_limit`].
+    idle_limit: Duration,
+}
+
+// SAFETY: `pool` is only compared, never dereferenced; `job` is read only by threads that joined
+// the loop it points to, which the first thread waits for before the loop goes out of scope.
+unsafe impl Sync for Team {}
+
+#[repr(align(128))]
+struct Padded<T>(T);
+
+const OPEN: u64 = 1;
+const JOINED: u64 = 2;
+const GEN: u64 = 1 << 17;
+
+/// One parallel loop: `f(i)` for every `i < n`.
+struct Loop<'a> {
+    f: &'a (dyn Fn(usize) + Sync),
+    n: usize,
+}
+
+impl Team {
+    fn new(pool: &rayon::ThreadPool, idle_limit: Duration) -> Team {
+        Team {
+            pool,
+            ctl: Padded(AtomicU64::new(0)),
+            next: (0..pool.current_num_threads().max(1)).map(|_| Padded(AtomicUsize::new(0))).collect(),
+            left: Padded(AtomicUsize::new(0)),
+            job: AtomicPtr::new(std::ptr::null_mut()),
+            polling: AtomicUsize::new(0),
+            panic: Mutex::new(None),
+            idle_limit,
+        }
+    }
+
+    /// Joins the open loop if this thread has not joined it yet (`seen`: the last loop it
+    /// joined), and takes pieces until none is left. Whether it joined one.
+    fn join(&self, seen: &mut u64) -> bool {
+        let c = self.ctl.0.load(Ordering::Acquire);
+        if c & OPEN == 0 || c / GEN == *seen {
+            return false;
+        }
+        if self.ctl.0.compare_exchange(c, c + JOINED, Ordering::AcqRel, Ordering::Relaxed).is_err() {
+            return false;
+        }
+        *seen = c / GEN;
+        let lane = ((c & (GEN - 1)) / JOINED) as usize + 1;
+        // SAFETY: joined while the loop was open, so the first thread keeps it alive until this
+        // thread counts itself out in `left` below.
+        let job = unsafe { &*(self.job.load(Ordering::Acquire) as *const Loop) };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.take(job, lane)));
+        if let Err(e) = r {
+            self.stop();
+            self.panic.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+        }
+        self.left.0.fetch_add(1, Ordering::Release);
+        true
+    }
+
+    /// Runs pieces of `job` until none is left, first those of run `lane`.
+    fn take(&self, job: &Loop, lane: usize) {
+        let t = self.next.len();
+        for k in 0..t {
+            let j = (lane + k) % t;
+            let end = (j + 1) * job.n / t;
+            loop {
+                let i = self.next[j].0.fetch_add(1, Ordering::Relaxed);
+                if i >= end {
+                    break;
+                }
+                (job.f)(i);
+            }
+        }
+    }
+
+    /// Leaves no piece to take (after a panic).
+    fn stop(&self) {
+        for n in self.next.iter() {
+            n.0.store(usize::MAX / 2, Ordering::Relaxed);
+        }
+    }
+
+    /// Runs `job` on this thread and on every polling thread that joins it; returns when every
+    /// piece has run. Called by the step's first thread only.
+    fn run(&self, job: &Loop) {
+        let t = self.next.len();
+        for (j, n) in self.next.iter().enumerate() {
+            n.0.store(j * job.n / t, Ordering::Relaxed);
+        }
+        self.left.0.store(0, Ordering::Relaxed);
+        self.job.store(job as *const Loop as *mut (), Ordering::Relaxed);
+        let c = self.ctl.0.load(Ordering::Relaxed);
+        self.ctl.0.store(((c / GEN + 1) * GEN) | OPEN, Ordering::Release);
+        let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.take(job, 0)));
+        if mine.is_err() {
+            self.stop();
+        }
+        // Closed: no thread joins any more; wait for those that did.
+        let joined = ((self.ctl.0.fetch_and(!OPEN, Ordering::AcqRel) & (GEN - 1)) / JOINED) as usize;
+        while self.left.0.load(Ordering::Acquire) < joined {
+            std::hint::spin_loop();
+        }
+        self.job.store(std::ptr::null_mut(), Ordering::Relaxed);
+        if let Err(e) = mine {
+            std::panic::resume_unwind(e);
+        }
+        if let Some(e) = self.panic.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            std::panic::resume_unwind(e);
+        }
+    }
+}
+
+thread_local! {
+    /// The team this thread leads (it runs a step's `f` in [`Threads::run_step`]), if any.
+    static LEAD: Cell<*const Team> = const { Cell::new(std::ptr::null()) };
+}
+
+/// Marks the current thread as the leader of `team` until dropped.
+struct Lead(*const Team);
+
+impl Lead {
+    fn set(team: &Team) -> Lead {
+        Lead(LEAD.with(|l| l.replace(team)))
+    }
+}
+
+impl Drop for Lead {
+    fn drop(&mut self) {
+        LEAD.with(|l| l.set(self.0));
+    }
+}
+
+/// Runs `f(i)` for every `i < n` in parallel over `pool`: through the step's team when the
+/// calling thread leads a [`Threads::run_step`] of `pool` and all the pool's other threads are
+/// polling for work and it runs no other loop, else through rayon. Each `i` runs exactly once; a
+/// panic of a piece is passed on to the caller once every piece has stopped.
+pub(crate) fn for_each_piece(pool: &rayon::ThreadPool, n: usize, f: &(dyn Fn(usize) + Sync)) {
+    let lead = LEAD.with(|l| l.get());
+    if !lead.is_null() {
+        // SAFETY: set by `Lead` while the team lives (in `run_step`'s frame) on this thread.
+        let team = unsafe { &*lead };
+        // Not from inside one of its own loops (the team runs one at a time).
+        if std::ptr::eq(team.pool, pool)
+            && team.ctl.0.load(Ordering::Relaxed) & OPEN == 0
+            && team.polling.load(Ordering::Relaxed) + 1 >= pool.current_num_threads()
+        {
+            team.run(&Loop { f, n });
+            return;
+        }
+    }
+    use rayon::prelude::*;
+    pool.install(|| (0..n).into_par_iter().with_max_len(1).for_each(f));
+}
+
+/// [`for_each_piece`] over owned items: `f(item)` for each of `items`, in parallel over `pool`.
+pub(crate) fn for_each_item<T: Send>(pool: &rayon::ThreadPool, items: Vec<T>, f: &(dyn Fn(T) + Sync)) {
+    let cells: Vec<Mutex<Option<T>>> = items.into_iter().map(|t| Mutex::new(Some(t))).collect();
+    for_each_piece(pool, cells.len(), &|i| {
+        if let Some(t) = cells[i].lock().unwrap_or_else(|e| e.into_inner()).take() {
+            f(t)
+        }
+    });
 }
 
 /// How long a thread of [`Threads::run_step`] waits for work before it goes back to sleeping: far
@@ -180,5 +375,102 @@ mod tests {
         assert!(r.is_err());
         // The pool is whole: the next step runs and uses both threads.
         assert_eq!(threads.run_step(1, || (1..=100u32).into_par_iter().sum::<u32>()), 5050);
+    }
+
+    /// Inside a step of `threads`: the team this thread leads, once all the pool's other threads
+    /// poll for its loops (they may not run at once on a busy machine).
+    fn team_polling(threads: &Threads) -> &'static Team {
+        let lead = LEAD.with(|l| l.get());
+        assert!(!lead.is_null(), "the step's first thread leads a team");
+        // SAFETY: the team outlives the step this runs in; the reference does not leave it.
+        let team = unsafe { &*lead };
+        let t0 = Instant::now();
+        while team.polling.load(Ordering::SeqCst) + 1 < threads.decode_threads() {
+            assert!(t0.elapsed() < Duration::from_secs(60), "the step's threads never all polled");
+            std::thread::yield_now();
+        }
+        team
+    }
+
+    /// Threads whose steps keep polling for work for a minute: a test's step never loses them.
+    fn patient(t: usize) -> Threads {
+        Threads { idle_limit: Duration::from_secs(60), ..Threads::new(t, t).unwrap() }
+    }
+
+    #[test]
+    fn a_step_s_loops_run_each_piece_once_on_every_thread() {
+        for t in [2, 3] {
+            let threads = patient(t);
+            let pool = threads.for_tokens(1);
+            threads.run_step(1, || {
+                let team = team_polling(&threads);
+                for n in [1usize, 2, 3, 50, 1000] {
+                    let before = team.ctl.0.load(Ordering::SeqCst) / GEN;
+                    let runs: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                    let started = AtomicUsize::new(0);
+                    let wait = n == 3 || n == 50;
+                    for_each_piece(pool, n, &|i| {
+                        runs[i].fetch_add(1, Ordering::SeqCst);
+                        // The first piece of each thread's run waits for the others to start
+                        // theirs: all start only if all the threads take part at once.
+                        if wait && (0..t).any(|j| i == j * n / t) {
+                            started.fetch_add(1, Ordering::SeqCst);
+                            let t0 = Instant::now();
+                            while started.load(Ordering::SeqCst) < t && t0.elapsed() < Duration::from_secs(60) {
+                                std::thread::yield_now();
+                            }
+                        }
+                    });
+                    assert!(
+                        runs.iter().all(|r| r.load(Ordering::SeqCst) == 1),
+                        "{t} threads, {n} pieces: each ran once"
+                    );
+                    assert_eq!(team.ctl.0.load(Ordering::SeqCst) / GEN, before + 1, "the loop went through the team");
+                    if wait {
+                        assert_eq!(started.load(Ordering::SeqCst), t, "{t} threads, {n} pieces: all took part");
+                    }
+                }
+            });
+        }
+    }
+
+    #[test]
+    fn a_panicking_piece_is_passed_on_after_the_loop_and_loops_nest() {
+        let threads = patient(2);
+        let pool = threads.for_tokens(1);
+        threads.run_step(1, || {
+            team_polling(&threads);
+            // Piece 0 runs on this thread, the last piece on the other one first.
+            for bad in [0usize, 99] {
+                let ran = AtomicUsize::new(0);
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    for_each_piece(pool, 100, &|i| {
+                        ran.fetch_add(1, Ordering::SeqCst);
+                        if i == bad {
+                            panic!("piece {i} failed");
+                        }
+                    })
+                }));
+                let msg = r.expect_err("the panic is passed on");
+                assert_eq!(
+                    msg.downcast_ref::<String>().map(String::as_str),
+                    Some(format!("piece {bad} failed").as_str())
+                );
+                assert!(ran.load(Ordering::SeqCst) <= 100);
+                let sum = AtomicUsize::new(0);
+                for_each_piece(pool, 100, &|i| {
+                    sum.fetch_add(i, Ordering::SeqCst);
+                });
+                assert_eq!(sum.load(Ordering::SeqCst), 4950, "the next loop runs whole");
+            }
+            // A loop inside a loop's piece (through rayon).
+            let count = AtomicUsize::new(0);
+            for_each_piece(pool, 4, &|_| {
+                for_each_piece(pool, 3, &|_| {
+                    count.fetch_add(1, Ordering::SeqCst);
+                })
+            });
+            assert_eq!(count.load(Ordering::SeqCst), 12);
+        });
     }
 }
