@@ -134,7 +134,7 @@ fn poll_until(done: &AtomicBool, team: &Team) {
 /// The threads of one [`Threads::run_step`]: its first thread hands the step's parallel loops
 /// ([`for_each_piece`]) to the polling threads through a few shared counters, without rayon's
 /// task splitting and stealing. On the 2-vCPU Intel machine of docs/PERFORMANCE.md a loop of 32
-/// pieces took 3-10 us more than its work through rayon and 0.3-3 us through these counters.
+/// pieces took 2-10 us more than its work through rayon and mostly 0.3-3 us through counters.
 struct Team {
     pool: *const rayon::ThreadPool,
     /// Bit 0: a loop is open to join; bits 1..17: threads that joined it; above: its number.
