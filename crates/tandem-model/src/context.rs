@@ -331,21 +331,25 @@ impl Context {
                 mla: self.params.mla,
             };
             let mut x = m.head.embed(ub.tokens)?;
+            let wanted: Vec<usize> = (start..end).filter(|&i| batch.logits[i]).map(|i| i - start).collect();
+            let mut out = Vec::new();
             let (backend, cache) = (self.backend.as_ref(), &mut self.cache);
+            // The output head inside the step too: outside it, its product woke the pool's
+            // threads from sleep (tens of µs per decoded token).
             backend.in_pool(ub.len(), &mut || {
                 for il in 0..m.layers.layout().n_layer {
                     m.layers.forward_layer(il, backend, cache, &ub, &mut x)?;
                 }
+                if !wanted.is_empty() {
+                    let mut h: Vec<f32> =
+                        wanted.iter().flat_map(|&i| x[i * n_embd..(i + 1) * n_embd].to_vec()).collect();
+                    backend.rmsnorm(&mut h, n_embd, Some(&m.head.output_norm), m.layers.eps());
+                    out = vec![0f32; wanted.len() * m.n_vocab()];
+                    backend.matmul(&m.head.output, &h, &mut out)?;
+                }
                 Ok(())
             })?;
-            let wanted: Vec<usize> = (start..end).filter(|&i| batch.logits[i]).map(|i| i - start).collect();
-            if !wanted.is_empty() {
-                let mut h: Vec<f32> = wanted.iter().flat_map(|&i| x[i * n_embd..(i + 1) * n_embd].to_vec()).collect();
-                self.backend.rmsnorm(&mut h, n_embd, Some(&m.head.output_norm), m.layers.eps());
-                let mut out = vec![0f32; wanted.len() * m.n_vocab()];
-                self.backend.matmul(&m.head.output, &h, &mut out)?;
-                logits.extend_from_slice(&out);
-            }
+            logits.extend_from_slice(&out);
             start = end;
         }
         Ok(logits)
