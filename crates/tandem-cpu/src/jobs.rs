@@ -82,7 +82,8 @@ pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
     // sixteen per thread left less of that tail than four (2-thread decode 1.6-2.6% faster
     // per token, alternating token by token; docs/PERFORMANCE.md). A batch's pieces each pass
     // over all the batch's activations, so it keeps four.
-    let per_thread = if jobs.iter().all(|j| j.acts.n_rows() <= 1) { 16 } else { 4 };
+    let one_token = jobs.iter().all(|j| j.acts.n_rows() <= 1);
+    let per_thread = if one_token { 16 } else { 4 };
     let block = (total_rows / (threads * per_thread)).clamp(4, 512);
     // The activation block sums the packed Q8_0-family kernels need, once per job for all its pieces.
     let sums: Vec<Vec<i32>> = jobs
@@ -111,7 +112,11 @@ pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
     if pieces.len() == 1 || threads == 1 {
         pieces.into_iter().for_each(run_piece);
     } else {
-        crate::pool::for_each_piece(pool, pieces.len(), &|i| run_piece(pieces[i]));
+        // A single token's pieces stream their weights once: the threads may fetch the start of
+        // their runs ahead of time in the next step (`pool::Forecast`).
+        let bytes = |i: usize| (pieces[i].w.data.as_ptr() as usize, pieces[i].w.data.len());
+        let run = |i: usize| run_piece(pieces[i]);
+        crate::pool::for_each_piece_reading(pool, pieces.len(), &run, one_token.then_some(&bytes));
     }
     Ok(())
 }

@@ -13,6 +13,8 @@ pub struct Threads {
     batch: Arc<rayon::ThreadPool>,
     /// How long the threads of a step poll without work before they sleep ([`IDLE_LIMIT`]).
     idle_limit: Duration,
+    /// What the loops of the last single-token step read first, per thread ([`Forecast`]).
+    forecast: Arc<Forecast>,
 }
 
 impl std::fmt::Debug for Threads {
@@ -35,7 +37,8 @@ impl Threads {
     pub fn new(decode: usize, batch: usize) -> Result<Threads> {
         let decode_pool = pool(decode.max(1))?;
         let batch_pool = if batch.max(1) == decode.max(1) { decode_pool.clone() } else { pool(batch.max(1))? };
-        Ok(Threads { decode: decode_pool, batch: batch_pool, idle_limit: IDLE_LIMIT })
+        let forecast = Arc::new(Forecast::new(decode.max(1)));
+        Ok(Threads { decode: decode_pool, batch: batch_pool, idle_limit: IDLE_LIMIT, forecast })
     }
 
     /// The pool for a step of `n_tokens` tokens.
@@ -62,7 +65,8 @@ impl Threads {
         let done = AtomicBool::new(false);
         let step = Mutex::new(Some(f));
         let out = Mutex::new(None);
-        let team = Team::new(pool, self.idle_limit);
+        let forecast = (n_tokens <= 1 && self.forecast.lanes == pool.current_num_threads()).then_some(&*self.forecast);
+        let team = Team::new(pool, self.idle_limit, forecast);
         pool.broadcast(|ctx| {
             if ctx.index() == 0 {
                 // Set even if `f` panics (rayon passes the panic on once every thread is back).
@@ -74,7 +78,7 @@ impl Threads {
                 }
             } else {
                 team.polling.fetch_add(1, Ordering::SeqCst);
-                poll_until(&done, &team);
+                poll_until(&done, &team, ctx.index());
                 team.polling.fetch_sub(1, Ordering::SeqCst);
             }
         });
@@ -108,14 +112,18 @@ impl Drop for SetOnDrop<'_> {
 /// go through rayon, which wakes it):
 /// with other jobs on the cores, a thread that kept polling took the forward thread's share of
 /// them (2-thread decode beside two busy processes: 11-12 t/s polling against 12-23 t/s asleep).
-fn poll_until(done: &AtomicBool, team: &Team) {
+fn poll_until(done: &AtomicBool, team: &Team, lane: usize) {
     let mut idle = 0u32;
     let mut since: Option<Instant> = None;
     let mut seen = 0u64;
+    let mut ahead = Ahead::default();
     while !done.load(Ordering::Acquire) {
-        if team.join(&mut seen) || matches!(rayon::yield_now(), Some(rayon::Yield::Executed)) {
+        if team.join(&mut seen, lane) || matches!(rayon::yield_now(), Some(rayon::Yield::Executed)) {
             idle = 0;
             since = None;
+            continue;
+        }
+        if ahead.step(team, team.loops.load(Ordering::Acquire), lane) {
             continue;
         }
         idle = idle.saturating_add(1);
@@ -135,7 +143,7 @@ fn poll_until(done: &AtomicBool, team: &Team) {
 /// ([`for_each_piece`]) to the polling threads through a few shared counters, without rayon's
 /// task splitting and stealing. On the 2-vCPU Intel machine of docs/PERFORMANCE.md a loop of 32
 /// pieces took 2-10 us more than its work through rayon and mostly 0.3-3 us through counters.
-struct Team {
+struct Team<'f> {
     pool: *const rayon::ThreadPool,
     /// Bit 0: a loop is open to join; bits 1..17: threads that joined it; above: its number.
     ctl: Padded<AtomicU64>,
@@ -153,11 +161,15 @@ struct Team {
     panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
     /// [`Threads::idle_limit`].
     idle_limit: Duration,
+    /// Loops opened so far in this step.
+    loops: AtomicUsize,
+    /// Single-token steps only: where each thread's run of each loop started last time.
+    forecast: Option<&'f Forecast>,
 }
 
 // SAFETY: `pool` is only compared, never dereferenced; `job` is read only by threads that joined
 // the loop it points to, which the first thread waits for before the loop goes out of scope.
-unsafe impl Sync for Team {}
+unsafe impl Sync for Team<'_> {}
 
 #[repr(align(128))]
 struct Padded<T>(T);
@@ -170,10 +182,12 @@ const GEN: u64 = 1 << 17;
 struct Loop<'a> {
     f: &'a (dyn Fn(usize) + Sync),
     n: usize,
+    /// The address and length of the weights piece `i` reads, where the loop streams weights.
+    bytes: Option<&'a (dyn Fn(usize) -> (usize, usize) + Sync)>,
 }
 
-impl Team {
-    fn new(pool: &rayon::ThreadPool, idle_limit: Duration) -> Team {
+impl<'f> Team<'f> {
+    fn new(pool: &rayon::ThreadPool, idle_limit: Duration, forecast: Option<&'f Forecast>) -> Team<'f> {
         Team {
             pool,
             ctl: Padded(AtomicU64::new(0)),
@@ -183,12 +197,14 @@ impl Team {
             polling: AtomicUsize::new(0),
             panic: Mutex::new(None),
             idle_limit,
+            loops: AtomicUsize::new(0),
+            forecast,
         }
     }
 
     /// Joins the open loop if this thread has not joined it yet (`seen`: the last loop it
     /// joined), and takes pieces until none is left. Whether it joined one.
-    fn join(&self, seen: &mut u64) -> bool {
+    fn join(&self, seen: &mut u64, lane: usize) -> bool {
         let c = self.ctl.0.load(Ordering::Acquire);
         if c & OPEN == 0 || c / GEN == *seen {
             return false;
@@ -197,7 +213,6 @@ impl Team {
             return false;
         }
         *seen = c / GEN;
-        let lane = ((c & (GEN - 1)) / JOINED) as usize + 1;
         // SAFETY: joined while the loop was open, so the first thread keeps it alive until this
         // thread counts itself out in `left` below.
         let job = unsafe { &*(self.job.load(Ordering::Acquire) as *const Loop) };
@@ -240,6 +255,11 @@ impl Team {
         for (j, n) in self.next.iter().enumerate() {
             n.0.store(j * job.n / t, Ordering::Relaxed);
         }
+        let idx = self.loops.load(Ordering::Relaxed);
+        if let Some(fc) = self.forecast {
+            fc.record(idx, job);
+        }
+        self.loops.store(idx + 1, Ordering::Release);
         self.left.0.store(0, Ordering::Relaxed);
         self.job.store(job as *const Loop as *mut (), Ordering::Relaxed);
         let c = self.ctl.0.load(Ordering::Relaxed);
@@ -250,8 +270,11 @@ impl Team {
         }
         // Closed: no thread joins any more; wait for those that did.
         let joined = ((self.ctl.0.fetch_and(!OPEN, Ordering::AcqRel) & (GEN - 1)) / JOINED) as usize;
+        let mut ahead = Ahead::default();
         while self.left.0.load(Ordering::Acquire) < joined {
-            std::hint::spin_loop();
+            if !ahead.step(self, idx + 1, 0) {
+                std::hint::spin_loop();
+            }
         }
         self.job.store(std::ptr::null_mut(), Ordering::Relaxed);
         if let Err(e) = mine {
@@ -263,17 +286,122 @@ impl Team {
     }
 }
 
+/// Loops of a single-token step a forecast covers.
+const FORECAST_LOOPS: usize = 1024;
+/// Bytes of a thread's run a forecast asks for at most.
+const FORECAST_BYTES: usize = 256 << 10;
+
+/// For each loop of a single-token step (by its number in the step) and each thread: the weight
+/// bytes its run started with last time, and whether they were the same as the time before. The
+/// steps of a decode run the same products in the same order (all but the routed experts), so a
+/// thread that waits (the serial parts of a step, the tail of a loop) asks for the start of its
+/// next run meanwhile (`prefetcht1`, into its L2), when that start was the same the last two
+/// times (so not for the routed experts). A single token's step is bound by how fast the weights
+/// stream, and the memory idles while one thread works alone. On the 2-vCPU Intel machine of
+/// docs/PERFORMANCE.md the threads fetched ~9.6 MB of a decoded token's 385 MB this way and
+/// decode was 1.1-1.8% faster (alternating token by token); 512 KiB or 1 MiB per run instead of
+/// 256 KiB, or the unstable loops too, were no better.
+struct Forecast {
+    lanes: usize,
+    /// `[loop][lane]`: address, length, stable (1) or not (0).
+    table: Box<[[AtomicUsize; 3]]>,
+}
+
+impl Forecast {
+    fn new(lanes: usize) -> Forecast {
+        Forecast { lanes, table: (0..FORECAST_LOOPS * lanes).map(|_| Default::default()).collect() }
+    }
+
+    /// Notes where each thread's run of loop `idx` starts.
+    fn record(&self, idx: usize, job: &Loop) {
+        if idx >= FORECAST_LOOPS {
+            return;
+        }
+        let t = self.lanes;
+        for lane in 0..t {
+            let (mut at, mut len) = (0, 0);
+            if let Some(bytes) = job.bytes {
+                let first = lane * job.n / t;
+                let end = (lane + 1) * job.n / t;
+                (at, len) = if first < end { bytes(first) } else { (0, 0) };
+                let mut i = first + 1;
+                while i < end && len < FORECAST_BYTES {
+                    let (a, l) = bytes(i);
+                    if a != at + len {
+                        break;
+                    }
+                    len += l;
+                    i += 1;
+                }
+                len = len.min(FORECAST_BYTES);
+            }
+            let e = &self.table[idx * t + lane];
+            let same = e[0].load(Ordering::Relaxed) == at && e[1].load(Ordering::Relaxed) == len;
+            e[0].store(at, Ordering::Relaxed);
+            e[1].store(len, Ordering::Relaxed);
+            e[2].store(same as usize, Ordering::Release);
+        }
+    }
+
+    /// Lane `lane`'s start of loop `idx`, if it was the same the last two times.
+    fn get(&self, idx: usize, lane: usize) -> Option<(usize, usize)> {
+        if idx >= FORECAST_LOOPS || lane >= self.lanes {
+            return None;
+        }
+        let e = &self.table[idx * self.lanes + lane];
+        let (at, len) = (e[0].load(Ordering::Relaxed), e[1].load(Ordering::Relaxed));
+        (e[2].load(Ordering::Acquire) == 1 && len > 0).then_some((at, len))
+    }
+}
+
+/// A waiting thread's progress through the forecast of the next loop.
+#[derive(Default)]
+struct Ahead {
+    idx: usize,
+    done: usize,
+}
+
+impl Ahead {
+    /// Asks for the next kilobyte of this thread's forecast run of loop `idx`; false when there is
+    /// none left to ask for.
+    fn step(&mut self, team: &Team, idx: usize, lane: usize) -> bool {
+        let Some(fc) = team.forecast else { return false };
+        if idx != self.idx {
+            *self = Ahead { idx, done: 0 };
+        }
+        let Some((at, len)) = fc.get(idx, lane) else { return false };
+        if self.done >= len {
+            return false;
+        }
+        let n = (len - self.done).min(1024);
+        #[cfg(target_arch = "x86_64")]
+        for off in (0..n).step_by(64) {
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                    (at + self.done + off) as *const i8,
+                )
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = at;
+        self.done += n;
+        true
+    }
+}
+
 thread_local! {
     /// The team this thread leads (it runs a step's `f` in [`Threads::run_step`]), if any.
-    static LEAD: Cell<*const Team> = const { Cell::new(std::ptr::null()) };
+    static LEAD: Cell<*const Team<'static>> = const { Cell::new(std::ptr::null()) };
 }
 
 /// Marks the current thread as the leader of `team` until dropped.
-struct Lead(*const Team);
+struct Lead(*const Team<'static>);
 
 impl Lead {
     fn set(team: &Team) -> Lead {
-        Lead(LEAD.with(|l| l.replace(team)))
+        // The lifetime is erased: the pointer is only used while `team` lives (see `LEAD`).
+        Lead(LEAD.with(|l| l.replace((team as *const Team).cast::<Team<'static>>())))
     }
 }
 
@@ -288,6 +416,18 @@ impl Drop for Lead {
 /// polling for work and it runs no other loop, else through rayon. Each `i` runs exactly once; a
 /// panic of a piece is passed on to the caller once every piece has stopped.
 pub(crate) fn for_each_piece(pool: &rayon::ThreadPool, n: usize, f: &(dyn Fn(usize) + Sync)) {
+    for_each_piece_reading(pool, n, f, None)
+}
+
+/// [`for_each_piece`] for a loop whose piece `i` streams the weight bytes `bytes(i)` (address,
+/// length): in a single-token step the threads fetch the start of their run of it ahead of time
+/// when they wait in the step that follows ([`Forecast`]).
+pub(crate) fn for_each_piece_reading(
+    pool: &rayon::ThreadPool,
+    n: usize,
+    f: &(dyn Fn(usize) + Sync),
+    bytes: Option<&(dyn Fn(usize) -> (usize, usize) + Sync)>,
+) {
     let lead = LEAD.with(|l| l.get());
     if !lead.is_null() {
         // SAFETY: set by `Lead` while the team lives (in `run_step`'s frame) on this thread.
@@ -297,7 +437,7 @@ pub(crate) fn for_each_piece(pool: &rayon::ThreadPool, n: usize, f: &(dyn Fn(usi
             && team.ctl.0.load(Ordering::Relaxed) & OPEN == 0
             && team.polling.load(Ordering::Relaxed) + 1 >= pool.current_num_threads()
         {
-            team.run(&Loop { f, n });
+            team.run(&Loop { f, n, bytes });
             return;
         }
     }
@@ -379,7 +519,7 @@ mod tests {
 
     /// Inside a step of `threads`: the team this thread leads, once all the pool's other threads
     /// poll for its loops (they may not run at once on a busy machine).
-    fn team_polling(threads: &Threads) -> &'static Team {
+    fn team_polling(threads: &Threads) -> &'static Team<'static> {
         let lead = LEAD.with(|l| l.get());
         assert!(!lead.is_null(), "the step's first thread leads a team");
         // SAFETY: the team outlives the step this runs in; the reference does not leave it.
@@ -432,6 +572,83 @@ mod tests {
                 }
             });
         }
+    }
+
+    #[test]
+    fn a_forecast_gives_each_thread_s_run_start_once_it_repeats() {
+        let fc = Forecast::new(2);
+        let base = 1usize << 40;
+        let contiguous = move |i: usize| (base + i * 100_000, 100_000);
+        let with_gaps = move |i: usize| (base + i * 200_000, 100_000);
+        let f = |_: usize| {};
+        let job = |bytes: &'static (dyn Fn(usize) -> (usize, usize) + Sync)| Loop { f: &f, n: 8, bytes: Some(bytes) };
+        let contiguous: &'static (dyn Fn(usize) -> (usize, usize) + Sync) = Box::leak(Box::new(contiguous));
+        let with_gaps: &'static (dyn Fn(usize) -> (usize, usize) + Sync) = Box::leak(Box::new(with_gaps));
+        fc.record(3, &job(contiguous));
+        assert_eq!(fc.get(3, 0), None, "seen once: not yet a forecast");
+        fc.record(3, &job(contiguous));
+        // Lane 0 runs pieces 0..4, lane 1 pieces 4..8: 400,000 contiguous bytes each, capped.
+        assert_eq!(fc.get(3, 0), Some((base, FORECAST_BYTES)));
+        assert_eq!(fc.get(3, 1), Some((base + 400_000, FORECAST_BYTES)));
+        assert_eq!(fc.get(2, 0), None, "another loop");
+        fc.record(3, &job(with_gaps));
+        assert_eq!(fc.get(3, 0), None, "changed: no forecast");
+        fc.record(3, &job(with_gaps));
+        assert_eq!(fc.get(3, 1), Some((base + 800_000, 100_000)), "up to the first gap");
+        fc.record(3, &Loop { f: &f, n: 8, bytes: None });
+        fc.record(3, &Loop { f: &f, n: 8, bytes: None });
+        assert_eq!(fc.get(3, 0), None, "a loop that streams no weights");
+        fc.record(FORECAST_LOOPS, &job(contiguous));
+        assert_eq!(fc.get(FORECAST_LOOPS, 0), None);
+        assert_eq!(fc.get(3, 2), None, "no such thread");
+
+        // A waiting thread asks for its forecast run a kilobyte at a time, once.
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let buf = vec![0u8; 10_000];
+        let at = |i: usize| (buf.as_ptr() as usize + i * 2500, 2500);
+        let stream = Loop { f: &f, n: 4, bytes: Some(&at) };
+        fc.record(5, &stream);
+        fc.record(5, &stream);
+        let team = Team::new(&pool, IDLE_LIMIT, Some(&fc));
+        let mut ahead = Ahead::default();
+        let mut asks = 0;
+        while ahead.step(&team, 5, 1) {
+            asks += 1;
+            assert!(asks <= 5, "5,000 bytes take five asks");
+        }
+        assert_eq!(asks, 5);
+        assert!(!ahead.step(&team, 5, 1), "asked once");
+        assert!(!ahead.step(&team, 4, 1), "nothing forecast for loop 4");
+        assert!(ahead.step(&team, 5, 0), "back to loop 5, lane 0: from its start");
+        assert!(!Ahead::default().step(&Team::new(&pool, IDLE_LIMIT, None), 5, 1), "no forecast in batch steps");
+    }
+
+    #[test]
+    fn single_token_steps_note_their_loops_runs_and_batch_steps_do_not() {
+        let threads = patient(2);
+        let pool = threads.for_tokens(1);
+        let buf = vec![0u8; 1 << 20];
+        let bytes = |i: usize| (buf.as_ptr() as usize + i * 4096, 4096);
+        let run = |n_tokens: usize| {
+            threads.run_step(n_tokens, || {
+                team_polling(&threads);
+                for _ in 0..2 {
+                    for_each_piece(pool, 10, &|_| {});
+                    for_each_piece_reading(pool, 32, &|_| {}, Some(&bytes));
+                }
+            })
+        };
+        run(2);
+        run(2);
+        assert!((0..4).all(|idx| threads.forecast.get(idx, 0).is_none()), "a batch step leaves no forecast");
+        run(1);
+        run(1);
+        let start = buf.as_ptr() as usize;
+        for idx in [1, 3] {
+            assert_eq!(threads.forecast.get(idx, 0), Some((start, 16 * 4096)), "loop {idx}, lane 0");
+            assert_eq!(threads.forecast.get(idx, 1), Some((start + 16 * 4096, 16 * 4096)), "loop {idx}, lane 1");
+        }
+        assert_eq!(threads.forecast.get(0, 0), None, "loop 0 streams no weights");
     }
 
     #[test]
