@@ -44,8 +44,7 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 /// Runs every job in one parallel step over `pool`.
-pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
-    let mut total_rows = 0usize;
+pub fn matmul_jobs(pool: &rayon::ThreadPool, mut jobs: Vec<MatJob>) -> Result<()> {
     for j in &jobs {
         let n = j.acts.n_rows();
         if j.acts.cols != j.w.cols || j.acts.ty != vec_dot_type(j.w.ty) || j.out.len() != n * j.w.rows {
@@ -74,17 +73,9 @@ pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
         if best_kernel(j.w.ty).is_none() {
             return Err(Error::Quant(tandem_quant::Error::UnsupportedType { ty: j.w.ty, op: "vec_dot" }));
         }
-        total_rows += j.w.rows;
     }
     let threads = pool.current_num_threads().max(1);
-    // Pieces per thread. A single token's step is short (30-700 us here) and its pieces are
-    // taken by whichever thread is free, so the last one to finish keeps the others waiting:
-    // sixteen per thread left less of that tail than four (2-thread decode 1.6-2.6% faster
-    // per token, alternating token by token; docs/PERFORMANCE.md). A batch's pieces each pass
-    // over all the batch's activations, so it keeps four.
     let one_token = jobs.iter().all(|j| j.acts.n_rows() <= 1);
-    let per_thread = if one_token { 16 } else { 4 };
-    let block = (total_rows / (threads * per_thread)).clamp(4, 512);
     // The activation block sums the packed Q8_0-family kernels need, once per job for all its pieces.
     let sums: Vec<Vec<i32>> = jobs
         .iter()
@@ -93,21 +84,20 @@ pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
             false => Vec::new(),
         })
         .collect();
-    let mut pieces = Vec::new();
-    for (j, sums) in jobs.into_iter().zip(&sums) {
-        let n = j.acts.n_rows();
-        if n == 0 {
-            continue;
-        }
-        let out = OutPtr(j.out.as_mut_ptr());
-        // A packed weight is cut only between its groups of 16 rows.
-        let block = if j.w.packed { block.next_multiple_of(PACK_ROWS) } else { block };
-        let mut r0 = 0;
-        while r0 < j.w.rows {
-            let nr = block.min(j.w.rows - r0);
-            pieces.push(Piece { w: j.w.rows(r0, nr)?, acts: j.acts, sums, out, stride: j.w.rows, r0 });
-            r0 += nr;
-        }
+    let weights: Vec<(WeightRef, bool)> = jobs.iter().map(|j| (j.w, j.acts.n_rows() > 0)).collect();
+    let blocks = row_blocks(&weights, threads, one_token);
+    let outs: Vec<OutPtr> = jobs.iter_mut().map(|j| OutPtr(j.out.as_mut_ptr())).collect();
+    let mut pieces = Vec::with_capacity(blocks.len());
+    for (j, r0, nr) in blocks {
+        let job = &jobs[j];
+        pieces.push(Piece {
+            w: job.w.rows(r0, nr)?,
+            acts: job.acts,
+            sums: &sums[j],
+            out: outs[j],
+            stride: job.w.rows,
+            r0,
+        });
     }
     if pieces.len() == 1 || threads == 1 {
         pieces.into_iter().for_each(run_piece);
@@ -119,6 +109,34 @@ pub fn matmul_jobs(pool: &rayon::ThreadPool, jobs: Vec<MatJob>) -> Result<()> {
         crate::pool::for_each_piece_reading(pool, pieces.len(), &run, one_token.then_some(&bytes));
     }
     Ok(())
+}
+
+/// The row blocks [`matmul_jobs`] cuts its weights into, in order: (job, first row, rows). A job
+/// without tokens (`false`) counts toward the block size but gets no block.
+fn row_blocks(weights: &[(WeightRef, bool)], threads: usize, one_token: bool) -> Vec<(usize, usize, usize)> {
+    let total_rows: usize = weights.iter().map(|(w, _)| w.rows).sum();
+    // Pieces per thread. A single token's step is short (30-700 us here) and its pieces are
+    // taken by whichever thread is free, so the last one to finish keeps the others waiting:
+    // sixteen per thread left less of that tail than four (2-thread decode 1.6-2.6% faster
+    // per token, alternating token by token; docs/PERFORMANCE.md). A batch's pieces each pass
+    // over all the batch's activations, so it keeps four.
+    let per_thread = if one_token { 16 } else { 4 };
+    let block = (total_rows / (threads.max(1) * per_thread)).clamp(4, 512);
+    let mut blocks = Vec::new();
+    for (j, (w, active)) in weights.iter().enumerate() {
+        if !active {
+            continue;
+        }
+        // A packed weight is cut only between its groups of 16 rows.
+        let block = if w.packed { block.next_multiple_of(PACK_ROWS) } else { block };
+        let mut r0 = 0;
+        while r0 < w.rows {
+            let nr = block.min(w.rows - r0);
+            blocks.push((j, r0, nr));
+            r0 += nr;
+        }
+    }
+    blocks
 }
 
 /// Rows in tiles of `ROW_TILE` against tokens in groups of [`MAX_NY`]: a tile of weight rows
@@ -325,6 +343,17 @@ pub fn ffn_jobs(pool: &rayon::ThreadPool, x: &[f32], cols: usize, jobs: &[FfnJob
     for (((j, g), u), (ga, ua)) in jobs.iter().zip(&mut gate).zip(&mut up).zip(gate_acts.iter().zip(&up_acts)) {
         step.push(MatJob { w: j.gate, acts: ga, out: g });
         step.push(MatJob { w: j.up, acts: ua.as_ref().unwrap_or(ga), out: u });
+    }
+    if n == 1 {
+        // The down products are known now: the threads that wait at the end of the gate and up
+        // step (and through the SwiGLU) fetch the start of their runs of them.
+        let downs: Vec<(WeightRef, bool)> = jobs.iter().map(|j| (j.down, !j.tokens.is_empty())).collect();
+        let blocks = row_blocks(&downs, pool.current_num_threads(), true);
+        let bytes = |i: usize| {
+            let (j, r0, nr) = blocks[i];
+            downs[j].0.rows(r0, nr).map_or((0, 0), |w| (w.data.as_ptr() as usize, w.data.len()))
+        };
+        crate::pool::announce(pool, 1, blocks.len(), &bytes);
     }
     matmul_jobs(pool, step)?;
     // silu(gate) * up, quantized for down.

@@ -314,15 +314,21 @@ impl Forecast {
 
     /// Notes where each thread's run of loop `idx` starts.
     fn record(&self, idx: usize, job: &Loop) {
+        self.note(idx, job.n, job.bytes, false);
+    }
+
+    /// Notes where each thread's run of loop `idx` of `n` pieces, piece `i` reading `bytes(i)`,
+    /// starts; stable at once when `sure` (announced by the step itself).
+    fn note(&self, idx: usize, n: usize, bytes: Option<&(dyn Fn(usize) -> (usize, usize) + Sync)>, sure: bool) {
         if idx >= FORECAST_LOOPS {
             return;
         }
         let t = self.lanes;
         for lane in 0..t {
             let (mut at, mut len) = (0, 0);
-            if let Some(bytes) = job.bytes {
-                let first = lane * job.n / t;
-                let end = (lane + 1) * job.n / t;
+            if let Some(bytes) = bytes {
+                let first = lane * n / t;
+                let end = (lane + 1) * n / t;
                 (at, len) = if first < end { bytes(first) } else { (0, 0) };
                 let mut i = first + 1;
                 while i < end && len < FORECAST_BYTES {
@@ -339,7 +345,7 @@ impl Forecast {
             let same = e[0].load(Ordering::Relaxed) == at && e[1].load(Ordering::Relaxed) == len;
             e[0].store(at, Ordering::Relaxed);
             e[1].store(len, Ordering::Relaxed);
-            e[2].store(same as usize, Ordering::Release);
+            e[2].store((same || sure) as usize, Ordering::Release);
         }
     }
 
@@ -443,6 +449,28 @@ pub(crate) fn for_each_piece_reading(
     }
     use rayon::prelude::*;
     pool.install(|| (0..n).into_par_iter().with_max_len(1).for_each(f));
+}
+
+/// Tells the threads of the single-token step this thread leads on `pool` what loop number
+/// `ahead` after the next one opens will stream: `n` pieces, piece `i` reading the weight bytes
+/// `bytes(i)` (address, length), cut over the threads as [`Team::run`] cuts them. A waiting
+/// thread then fetches the start of its run of it as soon as the loop before it is the open or
+/// last one ([`Forecast`]). Elsewhere it does nothing.
+pub(crate) fn announce(
+    pool: &rayon::ThreadPool,
+    ahead: usize,
+    n: usize,
+    bytes: &(dyn Fn(usize) -> (usize, usize) + Sync),
+) {
+    let lead = LEAD.with(|l| l.get());
+    if lead.is_null() {
+        return;
+    }
+    // SAFETY: set by `Lead` while the team lives (in `run_step`'s frame) on this thread.
+    let team = unsafe { &*lead };
+    if let (true, Some(fc)) = (std::ptr::eq(team.pool, pool), team.forecast) {
+        fc.note(team.loops.load(Ordering::Relaxed) + ahead, n, Some(bytes), true);
+    }
 }
 
 /// [`for_each_piece`] over owned items: `f(item)` for each of `items`, in parallel over `pool`.
@@ -649,6 +677,21 @@ mod tests {
             assert_eq!(threads.forecast.get(idx, 1), Some((start + 16 * 4096, 16 * 4096)), "loop {idx}, lane 1");
         }
         assert_eq!(threads.forecast.get(0, 0), None, "loop 0 streams no weights");
+
+        // A step announces what the loop after the next one reads: a forecast at once, for the
+        // loop number it will have.
+        let other = vec![0u8; 1 << 20];
+        let later = |i: usize| (other.as_ptr() as usize + i * 8192, 8192);
+        threads.run_step(1, || {
+            team_polling(&threads);
+            for_each_piece(pool, 10, &|_| {});
+            announce(pool, 1, 8, &later);
+        });
+        let at = other.as_ptr() as usize;
+        assert_eq!(threads.forecast.get(2, 0), Some((at, 4 * 8192)), "announced for loop 2, lane 0");
+        assert_eq!(threads.forecast.get(2, 1), Some((at + 4 * 8192, 4 * 8192)), "announced for loop 2, lane 1");
+        threads.run_step(2, || announce(pool, 0, 8, &bytes));
+        assert_eq!(threads.forecast.get(0, 0), None, "not from a batch step");
     }
 
     #[test]
