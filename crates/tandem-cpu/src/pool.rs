@@ -296,9 +296,10 @@ const FORECAST_BYTES: usize = 256 << 10;
 /// steps of a decode run the same products in the same order (all but the routed experts), so a
 /// thread that waits (the serial parts of a step, the tail of a loop) asks for the start of its
 /// next run meanwhile (`prefetcht1`, into its L2), when that start was the same the last two
-/// times (so not for the routed experts). A single token's step is bound by how fast the weights
+/// times (so not for the routed experts), or when the step announced it ([`announce`]: a MoE
+/// layer's down products once its router has chosen). A single token's step is bound by how fast the weights
 /// stream, and the memory idles while one thread works alone. On the 2-vCPU Intel machine of
-/// docs/PERFORMANCE.md the threads fetched ~9.6 MB of a decoded token's 385 MB this way and
+/// docs/PERFORMANCE.md the threads fetched ~9.6 MiB of a decoded token's 367 MiB this way and
 /// decode was 1.1-1.8% faster (alternating token by token); 512 KiB or 1 MiB per run instead of
 /// 256 KiB, or the unstable loops too, were no better.
 struct Forecast {
