@@ -297,11 +297,11 @@ const FORECAST_BYTES: usize = 256 << 10;
 /// thread that waits (the serial parts of a step, the tail of a loop) asks for the start of its
 /// next run meanwhile (`prefetcht1`, into its L2), when that start was the same the last two
 /// times (so not for the routed experts), or when the step announced it ([`announce`]: a MoE
-/// layer's down products once its router has chosen). A single token's step is bound by how fast the weights
-/// stream, and the memory idles while one thread works alone. On the 2-vCPU Intel machine of
-/// docs/PERFORMANCE.md the threads fetched ~9.6 MiB of a decoded token's 367 MiB this way and
-/// decode was 1.1-1.8% faster (alternating token by token); 512 KiB or 1 MiB per run instead of
-/// 256 KiB, or the unstable loops too, were no better.
+/// layer's down products once its router has chosen). A single token's step is bound by how
+/// fast the weights stream, and the memory idles while one thread works alone. On the 2-vCPU
+/// Intel machine of docs/PERFORMANCE.md the threads fetched ~9.6 MiB of a decoded token's 367
+/// MiB this way and decode was 1.1-1.8% faster (alternating token by token); 512 KiB or 1 MiB
+/// per run instead of 256 KiB, or the unstable loops too, were no better.
 struct Forecast {
     lanes: usize,
     /// `[loop][lane]`: address, length, stable (1) or not (0).
@@ -382,18 +382,18 @@ impl Ahead {
         }
         let n = (len - self.done).min(1024);
         #[cfg(target_arch = "x86_64")]
-        for off in (0..n).step_by(64) {
-            // SAFETY: a prefetch never faults, whatever the address.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                    (at + self.done + off) as *const i8,
-                )
-            };
-        }
+        crate::prefetch::prefetch_stream_as::<{ crate::prefetch::PF_T1 }>((at + self.done) as *const u8, n);
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = at;
-        self.done += n;
-        true
+        {
+            // No prefetch instruction here: nothing to ask for.
+            let _ = (at, n);
+            return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            self.done += n;
+            true
+        }
     }
 }
 
@@ -640,6 +640,10 @@ mod tests {
         fc.record(5, &stream);
         let team = Team::new(&pool, IDLE_LIMIT, Some(&fc));
         let mut ahead = Ahead::default();
+        if !cfg!(target_arch = "x86_64") {
+            assert!(!ahead.step(&team, 5, 1), "no prefetch instruction: nothing is asked for");
+            return;
+        }
         let mut asks = 0;
         while ahead.step(&team, 5, 1) {
             asks += 1;
