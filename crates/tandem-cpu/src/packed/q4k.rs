@@ -8,8 +8,10 @@
 //! load `l` of group `j` holds element `8l + k` in its low nibble and `8l + 4 + k` in its high
 //! one); for Q5_K then `qh[8 groups][16 rows][4 bytes]`, the fifth bits: bit `2l + n` of byte `k`
 //! of lane `r` in group `j` is the fifth bit of the level in nibble `n` of that byte of load `l`
-//! (one vector per group: shifted to bit 4 and merged into each nibble vector); then `sc[8][16]` and `m[8][16]` (the 6-bit scales and mins, one byte each), then `d[16]` and
-//! `dmin[16]` (fp16).
+//! (one vector per group: shifted to bit 4 and merged into each nibble vector); then `sc[8][16]`
+//! (the 6-bit scales, one byte each), `m[4][16][2]` (the 6-bit mins of groups `2k` and `2k + 1`
+//! side by side for each row: one `vpmovzxbw` gives every row's pair, for one `vpdpwssd` per two
+//! groups against the pair of their activation sums), then `d[16]` and `dmin[16]` (fp16).
 
 use super::{f16_at, GroupActs, GroupFn, PACK_ROWS, Q8K_BSUMS, Q8K_BYTES, Q8K_QS};
 use tandem_quant::blocks::{BlockQ4K, BlockQ5K};
@@ -64,7 +66,7 @@ pub(super) fn pack_group<const HIGH: bool>(src: &[u8], rb: usize, nb: usize, dst
             for j in 0..SUBS {
                 let (sc, m) = get_scale_min_k4(j, scales);
                 out[l.sc + PACK_ROWS * j + r] = sc;
-                out[l.mn + PACK_ROWS * j + r] = m;
+                out[l.mn + mn_at(j, r)] = m;
                 for e in 0..32 {
                     let q = (qs[32 * (j / 2) + e] >> (4 * (j % 2))) & 0x0F;
                     out[qs_at(j, r, e)] |= q << (4 * ((e % 8) / 4));
@@ -82,6 +84,12 @@ pub(super) fn pack_group<const HIGH: bool>(src: &[u8], rb: usize, nb: usize, dst
 #[inline]
 fn qs_at(j: usize, r: usize, e: usize) -> usize {
     QS + 256 * j + 64 * (e / 8) + 4 * r + e % 4
+}
+
+/// The byte (from the start of `m`) holding the min of group `j` of row `r`.
+#[inline]
+fn mn_at(j: usize, r: usize) -> usize {
+    2 * PACK_ROWS * (j / 2) + 2 * r + j % 2
 }
 
 /// The byte (from the start of `qh`) and bit holding the fifth bit of element `e` of group `j` of
@@ -139,7 +147,7 @@ pub(super) unsafe fn group_scalar<const HIGH: bool>(
             for j in 0..SUBS {
                 let s: i32 = (0..32).map(|e| level::<HIGH>(blk, j, r, e) * y.q(32 * j + e)).sum();
                 isum += blk[l.sc + PACK_ROWS * j + r] as i32 * s;
-                imin += blk[l.mn + PACK_ROWS * j + r] as i32 * (y.bsum(2 * j) + y.bsum(2 * j + 1));
+                imin += blk[l.mn + mn_at(j, r)] as i32 * (y.bsum(2 * j) + y.bsum(2 * j + 1));
             }
             let (d, dmin) = (f16_at(blk, l.d + 2 * r), f16_at(blk, l.dmin + 2 * r));
             (-(imin as f32)).mul_add(dmin, isum as f32 * d)
@@ -164,20 +172,25 @@ mod x86 {
         }
         c
     };
-    /// `vpshufb` control: bytes 0 and 1 of each 32-bit lane into its bytes 2 and 3 (the other
-    /// two are masked off by [`HIGH_HALVES`]).
-    static UP: [u8; 64] = {
-        let mut c = [0u8; 64];
-        let mut r = 0;
-        while r < 16 {
-            c[4 * r + 2] = (4 * (r % 4)) as u8;
-            c[4 * r + 3] = (4 * (r % 4) + 1) as u8;
-            r += 1;
+    /// The low 16 bits of every 32-bit lane.
+    const LOW_HALVES: i32 = 0xFFFF;
+
+    /// The sums of the quants of the 8 groups of 32 of a Q8_K block (`y`), as the i16 pairs
+    /// `(sum_2k, sum_2k + 1)` in `pairs[k]`, for `vpdpwssd` against the mins' pairs.
+    ///
+    /// # Safety
+    /// `y` points at a Q8_K block; the machine has AVX2.
+    #[inline(always)]
+    unsafe fn group_sum_pairs(y: *const u8) -> [i32; 4] {
+        // SAFETY: as the caller guarantees. The sums of 32 quants (|.| <= 4064) fit an i16.
+        unsafe {
+            let bs = _mm256_madd_epi16(_mm256_loadu_si256(y.add(Q8K_BSUMS) as *const __m256i), _mm256_set1_epi16(1));
+            // Per 128-bit lane: the four i32 sums packed to i16 twice; dwords 0, 1, 4, 5 are the pairs.
+            let mut both = [0i32; 8];
+            _mm256_storeu_si256(both.as_mut_ptr() as *mut __m256i, _mm256_packs_epi32(bs, bs));
+            [both[0], both[1], both[4], both[5]]
         }
-        c
-    };
-    /// Bytes 2 and 3 of every 32-bit lane.
-    const HIGH_HALVES: u64 = 0xCCCC_CCCC_CCCC_CCCC;
+    }
 
     /// The 16 bytes at `p` (one per row), each as the u16 pair (b, b) in its row's lane.
     ///
@@ -222,7 +235,7 @@ mod x86 {
         let nib = _mm512_set1_epi8(0x0F);
         let bit4 = _mm512_set1_epi8(0x10);
         let pairs = _mm512_loadu_si512(PAIRS.as_ptr() as *const __m512i);
-        let up = _mm512_loadu_si512(UP.as_ptr() as *const __m512i);
+        let low = _mm512_set1_epi32(LOW_HALVES);
         let mut acc = [_mm512_setzero_ps(); NY];
         for b in 0..nb {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
@@ -230,13 +243,10 @@ mod x86 {
                 let wb = w.add(b * lay.size);
                 let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
                 let mut isum = [_mm512_setzero_si512(); NY];
-                let mut imin = [_mm512_setzero_si512(); NY];
                 for j in 0..SUBS {
                     if NY == 1 {
                         prefetch_part::<PF>(wb, lay.size, j, SUBS);
                     }
-                    // (m, m) as an i16 pair per lane, against the pair (bsums[2j], bsums[2j + 1]).
-                    let mm = pairs_of(wb.add(lay.mn + 16 * j), pairs);
                     // The levels of the group's four loads, low and high nibbles. Q4_K keeps its
                     // high nibbles in place: 16 times the level, at no shift.
                     let mut lo = [_mm512_setzero_si512(); 4];
@@ -272,11 +282,21 @@ mod x86 {
                         } else {
                             // s0 and s1 / 16 are sums of 16 products of a level <= 15 and an i8:
                             // |.| <= 30720, exact as i16. As the pair (s0, s1 / 16) per lane,
-                            // `vpdpwssd` against (sc, sc) adds sc * (s0 + s1 / 16) exactly.
-                            let both = _mm512_mask_shuffle_epi8(s0, HIGH_HALVES, _mm512_srai_epi32::<4>(s1), up);
+                            // `vpdpwssd` against (sc, sc) adds sc * (s0 + s1 / 16) exactly. s1
+                            // is a multiple of 16, so s1 << 12 is s1 / 16 in the high half.
+                            let both = _mm512_ternarylogic_epi32::<0xD8>(_mm512_slli_epi32::<12>(s1), s0, low);
                             _mm512_dpwssd_epi32(isum[t], both, scsc)
                         };
-                        imin[t] = _mm512_dpwssd_epi32(imin[t], mm, bcast(y[t].add(Q8K_BSUMS + 4 * j)));
+                    }
+                }
+                // The mins, once per block: (m_2k, m_2k+1) per row against the pair of the two
+                // groups' activation sums.
+                let sums: [[i32; 4]; NY] = std::array::from_fn(|t| group_sum_pairs(y[t]));
+                let mut imin = [_mm512_setzero_si512(); NY];
+                for k in 0..SUBS / 2 {
+                    let mm = _mm512_cvtepu8_epi16(_mm256_loadu_si256(wb.add(lay.mn + 32 * k) as *const __m256i));
+                    for t in 0..NY {
+                        imin[t] = _mm512_dpwssd_epi32(imin[t], mm, _mm512_set1_epi32(sums[t][k]));
                     }
                 }
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(lay.d) as *const __m256i));
@@ -329,18 +349,15 @@ mod x86 {
             unsafe {
                 let wb = w.add(b * lay.size);
                 let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
+                let sums: [[i32; 4]; NY] = std::array::from_fn(|t| group_sum_pairs(y[t]));
                 for hf in 0..2 {
                     let mut isum = [_mm256_setzero_si256(); NY];
-                    let mut imin = [_mm256_setzero_si256(); NY];
                     for j in 0..SUBS {
                         if NY == 1 {
                             prefetch_part::<PF>(wb, lay.size, hf * SUBS + j, 2 * SUBS);
                         }
                         let sc =
                             _mm256_cvtepu8_epi32(_mm_loadl_epi64(wb.add(lay.sc + 16 * j + 8 * hf) as *const __m128i));
-                        let mz =
-                            _mm256_cvtepu8_epi32(_mm_loadl_epi64(wb.add(lay.mn + 16 * j + 8 * hf) as *const __m128i));
-                        let mm = _mm256_or_si256(mz, _mm256_slli_epi32::<16>(mz));
                         // (sc, sc) as an i16 pair per lane: `vpmaddwd` of the i16 pair sums of
                         // `vpmaddubsw` with it is sc times their sum, exactly.
                         let scsc = _mm256_or_si256(sc, _mm256_slli_epi32::<16>(sc));
@@ -359,8 +376,15 @@ mod x86 {
                                 s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))));
                             }
                             isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, scsc));
-                            let pair = bcast8(y[t].add(Q8K_BSUMS + 4 * j));
-                            imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(mm, pair));
+                        }
+                    }
+                    // The mins of this half's 8 rows, once per block (see `group`).
+                    let mut imin = [_mm256_setzero_si256(); NY];
+                    for k in 0..SUBS / 2 {
+                        let at = wb.add(lay.mn + 32 * k + 16 * hf);
+                        let mm = _mm256_cvtepu8_epi16(_mm_loadu_si128(at as *const __m128i));
+                        for t in 0..NY {
+                            imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(mm, _mm256_set1_epi32(sums[t][k])));
                         }
                     }
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(lay.d + 16 * hf) as *const __m128i));
@@ -427,7 +451,7 @@ mod tests {
                     let f16 = |at: usize| half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32();
                     for j in 0..SUBS {
                         let d = f16(l.d + 2 * r) * blk[l.sc + 16 * j + r] as f32;
-                        let m = f16(l.dmin + 2 * r) * blk[l.mn + 16 * j + r] as f32;
+                        let m = f16(l.dmin + 2 * r) * blk[l.mn + mn_at(j, r)] as f32;
                         for e in 0..32 {
                             assert_eq!(
                                 d * level::<HIGH>(blk, j, r, e) as f32 - m,
