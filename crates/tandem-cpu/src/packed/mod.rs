@@ -489,10 +489,17 @@ mod tests {
         let mut rng = Rng(13);
         for ty in PACKED_TYPES {
             let (vnni, avx2) = simd_kernels(ty);
-            let levels = [(crate::Isa::Avx512Vnni, vnni), (crate::Isa::Avx2, avx2)];
-            for (isa, k) in levels.into_iter().filter_map(|(isa, k)| k.map(|k| (isa, k))) {
-                if !isa.supported() {
-                    println!("SKIPPED {isa} packed {ty} kernel: this machine (or TANDEM_CPU_ISA) does not run it");
+            let mut levels = vec![(crate::Isa::Avx512Vnni, "", vnni, true), (crate::Isa::Avx2, "", avx2, true)];
+            if ty == GgmlType::Q6_K {
+                // Each copy of the kernel, not only the one this machine picks.
+                levels
+                    .extend(q6k::simd_variants().map(|(name, k, runs)| (crate::Isa::Avx512Vnni, name, Some(k), runs)));
+            }
+            for (isa, variant, k, runs) in levels.into_iter().filter_map(|(i, v, k, r)| k.map(|k| (i, v, k, r))) {
+                if !isa.supported() || !runs {
+                    println!(
+                        "SKIPPED {isa} {variant} packed {ty} kernel: this machine (or TANDEM_CPU_ISA) does not run it"
+                    );
                     continue;
                 }
                 for n in [256, 2048] {
@@ -512,7 +519,11 @@ mod tests {
                             let old = crate::prefetch::set_hint(h);
                             run(k, ty, p.bytes(), n, &ys, ny, &mut b, 20);
                             crate::prefetch::set_hint(old);
-                            assert_eq!(bits(&a), bits(&b), "{ty} {isa} n {n}, {ny} tokens, prefetch hint {h}");
+                            assert_eq!(
+                                bits(&a),
+                                bits(&b),
+                                "{ty} {isa} {variant} n {n}, {ny} tokens, prefetch hint {h}"
+                            );
                         }
                     }
                 }

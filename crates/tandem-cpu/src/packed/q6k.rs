@@ -70,11 +70,23 @@ fn at(j: usize, r: usize, e: usize) -> ((usize, u32), (usize, u32)) {
     ((QL + 256 * j + 64 * l + 4 * r + k, 4 * h as u32), (QH + 128 * j + 64 * h + 4 * r + k, 2 * l as u32))
 }
 
-/// The AVX-512 VNNI kernel, where this build has one.
+/// The AVX-512 VNNI kernel, where this build has one (it takes the GFNI copy where the machine
+/// has GFNI).
 #[cfg(target_arch = "x86_64")]
 pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni);
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) const SIMD: Option<GroupFn> = None;
+
+/// Both copies of the AVX-512 VNNI kernel, each with whether this machine runs it (besides AVX-512
+/// VNNI), for the tests to check each whatever the machine picks.
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(super) fn simd_variants() -> [(&'static str, GroupFn, bool); 2] {
+    [("without GFNI", x86::group_plain, true), ("GFNI", x86::group_gfni, std::arch::is_x86_feature_detected!("gfni"))]
+}
+#[cfg(all(test, not(target_arch = "x86_64")))]
+pub(super) fn simd_variants() -> [(&'static str, GroupFn, bool); 0] {
+    []
+}
 
 /// The scalar reference: the arithmetic of the module docs, spelled out.
 ///
@@ -115,85 +127,141 @@ mod x86 {
     /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
     pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
         // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
+        unsafe {
+            if std::arch::is_x86_feature_detected!("gfni") {
+                group_gfni(nb, w, a, ny, out, ostride)
+            } else {
+                group_plain(nb, w, a, ny, out, ostride)
+            }
+        }
+    }
+
+    /// [`group_vnni`] without GFNI: each high-bit pair shifted into place and masked.
+    ///
+    /// # Safety
+    /// As [`group_vnni`].
+    pub(super) unsafe fn group_plain(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+        // SAFETY: forwarded from the caller.
         unsafe { by_ny_pf!(ny, group[](nb, w, a, out, ostride)) }
     }
 
+    /// [`group_vnni`] on a machine with GFNI: each high-bit pair moved into place and masked by
+    /// one `vgf2p8affineqb`.
+    ///
     /// # Safety
-    /// As [`group_vnni`] with `ny == NY`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-    #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group<const PF: u8, const NY: usize>(
-        nb: usize,
-        w: *const u8,
-        a: GroupActs,
-        out: *mut f32,
-        ostride: usize,
-    ) {
-        let nib = _mm512_set1_epi8(0x0F);
-        let two = _mm512_set1_epi8(0x30);
-        let mut acc = [_mm512_setzero_ps(); NY];
-        for b in 0..nb {
-            // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
-            unsafe {
-                let wb = w.add(b * GROUP_BLOCK);
-                let y: [*const u8; NY] = std::array::from_fn(|t| a.ys.add(t * a.yb + b * Q8K_BYTES));
-                let mut isum = [_mm512_setzero_si512(); NY];
-                let mut imin = [_mm512_setzero_si512(); NY];
-                for j in 0..SUBS {
-                    if NY == 1 {
-                        prefetch_part::<PF>(wb, GROUP_BLOCK, j, SUBS);
-                    }
-                    // (sc[2j], sc[2j + 1]) as an i16 pair per lane, and each alone as i32.
-                    let pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256(wb.add(SC + 32 * j) as *const __m256i));
-                    let sc0 = _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(pair));
-                    let sc1 = _mm512_srai_epi32::<16>(pair);
-                    let h0 = _mm512_loadu_si512(wb.add(QH + 128 * j) as *const __m512i);
-                    let h1 = _mm512_loadu_si512(wb.add(QH + 128 * j + 64) as *const __m512i);
-                    // Bits 2l..2l+2 of a high-bit byte moved to bits 4..6.
-                    let high = |h: __m512i, l: usize| -> __m512i {
-                        let s = match l {
-                            0 => _mm512_slli_epi16::<4>(h),
-                            1 => _mm512_slli_epi16::<2>(h),
-                            2 => h,
-                            _ => _mm512_srli_epi16::<2>(h),
-                        };
-                        _mm512_and_si512(s, two)
-                    };
-                    let mut lo = [_mm512_setzero_si512(); 4];
-                    let mut hi = [_mm512_setzero_si512(); 4];
-                    for l in 0..4 {
-                        let raw = _mm512_loadu_si512(wb.add(QL + 256 * j + 64 * l) as *const __m512i);
-                        lo[l] = _mm512_or_si512(_mm512_and_si512(raw, nib), high(h0, l));
-                        hi[l] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib), high(h1, l));
-                    }
-                    for t in 0..NY {
-                        let q = y[t].add(Q8K_QS + 32 * j);
-                        // Elements 0..16 (loads 0, 1) and 16..32 (loads 2, 3): the two scale groups.
-                        let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                        for l in 0..2 {
-                            s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
-                            s0 = _mm512_dpbusd_epi32(s0, hi[l], bcast(q.add(8 * l + 4)));
-                            s1 = _mm512_dpbusd_epi32(s1, lo[l + 2], bcast(q.add(8 * l + 16)));
-                            s1 = _mm512_dpbusd_epi32(s1, hi[l + 2], bcast(q.add(8 * l + 20)));
+    /// As [`group_vnni`], and the machine has GFNI.
+    pub(super) unsafe fn group_gfni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+        // SAFETY: forwarded from the caller.
+        unsafe { by_ny_pf!(ny, group_gf[](nb, w, a, out, ostride)) }
+    }
+
+    /// The kernel, without (`group`) and with (`group_gf`) GFNI: two copies compiled for their
+    /// target features (a function built with GFNI may use it anywhere).
+    macro_rules! group_fn {
+        ($name:ident, $features:literal, $gf:expr) => {
+            /// # Safety
+            /// As [`group_vnni`] with `ny == NY` (and for `group_gf` the machine has GFNI).
+            #[target_feature(enable = $features)]
+            #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
+            unsafe fn $name<const PF: u8, const NY: usize>(
+                nb: usize,
+                w: *const u8,
+                a: GroupActs,
+                out: *mut f32,
+                ostride: usize,
+            ) {
+                const GF: bool = $gf;
+                let nib = _mm512_set1_epi8(0x0F);
+                let two = _mm512_set1_epi8(0x30);
+                let mut acc = [_mm512_setzero_ps(); NY];
+                for b in 0..nb {
+                    // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
+                    unsafe {
+                        let wb = w.add(b * GROUP_BLOCK);
+                        let y: [*const u8; NY] = std::array::from_fn(|t| a.ys.add(t * a.yb + b * Q8K_BYTES));
+                        let mut isum = [_mm512_setzero_si512(); NY];
+                        let mut imin = [_mm512_setzero_si512(); NY];
+                        for j in 0..SUBS {
+                            if NY == 1 {
+                                prefetch_part::<PF>(wb, GROUP_BLOCK, j, SUBS);
+                            }
+                            // (sc[2j], sc[2j + 1]) as an i16 pair per lane, and each alone as i32.
+                            let pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256(wb.add(SC + 32 * j) as *const __m256i));
+                            let sc0 = _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(pair));
+                            let sc1 = _mm512_srai_epi32::<16>(pair);
+                            let h0 = _mm512_loadu_si512(wb.add(QH + 128 * j) as *const __m512i);
+                            let h1 = _mm512_loadu_si512(wb.add(QH + 128 * j + 64) as *const __m512i);
+                            // Bits 2l..2l+2 of a high-bit byte moved to bits 4..6.
+                            let high = |h: __m512i, l: usize| -> __m512i {
+                                let s = match l {
+                                    0 => _mm512_slli_epi16::<4>(h),
+                                    1 => _mm512_slli_epi16::<2>(h),
+                                    2 => h,
+                                    _ => _mm512_srli_epi16::<2>(h),
+                                };
+                                _mm512_and_si512(s, two)
+                            };
+                            let mut lo = [_mm512_setzero_si512(); 4];
+                            let mut hi = [_mm512_setzero_si512(); 4];
+                            for l in 0..4 {
+                                let raw = _mm512_loadu_si512(wb.add(QL + 256 * j + 64 * l) as *const __m512i);
+                                if GF {
+                                    // (raw & 0x0F) | h and ((raw >> 4) & 0x0F) | h, h the pair moved by GFNI.
+                                    let (h0, h1) = (gf_high(h0, l), gf_high(h1, l));
+                                    lo[l] = _mm512_ternarylogic_epi32::<0xEA>(raw, nib, h0);
+                                    hi[l] = _mm512_ternarylogic_epi32::<0xEA>(_mm512_srli_epi16::<4>(raw), nib, h1);
+                                } else {
+                                    lo[l] = _mm512_or_si512(_mm512_and_si512(raw, nib), high(h0, l));
+                                    hi[l] = _mm512_or_si512(
+                                        _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib),
+                                        high(h1, l),
+                                    );
+                                }
+                            }
+                            for t in 0..NY {
+                                let q = y[t].add(Q8K_QS + 32 * j);
+                                // Elements 0..16 (loads 0, 1) and 16..32 (loads 2, 3): the two scale groups.
+                                let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                                for l in 0..2 {
+                                    s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
+                                    s0 = _mm512_dpbusd_epi32(s0, hi[l], bcast(q.add(8 * l + 4)));
+                                    s1 = _mm512_dpbusd_epi32(s1, lo[l + 2], bcast(q.add(8 * l + 16)));
+                                    s1 = _mm512_dpbusd_epi32(s1, hi[l + 2], bcast(q.add(8 * l + 20)));
+                                }
+                                let s = _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1));
+                                isum[t] = _mm512_add_epi32(isum[t], s);
+                                imin[t] = _mm512_dpwssd_epi32(imin[t], pair, bcast(y[t].add(Q8K_BSUMS + 4 * j)));
+                            }
                         }
-                        let s = _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1));
-                        isum[t] = _mm512_add_epi32(isum[t], s);
-                        imin[t] = _mm512_dpwssd_epi32(imin[t], pair, bcast(y[t].add(Q8K_BSUMS + 4 * j)));
+                        let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(D) as *const __m256i));
+                        for t in 0..NY {
+                            let v = _mm512_mul_ps(
+                                _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[t], _mm512_slli_epi32::<5>(imin[t]))),
+                                d,
+                            );
+                            let yd = _mm512_set1_ps((y[t] as *const f32).read_unaligned());
+                            acc[t] = _mm512_fmadd_ps(v, yd, acc[t]);
+                        }
                     }
                 }
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(D) as *const __m256i));
-                for t in 0..NY {
-                    let v = _mm512_mul_ps(
-                        _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[t], _mm512_slli_epi32::<5>(imin[t]))),
-                        d,
-                    );
-                    let yd = _mm512_set1_ps((y[t] as *const f32).read_unaligned());
-                    acc[t] = _mm512_fmadd_ps(v, yd, acc[t]);
-                }
+                // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
+                unsafe { super::super::x86::store(&acc, out, ostride) };
             }
-        }
-        // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
-        unsafe { super::super::x86::store(&acc, out, ostride) };
+        };
+    }
+    group_fn!(group, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", false);
+    group_fn!(group_gf, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,gfni", true);
+
+    /// Bits `2l` and `2l + 1` of every byte of `h` moved to bits 4 and 5, the others cleared: one
+    /// `vgf2p8affineqb`, whose matrix takes output bit `i` from row byte `7 - i`.
+    ///
+    /// # Safety
+    /// Only called from functions enabling AVX-512 BW and GFNI.
+    #[inline(always)]
+    unsafe fn gf_high(h: __m512i, l: usize) -> __m512i {
+        let matrix = ((1u64 << (2 * l + 1)) << 16) | ((1u64 << (2 * l)) << 24);
+        // SAFETY: as the caller guarantees.
+        unsafe { _mm512_gf2p8affine_epi64_epi8::<0>(h, _mm512_set1_epi64(matrix as i64)) }
     }
 }
 
