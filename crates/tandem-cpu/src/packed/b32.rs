@@ -27,24 +27,31 @@ pub(super) fn pack_group(ty: GgmlType, src: &[u8], rb: usize, nb: usize, dst: &m
             let blk = &src[r * rb + b * bs..r * rb + (b + 1) * bs];
             let d = nb * LEVELS + b * 2 * PACK_ROWS + 2 * r;
             dst[d..d + 2].copy_from_slice(&blk[0..2]);
-            for e in 0..32 {
-                dst[b * LEVELS + level_at(r, e)] = level(ty, blk, e);
+            let lv = levels(ty, blk);
+            for i in 0..8 {
+                // Elements 4i..4i + 4 are the four bytes of row r's lane in load i.
+                let at = b * LEVELS + level_at(r, 4 * i);
+                dst[at..at + 4].copy_from_slice(&lv[4 * i..4 * i + 4]);
             }
         }
     }
 }
 
-/// Element `e` of a block of `ty` as the unsigned byte `q + OFF`.
-fn level(ty: GgmlType, blk: &[u8], e: usize) -> u8 {
+/// The 32 elements of a block of `ty` as the unsigned bytes `q + OFF`.
+fn levels(ty: GgmlType, blk: &[u8]) -> [u8; 32] {
+    let mut lv = [0u8; 32];
     match ty {
-        GgmlType::Q8_0 => blk[2 + e] ^ 0x80,
+        GgmlType::Q8_0 => lv.iter_mut().zip(&blk[2..34]).for_each(|(l, &q)| *l = q ^ 0x80),
         _ => {
             // Q5_0: fp16 d, qh (bit e = high bit of element e), qs (low nibbles of 0..16, high of 16..32).
             let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-            let low = if e < 16 { blk[6 + e] & 0x0F } else { blk[6 + e - 16] >> 4 };
-            low | ((((qh >> e) & 1) as u8) << 4)
+            for (e, l) in lv.iter_mut().enumerate() {
+                let low = if e < 16 { blk[6 + e] & 0x0F } else { blk[6 + e - 16] >> 4 };
+                *l = low | ((((qh >> e) & 1) as u8) << 4);
+            }
         }
     }
+    lv
 }
 
 /// The byte of a block's levels holding element `e` of row `r`.

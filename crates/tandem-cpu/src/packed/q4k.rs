@@ -67,12 +67,22 @@ pub(super) fn pack_group<const HIGH: bool>(src: &[u8], rb: usize, nb: usize, dst
                 let (sc, m) = get_scale_min_k4(j, scales);
                 out[l.sc + PACK_ROWS * j + r] = sc;
                 out[l.mn + mn_at(j, r)] = m;
-                for e in 0..32 {
-                    let q = (qs[32 * (j / 2) + e] >> (4 * (j % 2))) & 0x0F;
-                    out[qs_at(j, r, e)] |= q << (4 * ((e % 8) / 4));
-                    if HIGH && (blk[Q5K_QH + e] >> j) & 1 == 1 {
-                        let (byte, bit) = qh_at(j, r, e);
-                        out[l.qh + byte] |= 1 << bit;
+                for ld in 0..4 {
+                    // Elements 8ld..8ld + 8 of the group, one nibble per byte: the four bytes of
+                    // the load take the first four in their low nibbles, the next four in the high.
+                    let at = 32 * (j / 2) + 8 * ld;
+                    let x = u64::from_le_bytes(qs[at..at + 8].try_into().expect("8 bytes"));
+                    let n = (x >> (4 * (j % 2))) & 0x0F0F_0F0F_0F0F_0F0F;
+                    let word = n as u32 | ((n >> 32) as u32) << 4;
+                    let to = qs_at(j, r, 8 * ld);
+                    out[to..to + 4].copy_from_slice(&word.to_le_bytes());
+                }
+                if HIGH {
+                    for e in 0..32 {
+                        if (blk[Q5K_QH + e] >> j) & 1 == 1 {
+                            let (byte, bit) = qh_at(j, r, e);
+                            out[l.qh + byte] |= 1 << bit;
+                        }
                     }
                 }
             }

@@ -32,6 +32,7 @@ const Q6K_D: usize = offset_of!(BlockQ6K, d);
 /// Element `e` of a Q6_K block as its 6-bit code (ggml `dequantize_row_q6_K`: 128-element halves,
 /// `ql` low nibbles for elements `l` and `l + 32`, high nibbles for `l + 64`, `l + 96`; `qh` two
 /// bits each).
+#[cfg(test)]
 fn code(blk: &[u8], e: usize) -> u8 {
     let (half, i) = (e / 128, e % 128);
     let (quarter, l) = (i / 32, i % 32);
@@ -41,6 +42,23 @@ fn code(blk: &[u8], e: usize) -> u8 {
     low | (high << 4)
 }
 
+/// The 256 6-bit codes of a Q6_K block, in element order (as ggml's `dequantize_row_q6_K` reads
+/// them: four elements per pair of a `ql` and a `qh` byte).
+fn codes(blk: &[u8]) -> [u8; QK_K] {
+    let mut u = [0u8; QK_K];
+    for half in 0..2 {
+        let (ql, qh) = (&blk[64 * half..64 * half + 64], &blk[Q6K_QH + 32 * half..Q6K_QH + 32 * half + 32]);
+        let u = &mut u[128 * half..128 * half + 128];
+        for l in 0..32 {
+            u[l] = (ql[l] & 0x0F) | (qh[l] & 3) << 4;
+            u[l + 32] = (ql[l + 32] & 0x0F) | ((qh[l] >> 2) & 3) << 4;
+            u[l + 64] = (ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4;
+            u[l + 96] = (ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4;
+        }
+    }
+    u
+}
+
 /// One group: 16 rows of `nb` Q6_K blocks (`rb` bytes each) into `dst` (zeroed).
 pub(super) fn pack_group(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
     for b in 0..nb {
@@ -48,14 +66,23 @@ pub(super) fn pack_group(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
         for r in 0..PACK_ROWS {
             let blk = &src[r * rb + b * Q6K_BYTES..r * rb + (b + 1) * Q6K_BYTES];
             out[D + 2 * r..D + 2 * r + 2].copy_from_slice(&blk[Q6K_D..Q6K_D + 2]);
+            let u = codes(blk);
             for j in 0..SUBS {
                 out[SC + 32 * j + 2 * r] = blk[Q6K_SC + 2 * j];
                 out[SC + 32 * j + 2 * r + 1] = blk[Q6K_SC + 2 * j + 1];
-                for e in 0..32 {
-                    let u = code(blk, 32 * j + e);
-                    let (lo, hi) = at(j, r, e);
-                    out[lo.0] |= (u & 0x0F) << lo.1;
-                    out[hi.0] |= (u >> 4) << hi.1;
+                let u = &u[32 * j..32 * j + 32];
+                for l in 0..4 {
+                    for k in 0..4 {
+                        // Low nibbles: elements 8l + k and 8l + 4 + k share byte k of load l.
+                        out[QL + 256 * j + 64 * l + 4 * r + k] = (u[8 * l + k] & 0x0F) | (u[8 * l + 4 + k] & 0x0F) << 4;
+                    }
+                }
+                for h in 0..2 {
+                    for k in 0..4 {
+                        // High bits: element 8l + 4h + k in bits 2l..2l + 2 of byte k of load h.
+                        out[QH + 128 * j + 64 * h + 4 * r + k] =
+                            (0..4).fold(0, |b, l| b | (u[8 * l + 4 * h + k] >> 4) << (2 * l));
+                    }
                 }
             }
         }
@@ -271,6 +298,17 @@ mod tests {
     use super::super::{group_bytes, pack};
     use super::*;
     use tandem_quant::{row_size, GgmlType};
+
+    #[test]
+    fn a_block_s_codes_are_its_elements_codes() {
+        let mut rng = Rng(5);
+        for blk in random_rows(GgmlType::Q6_K, 8, QK_K, &mut rng).chunks_exact(Q6K_BYTES) {
+            let u = codes(blk);
+            for e in 0..QK_K {
+                assert_eq!(u[e], code(blk, e), "element {e}");
+            }
+        }
+    }
 
     #[test]
     fn the_layout_keeps_every_code_scale_and_factor() {
