@@ -303,9 +303,8 @@ mod tests {
     fn a_block_s_codes_are_its_elements_codes() {
         let mut rng = Rng(5);
         for blk in random_rows(GgmlType::Q6_K, 8, QK_K, &mut rng).chunks_exact(Q6K_BYTES) {
-            let u = codes(blk);
-            for e in 0..QK_K {
-                assert_eq!(u[e], code(blk, e), "element {e}");
+            for (e, &u) in codes(blk).iter().enumerate() {
+                assert_eq!(u, code(blk, e), "element {e}");
             }
         }
     }
