@@ -343,14 +343,15 @@ mod x86 {
     }
 }
 
-/// The SIMD group kernels of `ty` in this build: (AVX-512 VNNI, AVX2).
+/// The SIMD group kernels of `ty` in this build: (AVX-512 VNNI, AVX2); for Q6_K the VNNI copy
+/// this machine runs (see `q6k::simd`).
 fn simd_kernels(ty: GgmlType) -> (Option<GroupFn>, Option<GroupFn>) {
     match ty {
         GgmlType::Q2_K => (q2k::SIMD, None),
         GgmlType::Q3_K => (q3k::SIMD, None),
         GgmlType::Q4_K => (q4k::SIMD, q4k::AVX2),
         GgmlType::Q5_K => (q4k::SIMD_Q5K, None),
-        GgmlType::Q6_K => (q6k::SIMD, None),
+        GgmlType::Q6_K => (q6k::simd(), None),
         GgmlType::IQ4_XS => (iq4xs::SIMD, None),
         GgmlType::Q4_0 => (q40::SIMD, q40::AVX2),
         GgmlType::Q5_0 => (b32::SIMD_Q5_0, None),

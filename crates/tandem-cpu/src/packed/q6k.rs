@@ -97,12 +97,16 @@ fn at(j: usize, r: usize, e: usize) -> ((usize, u32), (usize, u32)) {
     ((QL + 256 * j + 64 * l + 4 * r + k, 4 * h as u32), (QH + 128 * j + 64 * h + 4 * r + k, 2 * l as u32))
 }
 
-/// The AVX-512 VNNI kernel, where this build has one (it takes the GFNI copy where the machine
-/// has GFNI).
+/// The AVX-512 VNNI kernel, where this build has one: the GFNI copy where the machine has GFNI
+/// (chosen with the kernel, not at every call).
 #[cfg(target_arch = "x86_64")]
-pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni);
+pub(super) fn simd() -> Option<GroupFn> {
+    Some(if std::arch::is_x86_feature_detected!("gfni") { x86::group_gfni } else { x86::group_plain })
+}
 #[cfg(not(target_arch = "x86_64"))]
-pub(super) const SIMD: Option<GroupFn> = None;
+pub(super) fn simd() -> Option<GroupFn> {
+    None
+}
 
 /// Both copies of the AVX-512 VNNI kernel, each with whether this machine runs it (besides AVX-512
 /// VNNI), for the tests to check each whatever the machine picks.
@@ -148,35 +152,21 @@ mod x86 {
     use super::{GroupActs, D, GROUP_BLOCK, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QH, QL, SC, SUBS};
     use std::arch::x86_64::*;
 
-    /// A [`super::GroupFn`] for AVX-512 VNNI.
+    /// A [`super::GroupFn`] for AVX-512 VNNI without GFNI: each high-bit pair shifted into place
+    /// and masked.
     ///
     /// # Safety
     /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
-    pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-        // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe {
-            if std::arch::is_x86_feature_detected!("gfni") {
-                group_gfni(nb, w, a, ny, out, ostride)
-            } else {
-                group_plain(nb, w, a, ny, out, ostride)
-            }
-        }
-    }
-
-    /// [`group_vnni`] without GFNI: each high-bit pair shifted into place and masked.
-    ///
-    /// # Safety
-    /// As [`group_vnni`].
     pub(super) unsafe fn group_plain(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
         // SAFETY: forwarded from the caller.
         unsafe { by_ny_pf!(ny, group[](nb, w, a, out, ostride)) }
     }
 
-    /// [`group_vnni`] on a machine with GFNI: each high-bit pair moved into place and masked by
+    /// [`group_plain`] on a machine with GFNI: each high-bit pair moved into place and masked by
     /// one `vgf2p8affineqb`.
     ///
     /// # Safety
-    /// As [`group_vnni`], and the machine has GFNI.
+    /// As [`group_plain`], and the machine has GFNI.
     pub(super) unsafe fn group_gfni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
         // SAFETY: forwarded from the caller.
         unsafe { by_ny_pf!(ny, group_gf[](nb, w, a, out, ostride)) }
@@ -187,7 +177,7 @@ mod x86 {
     macro_rules! group_fn {
         ($name:ident, $features:literal, $gf:expr) => {
             /// # Safety
-            /// As [`group_vnni`] with `ny == NY` (and for `group_gf` the machine has GFNI).
+            /// As [`group_plain`] with `ny == NY` (and for `group_gf` the machine has GFNI).
             #[target_feature(enable = $features)]
             #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
             unsafe fn $name<const PF: u8, const NY: usize>(
