@@ -43,16 +43,37 @@ fn levels(ty: GgmlType, blk: &[u8]) -> [u8; 32] {
     match ty {
         GgmlType::Q8_0 => lv.iter_mut().zip(&blk[2..34]).for_each(|(l, &q)| *l = q ^ 0x80),
         _ => {
-            // Q5_0: fp16 d, qh (bit e = high bit of element e), qs (low nibbles of 0..16, high of 16..32).
+            // Q5_0: fp16 d, qh (bit e = high bit of element e), qs (low nibbles of 0..16, high of
+            // 16..32). Eight elements at a time: their low nibbles are a mask (and a shift) of a
+            // word of qs, their high bits a byte of qh spread over the word by [`SPREAD`].
             let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-            for (e, l) in lv.iter_mut().enumerate() {
-                let low = if e < 16 { blk[6 + e] & 0x0F } else { blk[6 + e - 16] >> 4 };
-                *l = low | ((((qh >> e) & 1) as u8) << 4);
+            let w = |i: usize| u64::from_le_bytes(blk[6 + 8 * i..14 + 8 * i].try_into().unwrap());
+            let (w0, w1, m) = (w(0), w(1), 0x0F0F_0F0F_0F0F_0F0Fu64);
+            let low = [w0 & m, w1 & m, (w0 >> 4) & m, (w1 >> 4) & m];
+            for (i, (l, low)) in lv.chunks_exact_mut(8).zip(low).enumerate() {
+                let high = SPREAD[(qh >> (8 * i)) as usize & 0xFF];
+                l.copy_from_slice(&(low | high).to_le_bytes());
             }
         }
     }
     lv
 }
+
+/// For each byte `b`, the word whose byte `k` is 16 if bit `k` of `b` is set, else 0: eight
+/// Q5_0 high bits in place above their low nibbles.
+const SPREAD: [u64; 256] = {
+    let mut t = [0u64; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut k = 0;
+        while k < 8 {
+            t[b] |= (((b >> k) & 1) as u64) << (8 * k + 4);
+            k += 1;
+        }
+        b += 1;
+    }
+    t
+};
 
 /// The byte of a block's levels holding element `e` of row `r`.
 #[inline]
