@@ -22,6 +22,10 @@ depth D, `-p 0`); with --pair one invocation measures one pp and one tg test tog
 (`-p P -n N`), which halves the depth fills. Medians over the rounds; tandem is compared with the
 faster of llama.cpp's flash-attn off / on (both are reported). Prints a markdown table and writes
 every raw sample to --out (rewritten after each sample, so an interrupted run keeps its data).
+The table also has the paired ratio: each round's tandem sample against the faster llama.cpp
+sample of the same round, the median over the rounds (a minute-scale drift of the machine moves
+both sides of a round's ratio). `--from FILE` prints the table of an earlier run's --out file
+without measuring anything.
 
 Interleaving engines within a round keeps slow drifts of a shared machine (other jobs, thermal)
 from favouring one side; the spread of the samples is in the JSON. llama.cpp's CPU threads are
@@ -145,7 +149,19 @@ def main() -> int:
     ap.add_argument("--cache-type-k", "-ctk", default="f16", help="KV cache type for K, for both engines (default f16)")
     ap.add_argument("--cache-type-v", "-ctv", default="f16", help="KV cache type for V, for both engines (default f16)")
     ap.add_argument("--out", type=Path, help="JSON with every raw sample")
+    ap.add_argument("--from", dest="from_file", type=Path, help="print the table of an earlier --out file and exit")
     args = ap.parse_args()
+    if args.from_file:
+        try:
+            old = json.loads(args.from_file.read_text())
+            cfg, samples = old["config"], old["samples"]
+            tests = parse_tests(",".join(cfg["tests"]))
+            print_report(summarize(samples, list(cfg["models"]), tests, cfg["engines"], cfg["rounds"]),
+                         cfg["engines"], cfg["rounds"])
+        except (OSError, ValueError, KeyError, TypeError, argparse.ArgumentTypeError) as e:
+            print(f"error: cannot read the run in {args.from_file}: {e}", file=sys.stderr)
+            return 1
+        return 0
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     for fa in args.fa:
@@ -226,54 +242,74 @@ def main() -> int:
                             log(f"[{k}/{n_total} {el:.0f} s] round {rnd + 1} {mname} t={t} d={d} {engine}: {desc} "
                                 f"(wall {wall:.1f} s)")
 
-    # medians
-    summary = []
-    keys = []
-    for s in samples:
-        key = (s["model"], s["threads"], s["depth"], s["test"])
-        if key not in keys:
-            keys.append(key)
-    order = {f"{k}{n}": i for i, (k, n) in enumerate(args.tests)}
-    keys.sort(key=lambda x: (args.models.index(x[0]), x[1], x[2], order.get(x[3], 99)))
-    for key in keys:
-        med = {}
-        nsamp = {}
-        for e in engines:
-            v = [s["tps"] for s in samples if (s["model"], s["threads"], s["depth"], s["test"]) == key
-                 and s["engine"] == e and "tps" in s]
-            med[e] = statistics.median(v) if v else None
-            nsamp[e] = len(v)
-        llama = {e: v for e, v in med.items() if e.startswith("llama.cpp") and v is not None}
-        best_e = max(llama, key=llama.get) if llama else None
-        best = llama.get(best_e) if best_e else None
-        tan = med.get("tandem")
-        summary.append(dict(model=key[0], threads=key[1], depth=key[2], test=key[3], median_tps=med, n=nsamp,
-                            llama_best=best_e, ratio=(tan / best) if tan and best else None))
+    summary = summarize(samples, args.models, args.tests, engines, args.rounds)
     save(summary)
-
-    def f(v: float | None) -> str:
-        return "—" if v is None else f"{v:.2f}"
-
-    fa_cols = [e for e in engines if e.startswith("llama.cpp")]
-    head = ["model", "threads", "depth", "test", "tandem t/s"] + [f"{e} t/s" for e in fa_cols] + \
-        ["llama.cpp best t/s", "ratio tandem/best"]
-    print(f"\nmedians of {args.rounds} round(s); t/s = tokens per second\n")
-    print("| " + " | ".join(head) + " |")
-    print("|" + "|".join("---" for _ in head) + "|")
-    for s in summary:
-        m = s["median_tps"]
-        best = m.get(s["llama_best"]) if s["llama_best"] else None
-        cells = [s["model"], str(s["threads"]), str(s["depth"]), s["test"], f(m.get("tandem"))] + \
-            [f(m.get(e)) for e in fa_cols] + \
-            [f"{f(best)} ({s['llama_best'].split('=')[1] if s['llama_best'] else '—'})",
-             "—" if s["ratio"] is None else f"{s['ratio']:.3f}"]
-        print("| " + " | ".join(cells) + " |")
+    print_report(summary, engines, args.rounds)
     n_err = sum(1 for s in samples if "error" in s)
     if n_err:
         print(f"\n{n_err} sample(s) failed; see the errors in {args.out or 'the log above'}")
     if args.out:
         print(f"\nraw samples: {args.out}")
     return 0
+
+
+def summarize(samples: list[dict], models: list[str], tests: list[tuple[str, int]], engines: list[str],
+              rounds: int) -> list[dict]:
+    """Per model x threads x depth x test: each engine's median, the ratio of tandem's median to the
+    faster llama.cpp median, and the median of the rounds' own ratios (`paired_ratio`)."""
+    keys = []
+    for s in samples:
+        key = (s["model"], s["threads"], s["depth"], s["test"])
+        if key not in keys:
+            keys.append(key)
+    order = {f"{k}{n}": i for i, (k, n) in enumerate(tests)}
+    keys.sort(key=lambda x: (models.index(x[0]) if x[0] in models else 99, x[1], x[2], order.get(x[3], 99)))
+    summary = []
+    for key in keys:
+        mine = [s for s in samples if (s["model"], s["threads"], s["depth"], s["test"]) == key and "tps" in s]
+        med = {}
+        nsamp = {}
+        for e in engines:
+            v = [s["tps"] for s in mine if s["engine"] == e]
+            med[e] = statistics.median(v) if v else None
+            nsamp[e] = len(v)
+        llama = {e: v for e, v in med.items() if e.startswith("llama.cpp") and v is not None}
+        best_e = max(llama, key=llama.get) if llama else None
+        best = llama.get(best_e) if best_e else None
+        tan = med.get("tandem")
+        pairs = []
+        for r in range(rounds):
+            at = {s["engine"]: s["tps"] for s in mine if s["round"] == r}
+            ll = [v for e, v in at.items() if e.startswith("llama.cpp")]
+            if at.get("tandem") and ll and max(ll) > 0:
+                pairs.append(round(at["tandem"] / max(ll), 4))
+        summary.append(dict(model=key[0], threads=key[1], depth=key[2], test=key[3], median_tps=med, n=nsamp,
+                            llama_best=best_e, ratio=(tan / best) if tan and best else None,
+                            paired_ratios=pairs, paired_ratio=statistics.median(pairs) if pairs else None))
+    return summary
+
+
+def print_report(summary: list[dict], engines: list[str], rounds: int) -> None:
+    def f(v: float | None) -> str:
+        return "—" if v is None else f"{v:.2f}"
+
+    fa_cols = [e for e in engines if e.startswith("llama.cpp")]
+    head = ["model", "threads", "depth", "test", "tandem t/s"] + [f"{e} t/s" for e in fa_cols] + \
+        ["llama.cpp best t/s", "ratio tandem/best", "paired ratio (rounds)"]
+    print(f"\nmedians of {rounds} round(s); t/s = tokens per second; the paired ratio is the median of each "
+          "round's tandem / faster llama.cpp, the rounds' own in brackets\n")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    for s in summary:
+        m = s["median_tps"]
+        best = m.get(s["llama_best"]) if s["llama_best"] else None
+        paired = "—" if s.get("paired_ratio") is None else \
+            f"{s['paired_ratio']:.3f} ({' / '.join(f'{r:.2f}' for r in s['paired_ratios'])})"
+        cells = [s["model"], str(s["threads"]), str(s["depth"]), s["test"], f(m.get("tandem"))] + \
+            [f(m.get(e)) for e in fa_cols] + \
+            [f"{f(best)} ({s['llama_best'].split('=')[1] if s['llama_best'] else '—'})",
+             "—" if s["ratio"] is None else f"{s['ratio']:.3f}", paired]
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
