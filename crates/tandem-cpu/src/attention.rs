@@ -224,9 +224,11 @@ fn flash(pool: Option<&rayon::ThreadPool>, a: &Attn, qr: &[f32], out: &mut [f32]
     let chunk = flash_rows(a);
     let n_chunks = a.n_kv.div_ceil(chunk);
     let hb = heads_per_unit(g, n_chunks * a.n_head_kv, pool.map_or(1, |p| p.current_num_threads()));
-    // [chunk][head][dv] and [chunk][head]: (m, l).
-    let mut part = vec![0f32; n_chunks * nh * dv];
-    let mut ml = vec![(0f32, 0f64); n_chunks * nh];
+    // [chunk][head][dv] and [chunk][head]: (m, l), every value written by its unit before it is
+    // read, so the buffers of the thread's last call serve (no 400 KB zeroed per call).
+    let (mut part, mut ml) = FLASH_SCRATCH.with(|s| s.take());
+    part.resize(n_chunks * nh * dv, 0.0);
+    ml.resize(n_chunks * nh, (0.0, 0.0));
     let mut units = Vec::with_capacity(n_chunks * a.n_head_kv * g.div_ceil(hb));
     for (c, (pc, mc)) in part.chunks_exact_mut(nh * dv).zip(ml.chunks_exact_mut(nh)).enumerate() {
         let rows = c * chunk..(c * chunk + chunk).min(a.n_kv);
@@ -246,21 +248,43 @@ fn flash(pool: Option<&rayon::ThreadPool>, a: &Attn, qr: &[f32], out: &mut [f32]
         Some(pool) => crate::pool::for_each_item(pool, units, &run),
         None => units.into_iter().for_each(run),
     }
-    for (h, o) in out.chunks_exact_mut(dv).enumerate() {
-        let top = (0..n_chunks).map(|c| ml[c * nh + h].0).fold(f32::NEG_INFINITY, f32::max);
-        o.fill(0.0);
-        let mut sum = 0f64;
-        for c in 0..n_chunks {
-            let (m, l) = ml[c * nh + h];
-            let w = (m - top).exp();
-            sum += w as f64 * l;
-            for (o, p) in o.iter_mut().zip(&part[(c * nh + h) * dv..][..dv]) {
-                *o += w * p;
+    // Each head's chunks combined in order: the threads take a share of the heads each (the
+    // partial sums, half of them in the other core's cache, are read at memory's pace).
+    let combine = |(h0, o): (usize, &mut [f32])| {
+        for (h, o) in (h0..).zip(o.chunks_exact_mut(dv)) {
+            let top = (0..n_chunks).map(|c| ml[c * nh + h].0).fold(f32::NEG_INFINITY, f32::max);
+            o.fill(0.0);
+            let mut sum = 0f64;
+            for c in 0..n_chunks {
+                let (m, l) = ml[c * nh + h];
+                let w = (m - top).exp();
+                sum += w as f64 * l;
+                for (o, p) in o.iter_mut().zip(&part[(c * nh + h) * dv..][..dv]) {
+                    *o += w * p;
+                }
             }
+            let inv = (1.0 / sum) as f32;
+            o.iter_mut().for_each(|v| *v *= inv);
         }
-        let inv = (1.0 / sum) as f32;
-        o.iter_mut().for_each(|v| *v *= inv);
+    };
+    match pool {
+        Some(pool) if pool.current_num_threads() > 1 && nh > 1 => {
+            let per = nh.div_ceil(pool.current_num_threads()).max(1);
+            let items: Vec<_> = out.chunks_mut(per * dv).enumerate().map(|(i, o)| (i * per, o)).collect();
+            crate::pool::for_each_item(pool, items, &combine);
+        }
+        _ => combine((0, out)),
     }
+    FLASH_SCRATCH.with(|s| s.set((part, ml)));
+}
+
+/// [`flash`]'s partial sums `[chunk][head][dv]` and `(m, l)` per `[chunk][head]`.
+type FlashParts = (Vec<f32>, Vec<(f32, f64)>);
+
+thread_local! {
+    /// The buffers of this thread's last [`flash`], kept for the next one (at most about
+    /// [`FLASH_PARTS`]).
+    static FLASH_SCRATCH: std::cell::Cell<FlashParts> = const { std::cell::Cell::new((Vec::new(), Vec::new())) };
 }
 
 /// One unit of [`flash`]: heads `hs` of KV head `kvh` over `rows` (one chunk). `out` gets each
