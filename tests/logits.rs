@@ -337,6 +337,38 @@ fn repacked_weights_match_llama_cpp_and_are_invariant() {
             clear.len()
         );
         assert!(median <= 2e-2 && clear_agree == clear.len() && agree >= 0.95, "{name}: --repack beyond tolerance");
+        // Read into memory (--no-mmap): the routed experts' read bytes are given back once packed,
+        // and nothing reads them again (the same bits, absorbed and decompressed).
+        let gguf = GgufModel::open(&f.model, LoadOptions { mmap: false, mlock: false }).unwrap();
+        let read = Arc::new(Model::load_with(Arc::new(gguf), true).unwrap());
+        let expected = read.packed_sources(&|_| false);
+        assert!(read.repack_need(&|_| false) < expected.packed_bytes || expected.releasable_bytes == 0, "{expected:?}");
+        let r3 = read.pack_weights(&|_| false, &mut |_, _| {});
+        let experts = name != "llama-gqa-q8_0.gguf";
+        assert_eq!(r3.tensors, n, "{name}");
+        assert_eq!(experts, r3.released_tensors > 0, "{name}: {r3:?}");
+        assert!(
+            r3.released_bytes <= expected.releasable_bytes && r3.released_bytes * 10 >= expected.releasable_bytes * 9,
+            "{name}: {r3:?} {expected:?}"
+        );
+        let again = context(&read, 2, 512, &f.ctk, &f.ctv).decode(&Batch::sequence(&f.tokens, 0, 0, true)).unwrap();
+        assert_eq!(
+            compare(&again, &got, f.n_vocab).0,
+            0.0,
+            "{name}: --no-mmap with the read experts given back differs"
+        );
+        if name.starts_with("deepseek2-mla") {
+            let auto = |m: &Arc<Model>| {
+                context_mla(m, 2, 512, &f.ctk, &f.ctv, MlaMode::Decompressed)
+                    .decode(&Batch::sequence(&f.tokens, 0, 0, true))
+                    .unwrap()
+            };
+            assert_eq!(
+                compare(&auto(&read), &auto(&model), f.n_vocab).0,
+                0.0,
+                "{name}: decompressed MLA after giving back"
+            );
+        }
         // Kept unpacked (as when memory is short): nothing is packed, the logits are plain tandem's.
         let gguf = GgufModel::open(&f.model, LoadOptions::default()).unwrap();
         let kept = Arc::new(Model::load_with(Arc::new(gguf), true).unwrap());

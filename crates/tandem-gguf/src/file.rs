@@ -73,6 +73,8 @@ pub struct GgufFile {
     metadata: Metadata,
     tensors: Vec<TensorInfo>,
     tensor_index: HashMap<String, usize>,
+    /// `--mlock` pinned the bytes.
+    locked: bool,
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -108,9 +110,10 @@ impl GgufFile {
         } else {
             read_whole(file, meta.len()).map_err(|e| Error::io(path, e))?
         };
-        let f = Self::from_storage(bytes, name)?;
+        let mut f = Self::from_storage(bytes, name)?;
         if opts.mlock {
             f.lock()?;
+            f.locked = true;
         }
         Ok(f)
     }
@@ -133,6 +136,7 @@ impl GgufFile {
             data_offset,
             tensors,
             tensor_index,
+            locked: false,
         })
     }
 
@@ -193,6 +197,45 @@ impl GgufFile {
             .tensor(name)
             .ok_or_else(|| Error::MissingTensor { path: self.path.clone(), name: name.to_string() })?;
         Ok(self.data_of(t))
+    }
+
+    /// Whether [`GgufFile::release`] gives memory back: the file was read into memory
+    /// (`--no-mmap`) and not locked.
+    pub fn can_release(&self) -> bool {
+        matches!(self.bytes, Storage::Read(_)) && !self.locked
+    }
+
+    /// Gives the memory of tensor `t`'s bytes back to the system (the whole pages inside them)
+    /// when [`GgufFile::can_release`], once a copy of them made elsewhere is all that will be
+    /// used (`--no-mmap` with repacking); returns how many bytes that was. The pages read as
+    /// zeros afterwards.
+    ///
+    /// # Safety
+    /// Nothing may read tensor `t`'s bytes after this call, through slices taken before it
+    /// either.
+    pub unsafe fn release(&self, t: &TensorInfo) -> u64 {
+        let Storage::Read(m) = &self.bytes else { return 0 };
+        if self.locked {
+            return 0;
+        }
+        // SAFETY: sysconf has no preconditions.
+        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+            p if p > 0 => p as usize,
+            _ => return 0,
+        };
+        let start = (self.data_offset + t.offset) as usize;
+        let Some(end) = start.checked_add(t.size as usize).filter(|&e| e <= m.len()) else { return 0 };
+        let base = m.as_ptr() as usize;
+        let (first, last) = ((base + start).next_multiple_of(page), (base + end) / page * page);
+        if last <= first {
+            return 0;
+        }
+        // SAFETY: [first, last) lies inside the anonymous mapping `m` owns, and the caller
+        // guarantees nothing reads it again; MADV_DONTNEED only drops those pages.
+        match unsafe { libc::madvise(first as *mut libc::c_void, last - first, libc::MADV_DONTNEED) } {
+            0 => (last - first) as u64,
+            _ => 0,
+        }
     }
 
     /// The bytes of a tensor of this file (bounds were checked when the header was parsed).

@@ -187,6 +187,21 @@ impl GgufModel {
         Some(TensorRef { info: &self.shards[s].tensors()[t], shard: s })
     }
 
+    /// Whether every shard was read into memory (`--no-mmap`, not locked), so that
+    /// [`GgufModel::release`] gives memory back.
+    pub fn can_release(&self) -> bool {
+        self.shards.iter().all(|s| s.can_release())
+    }
+
+    /// [`GgufFile::release`] for a tensor of this model: bytes given back.
+    ///
+    /// # Safety
+    /// Nothing may read the tensor's bytes after this call.
+    pub unsafe fn release(&self, t: TensorRef<'_>) -> u64 {
+        // SAFETY: passed on from the caller.
+        unsafe { self.shards[t.shard].release(t.info) }
+    }
+
     /// The bytes of a tensor of this model (from [`GgufModel::tensors`] or [`GgufModel::tensor`]).
     pub fn data(&self, t: TensorRef<'_>) -> &[u8] {
         self.shards[t.shard].data_of(t.info)

@@ -20,6 +20,22 @@ pub struct PackReport {
     pub types: Vec<tandem_gguf::GgmlType>,
     /// Tensors left unpacked, with the reason (they run with the row-major kernels).
     pub failed: Vec<(String, String)>,
+    /// With `--no-mmap`: the routed expert matrices whose read bytes were given back once
+    /// packed, and how many bytes that was.
+    pub released_tensors: usize,
+    pub released_bytes: u64,
+}
+
+/// What repacking would copy ([`Model::packed_sources`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PackedSources {
+    pub tensors: usize,
+    pub source_bytes: u64,
+    pub packed_bytes: u64,
+    /// Bytes in the file of the copied weights whose read bytes `--no-mmap` gives back.
+    pub releasable_bytes: u64,
+    /// The largest packed copy among those.
+    pub largest_releasable: u64,
 }
 
 /// The layers of an architecture, between the embeddings and the output head.
@@ -40,6 +56,8 @@ pub struct Model {
     n_ctx_train: usize,
     /// The weights `--repack` packs (empty without it).
     packables: Vec<Weight>,
+    /// Tensors whose own bytes stay in use after packing (bound twice, or read by rows).
+    raw_readers: std::collections::HashSet<usize>,
 }
 
 impl std::fmt::Debug for Model {
@@ -73,12 +91,40 @@ impl Model {
         loader.check_all_used(|name| name.contains(".nextn."))?;
         let n_ctx_train = keys.u32("context_length")?;
         let packables = loader.packables();
-        Ok(Model { arch, gguf, head, layers, n_ctx_train, packables })
+        let raw_readers = loader.raw_readers();
+        Ok(Model { arch, gguf, head, layers, n_ctx_train, packables, raw_readers })
     }
 
     /// Bytes the packed copies (`--repack`) of the weights `skip` does not name take.
     pub fn packed_bytes(&self, skip: &dyn Fn(&str) -> bool) -> u64 {
         self.packables.iter().filter(|w| !skip(&w.name)).map(|w| w.packed_size() as u64).sum()
+    }
+
+    /// What repacking the weights `skip` does not name copies: how many, their bytes in the file,
+    /// the bytes of their packed copies, and the bytes in the file of those whose read bytes are
+    /// given back once packed when the file was read into memory (`--no-mmap`: the routed experts).
+    pub fn packed_sources(&self, skip: &dyn Fn(&str) -> bool) -> PackedSources {
+        let mut r = PackedSources::default();
+        for w in self.packables.iter().filter(|w| !skip(&w.name)) {
+            r.tensors += 1;
+            r.source_bytes += w.source_len();
+            r.packed_bytes += w.packed_size() as u64;
+            if w.releasable(&self.raw_readers) {
+                r.releasable_bytes += w.source_len();
+                r.largest_releasable = r.largest_releasable.max(w.packed_size() as u64);
+            }
+        }
+        r
+    }
+
+    /// The memory repacking the weights `skip` does not name takes at its peak: the packed
+    /// copies, less what the read bytes given back free (`--no-mmap`), one tensor at a time.
+    pub fn repack_need(&self, skip: &dyn Fn(&str) -> bool) -> u64 {
+        let r = self.packed_sources(skip);
+        if !self.gguf.can_release() || r.releasable_bytes == 0 {
+            return r.packed_bytes;
+        }
+        (r.packed_bytes + r.largest_releasable).saturating_sub(r.releasable_bytes).max(r.largest_releasable)
     }
 
     /// Leaves every weight not packed yet as it is (`why` is what [`Weight::pack_result`] says).
@@ -92,7 +138,7 @@ impl Model {
     /// `skip` names (those a GPU holds): calls `progress(done, total)` in bytes of source tensors.
     pub fn pack_weights(&self, skip: &dyn Fn(&str) -> bool, progress: &mut dyn FnMut(u64, u64)) -> PackReport {
         let todo: Vec<&Weight> = self.packables.iter().filter(|w| !skip(&w.name)).collect();
-        let total: u64 = todo.iter().map(|w| w.bytes().len() as u64).sum();
+        let total: u64 = todo.iter().map(|w| w.source_len()).sum();
         let (mut done, mut report) = (0u64, PackReport::default());
         for w in &todo {
             match w.pack_result() {
@@ -102,11 +148,16 @@ impl Model {
                     if !report.types.contains(&w.ty) {
                         report.types.push(w.ty);
                     }
+                    let given = w.release_source(&self.raw_readers);
+                    if given > 0 {
+                        report.released_tensors += 1;
+                        report.released_bytes += given;
+                    }
                 }
                 Some(Err(e)) => report.failed.push((w.name.clone(), e.to_string())),
                 None => {}
             }
-            done += w.bytes().len() as u64;
+            done += w.source_len();
             progress(done, total);
         }
         report

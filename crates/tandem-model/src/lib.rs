@@ -18,7 +18,7 @@ mod weights;
 
 pub use backend::{AttnInput, Backend, CpuBackend, MlaInput};
 pub use config::{Arch, RopeConfig};
-pub use context::{Batch, Context, ContextParams, MlaMode, Model, PackReport};
+pub use context::{Batch, Context, ContextParams, MlaMode, Model, PackReport, PackedSources};
 pub use gpu::{GpuBackend, GpuLoad, GpuOptions};
 pub use kv_cache::{CacheType, KvCache};
 pub use weights::{Weight, WeightLoader};

@@ -3,6 +3,7 @@
 use crate::{model_err, Result};
 use std::cell::RefCell;
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use tandem_cpu::packed::{pack, packable, packing_pays, packing_pays_for, Packed};
 use tandem_cpu::WeightRef;
@@ -21,6 +22,9 @@ pub struct Weight {
     /// With `--repack`: the packed copy CPU products use, made once (shared by clones), or why it
     /// could not be made (the weight is then used as it is).
     packed: Option<Arc<OnceLock<std::result::Result<Packed, String>>>>,
+    /// The tensor's own bytes were given back to the system after packing (`--no-mmap`;
+    /// [`Weight::release_source`]); shared by clones.
+    released: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Weight {
@@ -30,8 +34,40 @@ impl std::fmt::Debug for Weight {
 }
 
 impl Weight {
+    /// The tensor's bytes in the file (empty once [`Weight::release_source`] gave them back).
     pub fn bytes(&self) -> &[u8] {
+        if self.released.load(Ordering::Acquire) {
+            return &[];
+        }
         self.src.tensor_at(self.index).map_or(&[][..], |t| self.src.data(t))
+    }
+
+    /// Bytes of the tensor in the file.
+    pub fn source_len(&self) -> u64 {
+        self.src.tensor_at(self.index).map_or(0, |t| t.info.size)
+    }
+
+    /// Gives the memory of the tensor's own bytes back to the system once its packed copy exists
+    /// and the file was read into memory (`--no-mmap`), for a routed expert matrix that nothing
+    /// else reads (`raw_readers`: the tensors bound more than once or read by rows); returns
+    /// the bytes given back. [`Weight::bytes`] is empty afterwards.
+    pub(crate) fn release_source(&self, raw_readers: &HashSet<usize>) -> u64 {
+        if !self.releasable(raw_readers) || !matches!(self.pack_result(), Some(Ok(_))) || !self.src.can_release() {
+            return 0;
+        }
+        let Some(t) = self.src.tensor_at(self.index) else { return 0 };
+        if self.released.swap(true, Ordering::AcqRel) {
+            return 0;
+        }
+        // SAFETY: from here on `bytes()` of this weight and its clones is empty; the products
+        // take the packed copy (made above, never dropped while the weight lives); routed
+        // experts have no other binding (`raw_readers`) and no other reader of their bytes.
+        unsafe { self.src.release(t) }
+    }
+
+    /// Whether [`Weight::release_source`] may give this weight's bytes back once it is packed.
+    pub(crate) fn releasable(&self, raw_readers: &HashSet<usize>) -> bool {
+        self.packed.is_some() && self.name.ends_with("_exps.weight") && !raw_readers.contains(&self.index)
     }
 
     /// Elements per row (`ne[0]`).
@@ -110,6 +146,8 @@ impl Weight {
 pub struct WeightLoader {
     src: Arc<GgufModel>,
     used: RefCell<HashSet<usize>>,
+    /// Tensors bound more than once, or read by rows: their own bytes stay in use.
+    raw_readers: RefCell<HashSet<usize>>,
     /// `--repack`, where it pays on this machine.
     repack: bool,
     packables: RefCell<Vec<Weight>>,
@@ -126,6 +164,7 @@ impl WeightLoader {
         WeightLoader {
             src,
             used: RefCell::new(HashSet::new()),
+            raw_readers: RefCell::default(),
             repack: repack && packing_pays(),
             packables: RefCell::default(),
         }
@@ -151,6 +190,11 @@ impl WeightLoader {
             .ok_or_else(|| model_err(format!("missing tensor '{name}' (expected shape {dims:?})")))
     }
 
+    /// Tensors bound more than once or read by rows (see [`Weight::release_source`]).
+    pub fn raw_readers(&self) -> HashSet<usize> {
+        self.raw_readers.borrow().clone()
+    }
+
     /// The weights that will be packed for CPU products (`--repack`), in load order.
     pub fn packables(&self) -> Vec<Weight> {
         self.packables.borrow().clone()
@@ -171,7 +215,9 @@ impl WeightLoader {
         if !DEQUANTIZE_TYPES.contains(&ty) || (t.info.dims.len() > 1 && !VEC_DOT_TYPES.contains(&ty)) {
             return Err(model_err(format!("tensor '{name}' has type {ty}, which tandem does not support yet")));
         }
-        self.used.borrow_mut().insert(index);
+        if !self.used.borrow_mut().insert(index) || !may_pack {
+            self.raw_readers.borrow_mut().insert(index);
+        }
         let dims = t.info.dims.clone();
         let rows = dims[1..].iter().product::<u64>() as usize;
         // Each matrix of a 3-D tensor (an expert) must be whole groups too: it is multiplied alone.
@@ -188,6 +234,7 @@ impl WeightLoader {
             ty,
             dims,
             packed: pack.then(Default::default),
+            released: Arc::default(),
         };
         if pack {
             self.packables.borrow_mut().push(w.clone());
