@@ -114,7 +114,7 @@ struct Report<'a> {
     threads: &'a [usize],
     active_bytes_per_token: u64,
     read_bandwidth_gbs: BTreeMap<String, f64>,
-    /// `--repack` was given (and the machine runs the packed kernels).
+    /// The weights were repacked (not `--no-repack`, and the machine runs the packed kernels).
     repack: bool,
     rows: &'a [Row],
 }
@@ -579,7 +579,7 @@ fn run_threads(
     for line in &choice.notes {
         eprintln!("tandem: {line}");
     }
-    if a.model.repack {
+    if a.model.repacks() {
         // Packs once (the first thread count); later ones find the copies made.
         let note = crate::cli::repack(model, choice.backend.as_ref(), !a.no_progress);
         out.pb.suspend(|| eprintln!("tandem: {note}"));
@@ -656,7 +656,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     let gguf = Arc::new(GgufModel::open(&a.model.model, a.model.load_options())?);
     let active = active_bytes_per_token(&gguf).with_context(|| format!("{}", a.model.model.display()))?;
     let model = Arc::new(
-        Model::load_with(gguf, a.model.repack).with_context(|| format!("loading {}", a.model.model.display()))?,
+        Model::load_with(gguf, a.model.repacks()).with_context(|| format!("loading {}", a.model.model.display()))?,
     );
     let n_ctx = plan.n_ctx(model.n_ctx_train())?;
 
@@ -739,7 +739,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             threads: &plan.threads,
             active_bytes_per_token: active,
             read_bandwidth_gbs: bandwidth.iter().map(|(t, g)| (t.to_string(), *g)).collect(),
-            repack: a.model.repack && tandem_cpu::packed::packing_pays(),
+            repack: a.model.repacks() && tandem_cpu::packed::packing_pays(),
             rows: &rows,
         };
         let mut o = std::io::stdout().lock();

@@ -24,6 +24,7 @@ pub const MULTI_LETTER_FLAGS: &[(&str, &str)] = &[
     ("-fa", "--flash-attn"),
     ("-fmoe", "--fused-moe"),
     ("-rtr", "--run-time-repack"),
+    ("-nr", "--no-repack"),
     ("-ser", "--smart-expert-reduction"),
     ("-nkvo", "--no-kv-offload"),
     ("-dev", "--device"),
@@ -72,6 +73,19 @@ pub fn normalize_args<I: IntoIterator<Item = OsString>>(args: I) -> Vec<OsString
     out
 }
 
+/// A command-line parser's error message in one line: its lines joined, without the usage
+/// summary and the pointer to `--help` (which the line ends with instead).
+pub fn one_line(message: &str) -> String {
+    let parts: Vec<&str> = message
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .collect();
+    let text = parts.join(" ");
+    let text = text.strip_prefix("error: ").unwrap_or(&text);
+    format!("{text} (see --help)")
+}
+
 /// Which model to open and how its files are brought into memory.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -87,11 +101,20 @@ pub struct ModelArgs {
     /// Repack the Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, Q5_0 and Q8_0 matrices the CPU
     /// multiplies into 16-row interleaved groups at load (faster prefill and decode on CPUs with
     /// AVX-512 VNNI; with AVX2 only, Q4_0 and Q4_K; a second copy of those weights in memory).
-    #[arg(long)]
+    /// The default, as in llama.cpp; --no-repack turns it off.
+    #[arg(long, overrides_with = "no_repack")]
     pub repack: bool,
+    /// Use the weights as they are stored: no repacked copy (llama.cpp's -nr).
+    #[arg(long = "no-repack", overrides_with = "repack")]
+    pub no_repack: bool,
 }
 
 impl ModelArgs {
+    /// Whether the weights are repacked at load: unless `--no-repack` came after any `--repack`.
+    pub fn repacks(&self) -> bool {
+        !self.no_repack
+    }
+
     pub fn load_options(&self) -> tandem_gguf::LoadOptions {
         tandem_gguf::LoadOptions { mmap: !self.no_mmap, mlock: self.mlock }
     }
@@ -104,19 +127,19 @@ pub fn available_memory() -> Option<u64> {
     Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
 }
 
-/// Memory `--repack` leaves free for the KV cache and compute buffers.
-const REPACK_HEADROOM: u64 = 1 << 30;
+/// Memory repacking leaves free for the KV cache and compute buffers.
+pub const REPACK_HEADROOM: u64 = 1 << 30;
 
-/// `--repack`: packs every packable matrix `backend` leaves to the CPU now (with a progress bar on
+/// Repacking (the default; not with `--no-repack`): packs every packable matrix `backend` leaves to the CPU now (with a progress bar on
 /// stderr when `progress`), and says in one line what it did.
 pub fn repack(model: &tandem_model::Model, backend: &dyn tandem_model::Backend, progress: bool) -> String {
     let paying = tandem_cpu::packed::paying_types();
     if paying.is_empty() {
-        return "--repack: this CPU runs no packed kernel (they need AVX2, most of them AVX-512 VNNI; or TANDEM_CPU_ISA caps the level); weights are used as they are".into();
+        return "repack: this CPU runs no packed kernel (they need AVX2, most of them AVX-512 VNNI; or TANDEM_CPU_ISA caps the level); weights are used as they are".into();
     }
     let names: Vec<String> = paying.iter().map(|t| t.to_string().to_uppercase()).collect();
     let skip = |name: &str| backend.holds(name);
-    let need = model.packed_bytes(&skip);
+    let need = model.repack_need(&skip);
     if let Some(free) = available_memory().filter(|&free| need.saturating_add(REPACK_HEADROOM) > free) {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         let why = format!(
@@ -125,7 +148,7 @@ pub fn repack(model: &tandem_model::Model, backend: &dyn tandem_model::Backend, 
             gib(free)
         );
         model.keep_unpacked(&why);
-        return format!("--repack: {why}; weights are used as they are");
+        return format!("repack: {why}; weights are used as they are");
     }
     let start = std::time::Instant::now();
     let pb = if progress { indicatif::ProgressBar::new(0) } else { indicatif::ProgressBar::hidden() };
@@ -145,16 +168,23 @@ pub fn repack(model: &tandem_model::Model, backend: &dyn tandem_model::Backend, 
     };
     if r.tensors == 0 {
         return format!(
-            "--repack: no {} matrix with whole groups of 16 rows on the CPU (the types this CPU has packed kernels for); nothing repacked{failed}",
+            "repack: no {} matrix with whole groups of 16 rows on the CPU (the types this CPU has packed kernels for); nothing repacked{failed}",
             names.join(" / ")
         );
     }
     let types: Vec<String> = r.types.iter().map(|t| t.to_string().to_uppercase()).collect();
+    let given = match r.released_tensors {
+        0 => String::new(),
+        n => format!(
+            "; the read bytes of {n} routed expert matrices given back ({})",
+            tandem_plan::human(r.released_bytes)
+        ),
+    };
     format!(
-        "--repack: {} tensors repacked ({}; {:.2} GiB) in {:.1} s{failed}",
+        "repack: {} tensors repacked ({}; {}) in {:.1} s{given}{failed}",
         r.tensors,
         types.join(", "),
-        r.bytes as f64 / (1u64 << 30) as f64,
+        tandem_plan::human(r.bytes),
         start.elapsed().as_secs_f64()
     )
 }
@@ -262,8 +292,8 @@ pub struct CompatArgs {
     #[arg(long = "fused-moe", value_name = "0|1", num_args = 0..=1, default_missing_value = "1",
           value_parser = ["0", "1"])]
     pub fused_moe: Option<String>,
-    /// ik_llama.cpp's run-time repacking: the same as --repack.
-    #[arg(long = "run-time-repack")]
+    /// ik_llama.cpp's run-time repacking: what tandem does by default (--repack).
+    #[arg(long = "run-time-repack", conflicts_with = "no_repack")]
     pub run_time_repack: bool,
     /// ik_llama.cpp's smart expert reduction K[,T] (ignored).
     #[arg(long = "smart-expert-reduction", value_name = "K[,T]")]
@@ -316,7 +346,7 @@ impl CompatArgs {
         );
         note(
             self.run_time_repack,
-            "-rtr: taken as --repack: the matrices the CPU multiplies are repacked at load (a second copy in memory; the mapped file stays as it is)".into(),
+            "-rtr: tandem repacks the matrices the CPU multiplies at load by default (a second copy in memory; the mapped file stays as it is; --no-repack turns it off)".into(),
         );
         note(
             self.smart_expert_reduction.is_some(),
@@ -357,6 +387,16 @@ mod tests {
 
     fn norm(args: &[&str]) -> Vec<String> {
         normalize_args(args.iter().map(OsString::from)).into_iter().map(|a| a.into_string().unwrap()).collect()
+    }
+
+    #[test]
+    fn parser_errors_become_one_line() {
+        let clap_text = "error: the following required arguments were not provided:\n  --model <FILE>\n\nUsage: tandem bench --model <FILE>\n\nFor more information, try '--help'.\n";
+        assert_eq!(
+            one_line(clap_text),
+            "the following required arguments were not provided: --model <FILE> (see --help)"
+        );
+        assert_eq!(one_line("error: unexpected argument '-x' found\n"), "unexpected argument '-x' found (see --help)");
     }
 
     #[test]

@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 use tandem_gguf::GgufModel;
-use tandem_model::{Backend, Batch, CacheType, Context, ContextParams, CpuBackend, GpuBackend, GpuOptions, MlaMode, Model};
+use tandem_model::{
+    Backend, Batch, CacheType, Context, ContextParams, CpuBackend, GpuBackend, GpuOptions, MlaMode, Model,
+};
 use tandem_plan::{Device, GpuBudget, GpuLayers, ModelInfo, Rule};
 
 #[derive(Args, Debug)]
@@ -37,7 +39,8 @@ pub struct LogitsArgs {
 pub fn open_context(model: &ModelArgs, rt: &RuntimeArgs, placement: &PlacementArgs) -> anyhow::Result<Context> {
     let gguf = Arc::new(GgufModel::open(&model.model, model.load_options())?);
     let loaded = Arc::new(
-        Model::load_with(gguf.clone(), model.repack).with_context(|| format!("loading {}", model.model.display()))?,
+        Model::load_with(gguf.clone(), model.repacks())
+            .with_context(|| format!("loading {}", model.model.display()))?,
     );
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let t = rt.threads.unwrap_or(cores);
@@ -53,7 +56,7 @@ pub fn open_context(model: &ModelArgs, rt: &RuntimeArgs, placement: &PlacementAr
     for line in &choice.notes {
         eprintln!("tandem: {line}");
     }
-    if model.repack {
+    if model.repacks() {
         eprintln!("tandem: {}", crate::cli::repack(&loaded, choice.backend.as_ref(), true));
     }
     Ok(Context::new(loaded, choice.backend, params)?)

@@ -101,15 +101,14 @@ fn keep_buffers_in_the_heap() {
 fn main() -> ExitCode {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     keep_buffers_in_the_heap();
-    let mut cli = Cli::parse_from(tandem::cli::normalize_args(std::env::args_os()));
-    // ik_llama.cpp's -rtr is tandem's --repack.
-    match &mut cli.command {
-        Command::Run(a) => a.model.repack |= a.compat.run_time_repack,
-        Command::Bench(a) => a.model.repack |= a.compat.run_time_repack,
-        Command::Serve(a) => a.repack |= a.compat.run_time_repack,
-        Command::Plan(a) => a.model.repack |= a.compat.run_time_repack,
-        _ => {}
-    }
+    let cli = match Cli::try_parse_from(tandem::cli::normalize_args(std::env::args_os())) {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            eprintln!("tandem: error: {}", tandem::cli::one_line(&e.to_string()));
+            return ExitCode::from(2);
+        }
+    };
     let result = match &cli.command {
         Command::Inspect(args) => inspect(args),
         Command::Logits(args) => tandem::logits::run(args),

@@ -122,6 +122,54 @@ fn machine_memory() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// One line for the table: what repacking at load (the default) copies of the CPU's matrices,
+/// and whether a load on this host makes the copies (it keeps 1 GiB free beside them, see
+/// `cli::repack`).
+fn repacking_line(r: &tandem_model::PackedSources, plan: &tandem_plan::Plan, no_mmap: bool) -> String {
+    let gib = tandem_plan::human;
+    let what = format!(
+        "repacking (the default; --no-repack turns it off): {} of packed copies of {} CPU matrices ({} in the file)",
+        gib(r.packed_bytes),
+        r.tensors,
+        gib(r.source_bytes)
+    );
+    let (anonymous, need) = if no_mmap {
+        let need = (r.packed_bytes + r.largest_releasable).saturating_sub(r.releasable_bytes).max(r.largest_releasable);
+        (plan.host.rss_no_mmap_bytes, need)
+    } else {
+        (plan.host.rss_mmap_bytes - plan.host.file_backed_bytes, r.packed_bytes)
+    };
+    let budget = plan.device(tandem_plan::Device::Cpu).and_then(|c| c.budget_bytes);
+    if budget.is_some_and(|b| anonymous + need + crate::cli::REPACK_HEADROOM > b) {
+        return format!(
+            "{what} would not fit beside the rest of the host memory, so a load here uses the weights as they are\n"
+        );
+    }
+    if !no_mmap {
+        return format!("{what}, anonymous memory beyond the host memory above; once packed, the file's pages of those tensors are not read again and stay reclaimable\n");
+    }
+    if r.releasable_bytes == 0 {
+        return format!("{what}, beyond the host memory above: with --no-mmap both copies stay resident\n");
+    }
+    format!(
+        "{what}; with --no-mmap the read bytes of the routed experts ({}) are given back as they are packed, so the host memory above grows by about {}\n",
+        gib(r.releasable_bytes),
+        gib(r.packed_bytes.saturating_sub(r.releasable_bytes))
+    )
+}
+
+/// What repacking would copy of the matrices `plan` leaves to the CPU (`None` when this machine
+/// runs no packed kernel, nothing would be repacked, or tandem cannot load the file).
+fn repacking(gguf: GgufModel, plan: &tandem_plan::Plan) -> Option<tandem_model::PackedSources> {
+    if tandem_cpu::packed::paying_types().is_empty() {
+        return None;
+    }
+    let model = tandem_model::Model::load_with(std::sync::Arc::new(gguf), true).ok()?;
+    let on_cpu = |name: &str| plan.device_of(name) == Some(tandem_plan::Device::Cpu);
+    let r = model.packed_sources(&|name| !on_cpu(name));
+    (r.tensors > 0).then_some(r)
+}
+
 pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     args.compat.print_notes();
     let path = &args.model.model;
@@ -131,12 +179,29 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     let model = ModelInfo::from_gguf(&gguf, &path.display().to_string())?;
     let req = request(&args.placement, &args.model, &args.runtime)?;
     let plan = tandem_plan::plan(&model, &req)?;
+    let repack = if args.model.repacks() { repacking(gguf, &plan) } else { None };
     let out = if args.json {
-        let mut s = plan.to_json();
+        let mut v: serde_json::Value = serde_json::from_str(&plan.to_json()).context("the plan's JSON")?;
+        v["repack"] = match &repack {
+            Some(r) => {
+                serde_json::json!({
+                    "tensors": r.tensors,
+                    "source_bytes": r.source_bytes,
+                    "packed_bytes": r.packed_bytes,
+                    "no_mmap_given_back_bytes": r.releasable_bytes,
+                })
+            }
+            None => serde_json::Value::Null,
+        };
+        let mut s = v.to_string();
         s.push('\n');
         s
     } else {
-        plan.to_text(args.tensors)
+        let mut s = plan.to_text(args.tensors);
+        if let Some(r) = &repack {
+            s.push_str(&repacking_line(r, &plan, args.model.no_mmap));
+        }
+        s
     };
     let mut stdout = std::io::stdout().lock();
     match stdout.write_all(out.as_bytes()).and_then(|_| stdout.flush()) {

@@ -35,8 +35,12 @@ pub struct ServeArgs {
     /// Repack the Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, Q5_0 and Q8_0 matrices the CPU
     /// multiplies into 16-row interleaved groups at load (faster prefill and decode on CPUs with
     /// AVX-512 VNNI; with AVX2 only, Q4_0 and Q4_K; a second copy of those weights in memory).
-    #[arg(long)]
+    /// The default, as in llama.cpp; --no-repack turns it off.
+    #[arg(long, overrides_with = "no_repack")]
     pub repack: bool,
+    /// Use the weights as they are stored: no repacked copy (llama.cpp's -nr).
+    #[arg(long = "no-repack", overrides_with = "repack")]
+    pub no_repack: bool,
     /// Address to listen on.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
     pub host: String,
@@ -91,6 +95,7 @@ fn print_load_plan(gguf: &GgufModel, path: &std::path::Path, args: &ServeArgs) {
         no_mmap: args.no_mmap,
         mlock: args.mlock,
         repack: args.repack,
+        no_repack: args.no_repack,
     };
     let planned = crate::plan::request(&args.placement, &model_args, &args.runtime).and_then(|mut req| {
         req.gpus.clear();
@@ -125,7 +130,7 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
         print_load_plan(&gguf, path, args);
     }
     let tok = Tokenizer::from_gguf(&gguf).with_context(|| format!("{name}: reading the tokenizer"))?;
-    let model = Arc::new(Model::load_with(gguf, args.repack).with_context(|| format!("loading {name}"))?);
+    let model = Arc::new(Model::load_with(gguf, !args.no_repack).with_context(|| format!("loading {name}"))?);
     let rt = &args.runtime;
     let np = rt.parallel.max(1);
     let total = if rt.ctx_size == 0 { model.n_ctx_train() } else { rt.ctx_size };
@@ -148,10 +153,11 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
         no_mmap: args.no_mmap,
         mlock: args.mlock,
         repack: args.repack,
+        no_repack: args.no_repack,
     };
     let choice = crate::logits::select_backend(model.gguf(), &model_args, rt, &args.placement, threads)?;
     choice.notes.iter().for_each(|n| log(n));
-    if args.repack {
+    if !args.no_repack {
         log(&crate::cli::repack(&model, choice.backend.as_ref(), false));
     }
     let ctx = Context::new(model.clone(), choice.backend, params)?;

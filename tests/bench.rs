@@ -174,24 +174,56 @@ fn active_bytes_count_the_used_share_of_the_experts() {
     }
 }
 
-/// `--repack` on the Q4_K_M fixture: one line says what was repacked (or why nothing was), the JSON
-/// says whether it was on, and the rows hold.
+/// Repacking, the default (`--repack` says the same): one line says what was repacked (or why
+/// nothing was), the JSON says whether it was on, and the rows hold; `--no-repack` (llama.cpp's
+/// `-nr`) turns it off, the last of the two flags wins, and ik_llama.cpp's `-rtr` against
+/// `--no-repack` is a one-line error.
 #[test]
 fn repack_says_what_it_packed() {
-    let (v, se) = json("deepseek2-mla-tiny-Q4_K_M.gguf", &["-t", "2", "-p", "8", "-n", "4", "-r", "1", "--repack"]);
-    check_rows(&v);
-    let line: Vec<&str> = se.lines().filter(|l| l.contains("--repack")).collect();
-    assert_eq!(line.len(), 1, "{se}");
-    if tandem_cpu::packed::packing_pays() {
-        assert!(line[0].contains("tensors repacked (") && line[0].contains("Q4_K"), "{se}");
-        assert_eq!(v["repack"], Value::Bool(true), "{v}");
-    } else {
-        println!("SKIPPED the packed kernels: this machine runs none ({})", line[0]);
-        assert!(line[0].contains("runs no packed kernel"), "{se}");
-        assert_eq!(v["repack"], Value::Bool(false), "{v}");
+    let short = ["-t", "2", "-p", "8", "-n", "4", "-r", "1"];
+    for extra in [&[][..], &["--repack"], &["--no-repack", "--repack"], &["-rtr"]] {
+        let (v, se) = json("deepseek2-mla-tiny-Q4_K_M.gguf", &[&short[..], extra].concat());
+        check_rows(&v);
+        let line: Vec<&str> = se.lines().filter(|l| l.contains("repack: ")).collect();
+        assert_eq!(line.len(), 1, "{extra:?}: {se}");
+        if tandem_cpu::packed::packing_pays() {
+            assert!(line[0].contains("tensors repacked (") && line[0].contains("Q4_K"), "{extra:?}: {se}");
+            assert_eq!(v["repack"], Value::Bool(true), "{extra:?}: {v}");
+        } else {
+            println!("SKIPPED the packed kernels: this machine runs none ({})", line[0]);
+            assert!(line[0].contains("runs no packed kernel"), "{se}");
+            assert_eq!(v["repack"], Value::Bool(false), "{v}");
+        }
     }
-    let (v, _) = json("deepseek2-mla-tiny-Q4_K_M.gguf", &["-t", "2", "-p", "8", "-n", "4", "-r", "1"]);
-    assert_eq!(v["repack"], Value::Bool(false), "{v}");
+    // Read into memory, the routed experts' read bytes are given back once packed; not when the
+    // memory is locked (where this machine lets a process lock memory at all).
+    for (extra, given) in [(&["--no-mmap"][..], true), (&["--no-mmap", "--mlock"], false)] {
+        let out = bench("deepseek2-mla-tiny-Q4_K_M.gguf", &[&short[..], extra, &["--json"]].concat());
+        let se = String::from_utf8_lossy(&out.stderr).into_owned();
+        if !out.status.success() && se.contains("mlock failed") {
+            println!("SKIPPED {extra:?}: this machine does not let the process lock memory ({se})");
+            continue;
+        }
+        let (so, se) = ok(&out);
+        check_rows(&serde_json::from_str(&so).unwrap());
+        if tandem_cpu::packed::packing_pays() {
+            let line = se.lines().find(|l| l.contains("repack: ")).unwrap_or_else(|| panic!("{se}"));
+            assert_eq!(
+                line.contains("; the read bytes of 6 routed expert matrices given back ("),
+                given,
+                "{extra:?}: {se}"
+            );
+        }
+    }
+    for extra in [&["--no-repack"][..], &["-nr"], &["--repack", "--no-repack"]] {
+        let (v, se) = json("deepseek2-mla-tiny-Q4_K_M.gguf", &[&short[..], extra].concat());
+        check_rows(&v);
+        assert_eq!(v["repack"], Value::Bool(false), "{extra:?}: {v}");
+        assert!(!se.contains("repack"), "{extra:?}: {se}");
+    }
+    let out = bench("deepseek2-mla-tiny-Q4_K_M.gguf", &[&short[..], &["-rtr", "--no-repack"]].concat());
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && se.contains("--no-repack") && se.contains("--run-time-repack"), "{se}");
 }
 
 /// `--repack` at lower instruction-set levels (`TANDEM_CPU_ISA`): with AVX2 only Q4_K (and Q4_0)
@@ -209,7 +241,7 @@ fn repack_follows_the_instruction_set() {
         let (so, se) = ok(&out);
         let v: Value = serde_json::from_str(&so).unwrap();
         check_rows(&v);
-        let line = se.lines().find(|l| l.contains("--repack")).unwrap_or_else(|| panic!("{se}")).to_string();
+        let line = se.lines().find(|l| l.contains("repack: ")).unwrap_or_else(|| panic!("{se}")).to_string();
         (v["repack"].clone(), line)
     };
     if tandem_cpu::Isa::Avx2.supported() {
@@ -275,7 +307,7 @@ fn gpu_placement_falls_back_to_the_cpu_with_one_line() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
-/// ik_llama.cpp's and llama-bench's flags run: `-rtr` is `--repack`, the others are one note each.
+/// ik_llama.cpp's and llama-bench's flags run: `-rtr` is what tandem does by default, the others are one note each.
 #[test]
 fn ik_llama_cpp_flags_are_taken() {
     let args =
@@ -284,7 +316,7 @@ fn ik_llama_cpp_flags_are_taken() {
     check_rows(&v);
     let notes: Vec<&str> = se.lines().filter(|l| l.starts_with("tandem: note: ")).collect();
     assert_eq!(notes.len(), 5, "{se}");
-    for flag in ["-mla 3", "-fmoe", "-amb 512", "-fa 1", "-rtr: taken as --repack"] {
+    for flag in ["-mla 3", "-fmoe", "-amb 512", "-fa 1", "-rtr: tandem repacks"] {
         assert!(notes.iter().any(|n| n.contains(flag)), "no note for {flag}:\n{se}");
     }
     assert_eq!(v["repack"], Value::Bool(tandem_cpu::packed::packing_pays()), "{v}");

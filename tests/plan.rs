@@ -168,9 +168,31 @@ fn plan_json_for_the_kimi_replica_command_line() {
     assert_eq!(weights, sum);
     assert_eq!(v["devices"][0]["kv_bytes"], 61u64 * 576 * 2 * 131072);
     assert_eq!(v["fits"], true);
+    // Repacking (the default) copies CPU matrices only: here the routed experts.
+    if tandem_cpu::packed::packing_pays() {
+        let r = &v["repack"];
+        let cpu_weights = v["devices"].as_array().unwrap().iter().find(|d| d["name"] == "CPU").unwrap()
+            ["weights_bytes"]
+            .as_u64()
+            .unwrap();
+        let (n, src, packed) =
+            (r["tensors"].as_u64().unwrap(), r["source_bytes"].as_u64().unwrap(), r["packed_bytes"].as_u64().unwrap());
+        assert!(n > 0 && n <= 180 && src <= cpu_weights && src > cpu_weights / 2, "{r} of {cpu_weights}");
+        assert!(packed >= src && packed < src + src / 10, "{r}");
+        // Only routed experts are on the CPU: with --no-mmap all their read bytes are given back.
+        assert_eq!(r["no_mmap_given_back_bytes"].as_u64(), Some(src), "{r}");
+    } else {
+        println!("SKIPPED the repacking estimate: this machine runs no packed kernel");
+        assert!(v["repack"].is_null(), "{}", v["repack"]);
+    }
+    let o = tandem(&[&args[..], &["--no-repack"]].concat());
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["repack"].is_null(), "{}", v["repack"]);
     // The text table of the same plan.
     let o = tandem(&args[..args.len() - 1]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("--n-gpu-layers 999: layers 0-60 on CUDA0, the output head on CUDA0"), "{text}");
     assert!(text.contains("fits: yes"));
+    let packing = text.lines().filter(|l| l.starts_with("repacking (the default")).count();
+    assert_eq!(packing, usize::from(tandem_cpu::packed::packing_pays()), "{text}");
 }

@@ -122,18 +122,25 @@ fn fixed_seed_repeats_at_temperature() {
     assert_ne!(a, c, "another seed should give another story");
 }
 
-/// An ik_llama.cpp command line runs: its flags give one note each, `-rtr` is taken as `--repack`
-/// (which says what it packed: nothing in this Q4_1 file), and greedy text is what it is without them.
+/// An ik_llama.cpp command line runs: its flags give one note each, `-rtr` is what tandem does by
+/// default (a line says what it packed: nothing in this Q4_1 file), and greedy text is what it is
+/// without them, and with `--no-repack` (no such line).
 #[test]
 fn ik_llama_cpp_flags_run_with_notes() {
     let base = ["-p", "Explain what a CPU does in one sentence.", "-n", "12", "--temp", "0"];
-    let plain = stdout(&run(&base));
+    let plain = run(&base);
+    assert!(String::from_utf8_lossy(&plain.stderr).lines().any(|l| l.starts_with("tandem: repack: ")));
+    let plain = stdout(&plain);
     let o = run(&[&base[..], &["-mla", "3", "-fmoe", "-amb", "512", "-rtr", "-fa", "on"]].concat());
     assert_eq!(stdout(&o), plain);
     let err = String::from_utf8_lossy(&o.stderr);
     let notes = err.lines().filter(|l| l.starts_with("tandem: note: ")).count();
     assert_eq!(notes, 5, "{err}");
-    assert!(err.lines().any(|l| l.starts_with("tandem: --repack: ")), "{err}");
+    assert!(err.lines().any(|l| l.starts_with("tandem: repack: ")), "{err}");
+    let o = run(&[&base[..], &["--no-repack"]].concat());
+    assert_eq!(stdout(&o), plain);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("repack"), "{err}");
 }
 
 #[test]
