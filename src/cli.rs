@@ -175,10 +175,7 @@ pub fn repack(model: &tandem_model::Model, backend: &dyn tandem_model::Backend, 
     let types: Vec<String> = r.types.iter().map(|t| t.to_string().to_uppercase()).collect();
     let given = match r.released_tensors {
         0 => String::new(),
-        n => format!(
-            "; the read bytes of {n} routed expert matrices given back ({})",
-            tandem_plan::human(r.released_bytes)
-        ),
+        n => format!("; the read bytes of {n} of them given back ({})", tandem_plan::human(r.released_bytes)),
     };
     format!(
         "repack: {} tensors repacked ({}; {}) in {:.1} s{given}{failed}",

@@ -152,7 +152,7 @@ fn repacking_line(r: &tandem_model::PackedSources, plan: &tandem_plan::Plan, no_
         return format!("{what}, beyond the host memory above: with --no-mmap both copies stay resident\n");
     }
     format!(
-        "{what}; with --no-mmap the read bytes of the routed experts ({}) are given back as they are packed, so the host memory above grows by about {}\n",
+        "{what}; with --no-mmap {} of their read bytes are given back as they are packed, so the host memory above grows by about {}\n",
         gib(r.releasable_bytes),
         gib(r.packed_bytes.saturating_sub(r.releasable_bytes))
     )

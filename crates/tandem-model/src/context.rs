@@ -20,7 +20,7 @@ pub struct PackReport {
     pub types: Vec<tandem_gguf::GgmlType>,
     /// Tensors left unpacked, with the reason (they run with the row-major kernels).
     pub failed: Vec<(String, String)>,
-    /// With `--no-mmap`: the routed expert matrices whose read bytes were given back once
+    /// With `--no-mmap`: the matrices whose read bytes were given back once
     /// packed, and how many bytes that was.
     pub released_tensors: usize,
     pub released_bytes: u64,
@@ -102,7 +102,7 @@ impl Model {
 
     /// What repacking the weights `skip` does not name copies: how many, their bytes in the file,
     /// the bytes of their packed copies, and the bytes in the file of those whose read bytes are
-    /// given back once packed when the file was read into memory (`--no-mmap`: the routed experts).
+    /// given back once packed when the file was read into memory (`--no-mmap`).
     pub fn packed_sources(&self, skip: &dyn Fn(&str) -> bool) -> PackedSources {
         let mut r = PackedSources::default();
         for w in self.packables.iter().filter(|w| !skip(&w.name)) {
