@@ -125,7 +125,7 @@ fn machine_memory() -> Option<u64> {
 /// One line for the table: what repacking at load (the default) copies of the CPU's matrices,
 /// and whether a load on this host makes the copies (it keeps 1 GiB free beside them, see
 /// `cli::repack`).
-fn repacking_line(r: &tandem_model::PackedSources, plan: &tandem_plan::Plan, no_mmap: bool) -> String {
+pub(crate) fn repacking_line(r: &tandem_model::PackedSources, plan: &tandem_plan::Plan, no_mmap: bool) -> String {
     let gib = tandem_plan::human;
     let what = format!(
         "repacking (the default; --no-repack turns it off): {} of packed copies of {} CPU matrices ({} in the file)",
@@ -160,11 +160,14 @@ fn repacking_line(r: &tandem_model::PackedSources, plan: &tandem_plan::Plan, no_
 
 /// What repacking would copy of the matrices `plan` leaves to the CPU (`None` when this machine
 /// runs no packed kernel, nothing would be repacked, or tandem cannot load the file).
-fn repacking(gguf: GgufModel, plan: &tandem_plan::Plan) -> Option<tandem_model::PackedSources> {
+pub(crate) fn repacking(
+    gguf: std::sync::Arc<GgufModel>,
+    plan: &tandem_plan::Plan,
+) -> Option<tandem_model::PackedSources> {
     if tandem_cpu::packed::paying_types().is_empty() {
         return None;
     }
-    let model = tandem_model::Model::load_with(std::sync::Arc::new(gguf), true).ok()?;
+    let model = tandem_model::Model::load_with(gguf, true).ok()?;
     let on_cpu = |name: &str| plan.device_of(name) == Some(tandem_plan::Device::Cpu);
     let r = model.packed_sources(&|name| !on_cpu(name));
     (r.tensors > 0).then_some(r)
@@ -179,7 +182,7 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     let model = ModelInfo::from_gguf(&gguf, &path.display().to_string())?;
     let req = request(&args.placement, &args.model, &args.runtime)?;
     let plan = tandem_plan::plan(&model, &req)?;
-    let repack = if args.model.repacks() { repacking(gguf, &plan) } else { None };
+    let repack = if args.model.repacks() { repacking(std::sync::Arc::new(gguf), &plan) } else { None };
     let out = if args.json {
         let mut v: serde_json::Value = serde_json::from_str(&plan.to_json()).context("the plan's JSON")?;
         v["repack"] = match &repack {

@@ -89,7 +89,7 @@ pub struct ServeArgs {
 
 /// The memory layout of the loaded model, as `tandem plan` computes it for the devices this
 /// build runs on (the CPU: the CUDA backend is a later issue, so `--gpu` budgets are not used here).
-fn print_load_plan(gguf: &GgufModel, path: &std::path::Path, args: &ServeArgs) {
+fn print_load_plan(gguf: &Arc<GgufModel>, path: &std::path::Path, args: &ServeArgs) {
     let model_args = crate::cli::ModelArgs {
         model: path.to_path_buf(),
         no_mmap: args.no_mmap,
@@ -105,7 +105,13 @@ fn print_load_plan(gguf: &GgufModel, path: &std::path::Path, args: &ServeArgs) {
         Ok(tandem_plan::plan(&info, &req)?)
     });
     match planned {
-        Ok(plan) => plan.to_text(false).lines().for_each(log),
+        Ok(plan) => {
+            plan.to_text(false).lines().for_each(log);
+            let repack = if args.no_repack { None } else { crate::plan::repacking(gguf.clone(), &plan) };
+            if let Some(r) = repack {
+                log(crate::plan::repacking_line(&r, &plan, args.no_mmap).trim_end());
+            }
+        }
         Err(e) => log(&format!("no memory plan: {e:#}")),
     }
 }
