@@ -130,8 +130,9 @@ pub fn available_memory() -> Option<u64> {
 /// Memory repacking leaves free for the KV cache and compute buffers.
 pub const REPACK_HEADROOM: u64 = 1 << 30;
 
-/// Repacking (the default; not with `--no-repack`): packs every packable matrix `backend` leaves to the CPU now (with a progress bar on
-/// stderr when `progress`), and says in one line what it did.
+/// Repacking (the default; not with `--no-repack`): packs every packable matrix `backend` leaves
+/// to the CPU now (with a progress bar on stderr when `progress`), and says in one line what it
+/// did.
 pub fn repack(model: &tandem_model::Model, backend: &dyn tandem_model::Backend, progress: bool) -> String {
     let paying = tandem_cpu::packed::paying_types();
     if paying.is_empty() {

@@ -133,12 +133,9 @@ pub(crate) fn repacking_line(r: &tandem_model::PackedSources, plan: &tandem_plan
         r.tensors,
         gib(r.source_bytes)
     );
-    let (anonymous, need) = if no_mmap {
-        let need = (r.packed_bytes + r.largest_releasable).saturating_sub(r.releasable_bytes).max(r.largest_releasable);
-        (plan.host.rss_no_mmap_bytes, need)
-    } else {
-        (plan.host.rss_mmap_bytes - plan.host.file_backed_bytes, r.packed_bytes)
-    };
+    let anonymous =
+        if no_mmap { plan.host.rss_no_mmap_bytes } else { plan.host.rss_mmap_bytes - plan.host.file_backed_bytes };
+    let need = r.peak_bytes(no_mmap);
     let budget = plan.device(tandem_plan::Device::Cpu).and_then(|c| c.budget_bytes);
     if budget.is_some_and(|b| anonymous + need + crate::cli::REPACK_HEADROOM > b) {
         return format!(

@@ -38,6 +38,17 @@ pub struct PackedSources {
     pub largest_releasable: u64,
 }
 
+impl PackedSources {
+    /// The memory the packing takes at its peak: the packed copies, less what the read bytes
+    /// given back free when `releasing` (`--no-mmap`), one tensor at a time.
+    pub fn peak_bytes(&self, releasing: bool) -> u64 {
+        if !releasing || self.releasable_bytes == 0 {
+            return self.packed_bytes;
+        }
+        (self.packed_bytes + self.largest_releasable).saturating_sub(self.releasable_bytes).max(self.largest_releasable)
+    }
+}
+
 /// The layers of an architecture, between the embeddings and the output head.
 pub(crate) trait Layers: Send + Sync {
     fn layout(&self) -> KvLayout;
@@ -120,11 +131,7 @@ impl Model {
     /// The memory repacking the weights `skip` does not name takes at its peak: the packed
     /// copies, less what the read bytes given back free (`--no-mmap`), one tensor at a time.
     pub fn repack_need(&self, skip: &dyn Fn(&str) -> bool) -> u64 {
-        let r = self.packed_sources(skip);
-        if !self.gguf.can_release() || r.releasable_bytes == 0 {
-            return r.packed_bytes;
-        }
-        (r.packed_bytes + r.largest_releasable).saturating_sub(r.releasable_bytes).max(r.largest_releasable)
+        self.packed_sources(skip).peak_bytes(self.gguf.can_release())
     }
 
     /// Leaves every weight not packed yet as it is (`why` is what [`Weight::pack_result`] says).
