@@ -152,6 +152,11 @@ MODELS: list[dict] = [
          gating=SIGMOID, exp_probs_b=True, n_groups=4, n_group_used=2,
          weights_norm=True, weights_scale=2.827, yarn=YARN_KIMI, tokenizer="kimi-k2",
          note="Kimi-K2 shape (one MoE layer) with llama.cpp's IQ4_XS mix"),
+    dict(name="deepseek2-mla-q5_k_m", arch="deepseek2", weights="Q5_K_M", cache="f16", seed=43, **DS_KQ,
+         mla=True, n_layer=1, n_dense_lead=0, n_expert_used=2, n_expert_shared=1,
+         gating=SIGMOID, exp_probs_b=True, n_groups=4, n_group_used=2,
+         weights_norm=True, weights_scale=2.827, yarn=YARN_KIMI, tokenizer="kimi-k2",
+         note="Kimi-K2 shape (one MoE layer) with llama.cpp's Q5_K_M mix (attn_k_b falls back to Q5_1)"),
     dict(name="deepseek2-legacy-q2_k", arch="deepseek2", weights="Q2_K", cache="f16", seed=36, **DS_KQ,
          mla=False, n_layer=1, n_dense_lead=0, n_expert_used=2, n_expert_shared=2,
          gating=SOFTMAX, exp_probs_b=False, n_groups=0, n_group_used=0,
@@ -183,6 +188,7 @@ QUANT_FTYPE = {
     "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
     "IQ4_XS": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
     "Q2_K": "LLAMA_FTYPE_MOSTLY_Q2_K",
+    "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
 }
 
 # --------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ pub struct ServeArgs {
     /// Lock the model's memory so it is never paged out.
     #[arg(long)]
     pub mlock: bool,
-    /// Repack the Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, Q5_0 and Q8_0 matrices the CPU
+    /// Repack the Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL, Q4_0, Q5_0, Q5_1 and Q8_0 matrices the CPU
     /// multiplies into 16-row interleaved groups at load (faster prefill and decode on CPUs with
     /// AVX-512 VNNI; with AVX2 only, Q4_0 and Q4_K; a second copy of those weights in memory).
     /// The default, as in llama.cpp; --no-repack turns it off.

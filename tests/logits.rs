@@ -306,6 +306,7 @@ fn repacked_weights_match_llama_cpp_and_are_invariant() {
         "llama-gqa-q8_0.gguf",
         "deepseek2-mla-q4_0.gguf",
         "deepseek2-mla-iq4_xs.gguf",
+        "deepseek2-mla-q5_k_m.gguf",
         "deepseek2-legacy-q2_k.gguf",
     ] {
         let f = fixtures().into_iter().find(|f| f.name == name).unwrap();

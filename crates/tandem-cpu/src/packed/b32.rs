@@ -1,23 +1,32 @@
-//! Packed Q8_0 and Q5_0 (32-element blocks) against Q8_0 activations. Each level is stored as an
-//! unsigned byte `u = q + OFF` (Q8_0: `q + 128`, Q5_0: the 5-bit code, `OFF = 16`), so `vpdpbusd`
-//! takes it as it is. Per (row, token, block) the integer sum `isum = sum_e u_e * a_e - OFF *
-//! sum_e a_e` is exact, then `acc = (dw * da) * isum + acc` (the factor product rounded, the rest
-//! fused).
+//! Packed Q8_0 and Q5_0 (32-element blocks) against Q8_0 activations, and Q5_1 against Q8_1. Each
+//! level is stored as an unsigned byte `u = q + OFF` (Q8_0: `q + 128`, Q5_0: the 5-bit code, `OFF
+//! = 16`; Q5_1: the 5-bit code, its level), so `vpdpbusd` takes it as it is. Per (row, token,
+//! block) the integer sum `isum = sum_e u_e * a_e - OFF * sum_e a_e` is exact, then `acc = (dw *
+//! da) * isum + acc` (the factor product rounded, the rest fused); Q5_1 then adds its minimum
+//! against the activations' `s = da * sum_e a_e`, `acc = mw * s + acc` (fused), as ggml's
+//! `vec_dot_q5_1_q8_1` adds `m * s`.
 //!
 //! Layout of one group of 16 rows: first every block's levels, `[block][8 quads][16 rows][4]`
 //! (element `4q + k` of row `r` at byte `64q + 4r + k`), then every block's factors `d[block][16]`
-//! (fp16). Q8_0 keeps its 34 bytes per row and block; Q5_0 grows from 22 to 34.
+//! (fp16), then for Q5_1 every block's minimums `m[block][16]` (fp16). Q8_0 keeps its 34 bytes per
+//! row and block; Q5_0 grows from 22 to 34, Q5_1 from 24 to 36.
 
 use super::{f16_at, GroupActs, GroupFn, PACK_ROWS};
-use tandem_quant::blocks::BlockQ8_0;
+use tandem_quant::blocks::{BlockQ8_0, BlockQ8_1};
 use tandem_quant::GgmlType;
 
 /// Bytes of one block of one group of 16 rows: 512 of levels, 32 of factors.
 pub(super) const GROUP_BLOCK: usize = LEVELS + 2 * PACK_ROWS;
+/// Bytes of one Q5_1 block of one group of 16 rows: 512 of levels, 32 of factors, 32 of minimums.
+pub(super) const GROUP_BLOCK_Q5_1: usize = LEVELS + 4 * PACK_ROWS;
 const LEVELS: usize = 32 * PACK_ROWS;
 /// ggml block_q8_0 (the activations): fp16 d, i8 qs[32].
 pub(super) const Q8_0_BYTES: usize = std::mem::size_of::<BlockQ8_0>();
 const Q8_0_QS: usize = std::mem::offset_of!(BlockQ8_0, qs);
+/// ggml block_q8_1 (Q5_1's activations): fp16 d, fp16 s = d * sum(qs), i8 qs[32].
+pub(super) const Q8_1_BYTES: usize = std::mem::size_of::<BlockQ8_1>();
+const Q8_1_QS: usize = std::mem::offset_of!(BlockQ8_1, qs);
+const Q8_1_S: usize = std::mem::offset_of!(BlockQ8_1, s);
 
 /// One group: 16 rows of `nb` blocks of `ty` (`rb` bytes per row) into `dst`.
 pub(super) fn pack_group(ty: GgmlType, src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
@@ -27,6 +36,10 @@ pub(super) fn pack_group(ty: GgmlType, src: &[u8], rb: usize, nb: usize, dst: &m
             let blk = &src[r * rb + b * bs..r * rb + (b + 1) * bs];
             let d = nb * LEVELS + b * 2 * PACK_ROWS + 2 * r;
             dst[d..d + 2].copy_from_slice(&blk[0..2]);
+            if ty == GgmlType::Q5_1 {
+                let m = d + nb * 2 * PACK_ROWS;
+                dst[m..m + 2].copy_from_slice(&blk[2..4]);
+            }
             let lv = levels(ty, blk);
             for i in 0..8 {
                 // Elements 4i..4i + 4 are the four bytes of row r's lane in load i.
@@ -44,10 +57,12 @@ fn levels(ty: GgmlType, blk: &[u8]) -> [u8; 32] {
         GgmlType::Q8_0 => lv.iter_mut().zip(&blk[2..34]).for_each(|(l, &q)| *l = q ^ 0x80),
         _ => {
             // Q5_0: fp16 d, qh (bit e = high bit of element e), qs (low nibbles of 0..16, high of
-            // 16..32). Eight elements at a time: their low nibbles are a mask (and a shift) of a
-            // word of qs, their high bits a byte of qh spread over the word by [`SPREAD`].
-            let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-            let w = |i: usize| u64::from_le_bytes(blk[6 + 8 * i..14 + 8 * i].try_into().unwrap());
+            // 16..32); Q5_1 the same after fp16 d and m. Eight elements at a time: their low
+            // nibbles are a mask (and a shift) of a word of qs, their high bits a byte of qh spread
+            // over the word by [`SPREAD`].
+            let h = if ty == GgmlType::Q5_1 { 4 } else { 2 };
+            let qh = u32::from_le_bytes([blk[h], blk[h + 1], blk[h + 2], blk[h + 3]]);
+            let w = |i: usize| u64::from_le_bytes(blk[h + 4 + 8 * i..h + 12 + 8 * i].try_into().unwrap());
             let (w0, w1, m) = (w(0), w(1), 0x0F0F_0F0F_0F0F_0F0Fu64);
             let low = [w0 & m, w1 & m, (w0 >> 4) & m, (w1 >> 4) & m];
             for (i, (l, low)) in lv.chunks_exact_mut(8).zip(low).enumerate() {
@@ -86,21 +101,39 @@ pub(super) fn block_sum(y: &[u8]) -> i32 {
     y[Q8_0_QS..Q8_0_QS + 32].iter().map(|&q| q as i8 as i32).sum()
 }
 
+/// `OFF` for Q5_1, which has no offset: its levels are unsigned and its minimum comes in through
+/// the activations' `s` instead of their block sums.
+pub(super) const Q5_1_OFF: i32 = 0;
+
 /// The AVX-512 VNNI kernels, where this build has them.
 #[cfg(target_arch = "x86_64")]
 pub(super) const SIMD_Q8_0: Option<GroupFn> = Some(x86::group_vnni::<128>);
 #[cfg(target_arch = "x86_64")]
 pub(super) const SIMD_Q5_0: Option<GroupFn> = Some(x86::group_vnni::<16>);
+#[cfg(target_arch = "x86_64")]
+pub(super) const SIMD_Q5_1: Option<GroupFn> = Some(x86::group_vnni::<Q5_1_OFF>);
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) const SIMD_Q8_0: Option<GroupFn> = None;
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) const SIMD_Q5_0: Option<GroupFn> = None;
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const SIMD_Q5_1: Option<GroupFn> = None;
+
+/// Bytes of one packed block (group of 16 rows) and of one activation block, and where the
+/// activations' quants start, for `OFF` (Q8_0, Q5_0 or [`Q5_1_OFF`]).
+const fn sizes(off: i32) -> (usize, usize, usize) {
+    if off == Q5_1_OFF {
+        (GROUP_BLOCK_Q5_1, Q8_1_BYTES, Q8_1_QS)
+    } else {
+        (GROUP_BLOCK, Q8_0_BYTES, Q8_0_QS)
+    }
+}
 
 /// The scalar reference: the arithmetic of the module docs, spelled out (`OFF` 128 for Q8_0, 16
-/// for Q5_0). Computes the block sums itself (`a.sums` is not read).
+/// for Q5_0, [`Q5_1_OFF`] for Q5_1). Computes the block sums itself (`a.sums` is not read).
 ///
 /// # Safety
-/// As [`GroupFn`] (Q8_0 activations).
+/// As [`GroupFn`] (Q8_0 activations; Q8_1 for Q5_1).
 pub(super) unsafe fn group_scalar<const OFF: i32>(
     nb: usize,
     w: *const u8,
@@ -109,20 +142,25 @@ pub(super) unsafe fn group_scalar<const OFF: i32>(
     out: *mut f32,
     ostride: usize,
 ) {
+    let (gb, ab, qs) = const { sizes(OFF) };
     // SAFETY: forwarded from the caller.
-    let (w, ys) = unsafe { super::scalar_views(nb, w, GROUP_BLOCK, &a, ny, Q8_0_BYTES) };
+    let (w, ys) = unsafe { super::scalar_views(nb, w, gb, &a, ny, ab) };
     for t in 0..ny {
         let mut acc = [0f32; PACK_ROWS];
         for b in 0..nb {
-            let y = &ys[t * a.yb + b * Q8_0_BYTES..t * a.yb + (b + 1) * Q8_0_BYTES];
-            let corr = OFF * block_sum(y);
+            let y = &ys[t * a.yb + b * ab..t * a.yb + (b + 1) * ab];
+            let corr = OFF * y[qs..qs + 32].iter().map(|&q| q as i8 as i32).sum::<i32>();
             for (r, acc) in acc.iter_mut().enumerate() {
                 let mut isum = 0i32;
                 for e in 0..32 {
-                    isum += w[b * LEVELS + level_at(r, e)] as i32 * y[Q8_0_QS + e] as i8 as i32;
+                    isum += w[b * LEVELS + level_at(r, e)] as i32 * y[qs + e] as i8 as i32;
                 }
-                let dd = f16_at(w, nb * LEVELS + b * 2 * PACK_ROWS + 2 * r) * f16_at(y, 0);
+                let dat = nb * LEVELS + b * 2 * PACK_ROWS + 2 * r;
+                let dd = f16_at(w, dat) * f16_at(y, 0);
                 *acc = dd.mul_add((isum - corr) as f32, *acc);
+                if OFF == Q5_1_OFF {
+                    *acc = f16_at(w, dat + nb * 2 * PACK_ROWS).mul_add(f16_at(y, Q8_1_S), *acc);
+                }
             }
         }
         // SAFETY: t < ny (see `GroupFn`).
@@ -133,14 +171,15 @@ pub(super) unsafe fn group_scalar<const OFF: i32>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::x86::{bcast, prefetch_ahead};
-    use super::{GroupActs, LEVELS, PACK_ROWS, Q8_0_BYTES, Q8_0_QS};
+    use super::{sizes, GroupActs, LEVELS, PACK_ROWS, Q5_1_OFF, Q8_1_S};
     use std::arch::x86_64::*;
 
-    /// A [`super::GroupFn`] for AVX-512 VNNI (`OFF` 128 for Q8_0, 16 for Q5_0).
+    /// A [`super::GroupFn`] for AVX-512 VNNI (`OFF` 128 for Q8_0, 16 for Q5_0, [`Q5_1_OFF`] for
+    /// Q5_1).
     ///
     /// # Safety
-    /// As [`super::GroupFn`] (Q8_0 activations with their block sums), and the machine has
-    /// AVX-512 VNNI.
+    /// As [`super::GroupFn`] (Q8_0 activations with their block sums; Q8_1 activations for Q5_1),
+    /// and the machine has AVX-512 VNNI.
     pub(super) unsafe fn group_vnni<const OFF: i32>(
         nb: usize,
         w: *const u8,
@@ -164,9 +203,12 @@ mod x86 {
         out: *mut f32,
         ostride: usize,
     ) {
+        let (_, ab, qs) = const { sizes(OFF) };
         let mut acc = [_mm512_setzero_ps(); NY];
-        // SAFETY: the factors follow the levels of all `nb` blocks (see the layout).
+        // SAFETY: the factors follow the levels of all `nb` blocks, Q5_1's minimums the factors
+        // (see the layout).
         let factors = unsafe { w.add(nb * LEVELS) };
+        let mins = factors.wrapping_add(nb * 2 * PACK_ROWS);
         for b in 0..nb {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
@@ -179,17 +221,32 @@ mod x86 {
                     *v = _mm512_loadu_si512(wb.add(64 * q) as *const __m512i);
                 }
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(factors.add(b * 2 * PACK_ROWS) as *const __m256i));
+                let m = if OFF == Q5_1_OFF {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(mins.add(b * 2 * PACK_ROWS) as *const __m256i))
+                } else {
+                    d
+                };
+                let half = |p: *const u8| {
+                    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)))
+                };
                 for t in 0..NY {
-                    let y = a.ys.add(t * a.yb + b * Q8_0_BYTES);
+                    let y = a.ys.add(t * a.yb + b * ab);
                     let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
                     for q in (0..8).step_by(2) {
-                        s0 = _mm512_dpbusd_epi32(s0, wv[q], bcast(y.add(Q8_0_QS + 4 * q)));
-                        s1 = _mm512_dpbusd_epi32(s1, wv[q + 1], bcast(y.add(Q8_0_QS + 4 * q + 4)));
+                        s0 = _mm512_dpbusd_epi32(s0, wv[q], bcast(y.add(qs + 4 * q)));
+                        s1 = _mm512_dpbusd_epi32(s1, wv[q + 1], bcast(y.add(qs + 4 * q + 4)));
                     }
-                    let corr = _mm512_set1_epi32(OFF * *a.sums.add(t * nb + b));
-                    let isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr);
-                    let da = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((y as *const u16).read_unaligned() as i32)));
+                    let isum = if OFF == Q5_1_OFF {
+                        _mm512_add_epi32(s0, s1)
+                    } else {
+                        let corr = _mm512_set1_epi32(OFF * *a.sums.add(t * nb + b));
+                        _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr)
+                    };
+                    let da = half(y);
                     acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(da)), _mm512_cvtepi32_ps(isum), acc[t]);
+                    if OFF == Q5_1_OFF {
+                        acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(half(y.add(Q8_1_S))), acc[t]);
+                    }
                 }
             }
         }
@@ -208,7 +265,7 @@ mod tests {
     #[test]
     fn the_layout_keeps_every_level_and_factor() {
         // level - OFF times d, read back by the layout, is ggml's dequantized value exactly.
-        for (ty, off) in [(GgmlType::Q8_0, 128i32), (GgmlType::Q5_0, 16)] {
+        for (ty, off) in [(GgmlType::Q8_0, 128i32), (GgmlType::Q5_0, 16), (GgmlType::Q5_1, 0)] {
             let (rows, n) = (32, 128);
             let mut rng = Rng(5);
             let w = random_rows(ty, rows, n, &mut rng);
@@ -221,9 +278,15 @@ mod tests {
                 let grp = &p.bytes()[g * gb..(g + 1) * gb];
                 for b in 0..nb {
                     let d = f16_at(grp, nb * LEVELS + b * 2 * PACK_ROWS + 2 * r);
+                    // Q5_1: d * q + m, ggml's order.
+                    let m = if ty == GgmlType::Q5_1 {
+                        f16_at(grp, nb * LEVELS + (nb + b) * 2 * PACK_ROWS + 2 * r)
+                    } else {
+                        0.0
+                    };
                     for e in 0..32 {
                         let q = grp[b * LEVELS + level_at(r, e)] as i32 - off;
-                        assert_eq!(q as f32 * d, want[b * 32 + e], "{ty} row {row} block {b} element {e}");
+                        assert_eq!(q as f32 * d + m, want[b * 32 + e], "{ty} row {row} block {b} element {e}");
                     }
                 }
             }

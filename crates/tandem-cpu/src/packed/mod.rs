@@ -11,7 +11,8 @@
 //! sums and add them at the end), so packed products differ from unpacked ones by rounding.
 //!
 //! Types: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS (`q2k.rs`, `q3k.rs`, `q4k.rs`, `q6k.rs`,
-//! `iq4xs.rs`, against Q8_K activations), Q8_0 and Q5_0 (`b32.rs`) and Q4_0 (`q40.rs`, against Q8_0).
+//! `iq4xs.rs`, against Q8_K activations), Q8_0 and Q5_0 (`b32.rs`), Q4_0 and IQ4_NL (`q40.rs`,
+//! against Q8_0), and Q5_1 (`b32.rs`, against Q8_1).
 
 mod b32;
 mod iq4xs;
@@ -55,7 +56,7 @@ impl Packed {
 }
 
 /// The types with a packed layout.
-pub const PACKED_TYPES: [GgmlType; 9] = [
+pub const PACKED_TYPES: [GgmlType; 11] = [
     GgmlType::Q2_K,
     GgmlType::Q3_K,
     GgmlType::Q4_K,
@@ -64,7 +65,9 @@ pub const PACKED_TYPES: [GgmlType; 9] = [
     GgmlType::IQ4_XS,
     GgmlType::Q8_0,
     GgmlType::Q5_0,
+    GgmlType::Q5_1,
     GgmlType::Q4_0,
+    GgmlType::IQ4_NL,
 ];
 
 /// Whether a `rows x cols` tensor of `ty` has a packed layout: one of [`PACKED_TYPES`], whole
@@ -106,7 +109,8 @@ pub(crate) fn group_bytes(ty: GgmlType, cols: usize) -> usize {
         GgmlType::IQ4_XS => nb * iq4xs::GROUP_BLOCK,
         GgmlType::Q2_K => nb * q2k::GROUP_BLOCK,
         GgmlType::Q3_K => nb * q3k::GROUP_BLOCK,
-        GgmlType::Q4_0 => nb * q40::GROUP_BLOCK,
+        GgmlType::Q4_0 | GgmlType::IQ4_NL => nb * q40::GROUP_BLOCK,
+        GgmlType::Q5_1 => nb * b32::GROUP_BLOCK_Q5_1,
         _ => nb * b32::GROUP_BLOCK,
     }
 }
@@ -141,7 +145,7 @@ pub fn pack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<Packe
         GgmlType::IQ4_XS => iq4xs::pack_group(src, rb, nb, dst),
         GgmlType::Q2_K => q2k::pack_group(src, rb, nb, dst),
         GgmlType::Q3_K => q3k::pack_group(src, rb, nb, dst),
-        GgmlType::Q4_0 => q40::pack_group(src, rb, nb, dst),
+        GgmlType::Q4_0 | GgmlType::IQ4_NL => q40::pack_group(src, rb, nb, dst),
         _ => b32::pack_group(ty, src, rb, nb, dst),
     });
     Ok(Packed { ty, rows, cols, mem: mem.make_read_only().map_err(alloc)? })
@@ -354,7 +358,9 @@ fn simd_kernels(ty: GgmlType) -> (Option<GroupFn>, Option<GroupFn>) {
         GgmlType::Q6_K => (q6k::simd(), None),
         GgmlType::IQ4_XS => (iq4xs::SIMD, None),
         GgmlType::Q4_0 => (q40::SIMD, q40::AVX2),
+        GgmlType::IQ4_NL => (q40::SIMD_NL, None),
         GgmlType::Q5_0 => (b32::SIMD_Q5_0, None),
+        GgmlType::Q5_1 => (b32::SIMD_Q5_1, None),
         GgmlType::Q8_0 => (b32::SIMD_Q8_0, None),
         _ => (None, None),
     }
@@ -388,16 +394,19 @@ fn scalar_kernel(ty: GgmlType) -> GroupFn {
         GgmlType::Q5_K => q4k::group_scalar::<true>,
         GgmlType::Q6_K => q6k::group_scalar,
         GgmlType::IQ4_XS => iq4xs::group_scalar,
-        GgmlType::Q4_0 => q40::group_scalar,
+        GgmlType::Q4_0 => q40::group_scalar::<false>,
+        GgmlType::IQ4_NL => q40::group_scalar::<true>,
         GgmlType::Q8_0 => b32::group_scalar::<128>,
+        GgmlType::Q5_1 => b32::group_scalar::<{ b32::Q5_1_OFF }>,
         _ => b32::group_scalar::<16>,
     }
 }
 
 /// The sums a group kernel of `ty` needs besides the activations: each Q8_0 block's quant sum
-/// (`[token][block]`); empty for the k-quants (their Q8_K blocks carry `bsums`).
+/// (`[token][block]`); empty for the k-quants (their Q8_K blocks carry `bsums`) and Q5_1 (its
+/// Q8_1 blocks carry `s`).
 pub(crate) fn act_sums(ty: GgmlType, ys: &[u8], yb: usize, nb: usize) -> Vec<i32> {
-    if tandem_quant::vec_dot_type(ty) == GgmlType::Q8_K || yb == 0 {
+    if tandem_quant::vec_dot_type(ty) != GgmlType::Q8_0 || yb == 0 {
         return Vec::new();
     }
     ys.chunks_exact(yb).flat_map(|row| (0..nb).map(move |b| b32::block_sum(&row[b * b32::Q8_0_BYTES..]))).collect()
@@ -435,7 +444,7 @@ mod tests {
     /// Where the blocks of `ty` keep their fp16 factors.
     fn factor_offsets(ty: GgmlType) -> &'static [usize] {
         match ty {
-            GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q5_1 => &[0, 2],
             GgmlType::Q6_K => &[208],
             GgmlType::Q2_K => &[80, 82],
             GgmlType::Q3_K => &[108],
@@ -560,6 +569,13 @@ mod tests {
                         for g in 0..16 {
                             b[Q8K_BSUMS + 2 * g..Q8K_BSUMS + 2 * g + 2].copy_from_slice(&(16 * q as i16).to_le_bytes());
                         }
+                    }
+                } else if ty == GgmlType::Q5_1 {
+                    // Q8_1: d, s = d * sum(qs), qs.
+                    for b in ys.chunks_exact_mut(b32::Q8_1_BYTES) {
+                        b[4..].fill(q as u8);
+                        let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                        b[2..4].copy_from_slice(&half::f16::from_f32(d * 32.0 * q as f32).to_le_bytes());
                     }
                 } else {
                     for b in ys.chunks_exact_mut(b32::Q8_0_BYTES) {

@@ -1,7 +1,10 @@
-//! Packed Q4_0 against Q8_0 activations. The 4-bit codes `u = q + 8` stay nibbles (the packed
-//! matrix is as large as the original), and `vpdpbusd` takes them as unsigned bytes once masked
-//! out. Per (row, token, block) the integer sum `isum = sum_e u_e * a_e - 8 * sum_e a_e` is exact,
-//! then `acc = (dw * da) * isum + acc`: the arithmetic of the Q8_0 / Q5_0 layouts (`b32.rs`).
+//! Packed Q4_0 and IQ4_NL against Q8_0 activations (the two share ggml's block layout: an fp16
+//! factor and 16 bytes of 4-bit codes). The codes stay nibbles (the packed matrix is as large as
+//! the original). Q4_0's code `u = q + 8` is its level plus 8; IQ4_NL's is an index that a byte
+//! shuffle turns into its non-linear level plus 128 (`KVALUES_IQ4NL[u] + 128`, 1..=241, as
+//! `iq4xs.rs` does). Either way `vpdpbusd` takes the unsigned bytes, and per (row, token, block)
+//! the integer sum `isum = sum_e l_e * a_e - off * sum_e a_e` (`off` 8 or 128) is exact, then `acc
+//! = (dw * da) * isum + acc`: the arithmetic of the Q8_0 / Q5_0 layouts (`b32.rs`).
 //!
 //! Layout of one group of 16 rows: first every block's codes, `[block][4][16 rows][4 bytes]` (byte
 //! `k` of row `r` in vector `v` is byte `4v + k` of the row's ggml block: element `4v + k` in its
@@ -9,7 +12,7 @@
 
 use super::b32::{block_sum, Q8_0_BYTES};
 use super::{f16_at, GroupActs, GroupFn, PACK_ROWS};
-use tandem_quant::blocks::BlockQ4_0;
+use tandem_quant::blocks::{BlockQ4_0, KVALUES_IQ4NL};
 
 /// Bytes of one block's codes in a group (16 rows x 16 bytes).
 const CODES: usize = 16 * PACK_ROWS;
@@ -17,8 +20,31 @@ const CODES: usize = 16 * PACK_ROWS;
 pub(super) const GROUP_BLOCK: usize = CODES + 2 * PACK_ROWS;
 const Q4_0_BYTES: usize = std::mem::size_of::<BlockQ4_0>();
 const Q8_0_QS: usize = 2;
+const _: () = assert!(Q4_0_BYTES == std::mem::size_of::<tandem_quant::blocks::BlockIQ4NL>());
 
-/// One group: 16 rows of `nb` Q4_0 blocks (`rb` bytes per row) into `dst`.
+/// IQ4_NL's levels plus 128, by code.
+const NL_LEVELS: [u8; 16] = {
+    let mut l = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        l[i] = (KVALUES_IQ4NL[i] as i32 + 128) as u8;
+        i += 1;
+    }
+    l
+};
+
+/// The unsigned level of code `u` (0..16) and the offset taken back through the block sums: Q4_0
+/// (`NL` false) or IQ4_NL.
+#[inline]
+fn level<const NL: bool>(u: u8) -> (i32, i32) {
+    if NL {
+        (NL_LEVELS[u as usize] as i32, 128)
+    } else {
+        (u as i32, 8)
+    }
+}
+
+/// One group: 16 rows of `nb` Q4_0 or IQ4_NL blocks (`rb` bytes per row) into `dst`.
 pub(super) fn pack_group(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
     for r in 0..PACK_ROWS {
         for b in 0..nb {
@@ -33,7 +59,7 @@ pub(super) fn pack_group(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
     }
 }
 
-/// Element `e` (0..32) of row `r` in a block's codes: the unsigned 4-bit code `q + 8`.
+/// Element `e` (0..32) of row `r` in a block's codes: the 4-bit code.
 #[inline]
 fn code(codes: &[u8], r: usize, e: usize) -> u8 {
     let byte = codes[64 * ((e % 16) / 4) + 4 * r + e % 4];
@@ -44,35 +70,47 @@ fn code(codes: &[u8], r: usize, e: usize) -> u8 {
     }
 }
 
-/// The AVX-512 VNNI kernel, where this build has one.
+/// The AVX-512 VNNI kernels, where this build has them: Q4_0, IQ4_NL.
 #[cfg(target_arch = "x86_64")]
-pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni);
+pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni::<false>);
+#[cfg(target_arch = "x86_64")]
+pub(super) const SIMD_NL: Option<GroupFn> = Some(x86::group_vnni::<true>);
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) const SIMD: Option<GroupFn> = None;
-/// The AVX2 kernel, where this build has one.
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const SIMD_NL: Option<GroupFn> = None;
+/// The AVX2 kernel of Q4_0, where this build has one (IQ4_NL's levels up to 241 would overflow
+/// `vpmaddubsw`'s i16 pair sums).
 #[cfg(target_arch = "x86_64")]
 pub(super) const AVX2: Option<GroupFn> = Some(x86::group_avx2);
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) const AVX2: Option<GroupFn> = None;
 
-/// The scalar reference: the arithmetic of the module docs, spelled out. Computes the block sums
-/// itself (`a.sums` is not read).
+/// The scalar reference: the arithmetic of the module docs, spelled out (Q4_0, or with `NL`
+/// IQ4_NL). Computes the block sums itself (`a.sums` is not read).
 ///
 /// # Safety
 /// As [`GroupFn`] (Q8_0 activations).
-pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+pub(super) unsafe fn group_scalar<const NL: bool>(
+    nb: usize,
+    w: *const u8,
+    a: GroupActs,
+    ny: usize,
+    out: *mut f32,
+    ostride: usize,
+) {
     // SAFETY: forwarded from the caller.
     let (w, ys) = unsafe { super::scalar_views(nb, w, GROUP_BLOCK, &a, ny, Q8_0_BYTES) };
     for t in 0..ny {
         let mut acc = [0f32; PACK_ROWS];
         for b in 0..nb {
             let y = &ys[t * a.yb + b * Q8_0_BYTES..t * a.yb + (b + 1) * Q8_0_BYTES];
-            let corr = 8 * block_sum(y);
+            let corr = level::<NL>(0).1 * block_sum(y);
             let codes = &w[b * CODES..(b + 1) * CODES];
             for (r, acc) in acc.iter_mut().enumerate() {
                 let mut isum = 0i32;
                 for e in 0..32 {
-                    isum += code(codes, r, e) as i32 * y[Q8_0_QS + e] as i8 as i32;
+                    isum += level::<NL>(code(codes, r, e)).0 * y[Q8_0_QS + e] as i8 as i32;
                 }
                 let dd = f16_at(w, nb * CODES + b * 2 * PACK_ROWS + 2 * r) * f16_at(y, 0);
                 *acc = dd.mul_add((isum - corr) as f32, *acc);
@@ -86,24 +124,31 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::x86::{bcast, bcast8, prefetch_ahead};
-    use super::{GroupActs, CODES, PACK_ROWS, Q8_0_BYTES, Q8_0_QS};
+    use super::{GroupActs, CODES, NL_LEVELS, PACK_ROWS, Q8_0_BYTES, Q8_0_QS};
     use std::arch::x86_64::*;
 
-    /// A [`super::GroupFn`] for AVX-512 VNNI.
+    /// A [`super::GroupFn`] for AVX-512 VNNI (Q4_0, or with `NL` IQ4_NL).
     ///
     /// # Safety
     /// As [`super::GroupFn`] (Q8_0 activations with their block sums), and the machine has
     /// AVX-512 VNNI.
-    pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+    pub(super) unsafe fn group_vnni<const NL: bool>(
+        nb: usize,
+        w: *const u8,
+        a: GroupActs,
+        ny: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
         // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny_pf!(ny, group[](nb, w, a, out, ostride)) }
+        unsafe { by_ny_pf!(ny, group[NL](nb, w, a, out, ostride)) }
     }
 
     /// # Safety
     /// As [`group_vnni`] with `ny == NY`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group<const PF: u8, const NY: usize>(
+    unsafe fn group<const NL: bool, const PF: u8, const NY: usize>(
         nb: usize,
         w: *const u8,
         a: GroupActs,
@@ -111,6 +156,9 @@ mod x86 {
         ostride: usize,
     ) {
         let nib = _mm512_set1_epi8(0x0F);
+        // SAFETY: 16 readable bytes.
+        let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(NL_LEVELS.as_ptr() as *const __m128i) });
+        let off = if NL { 128 } else { 8 };
         let mut acc = [_mm512_setzero_ps(); NY];
         // SAFETY: the factors follow the codes of all `nb` blocks (see the layout).
         let factors = unsafe { w.add(nb * CODES) };
@@ -127,6 +175,10 @@ mod x86 {
                     let raw = _mm512_loadu_si512(wb.add(64 * v) as *const __m512i);
                     lo[v] = _mm512_and_si512(raw, nib);
                     hi[v] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
+                    if NL {
+                        lo[v] = _mm512_shuffle_epi8(table, lo[v]);
+                        hi[v] = _mm512_shuffle_epi8(table, hi[v]);
+                    }
                 }
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(factors.add(b * 2 * PACK_ROWS) as *const __m256i));
                 for t in 0..NY {
@@ -136,7 +188,7 @@ mod x86 {
                         s0 = _mm512_dpbusd_epi32(s0, lo[v], bcast(y.add(Q8_0_QS + 4 * v)));
                         s1 = _mm512_dpbusd_epi32(s1, hi[v], bcast(y.add(Q8_0_QS + 16 + 4 * v)));
                     }
-                    let corr = _mm512_set1_epi32(8 * *a.sums.add(t * nb + b));
+                    let corr = _mm512_set1_epi32(off * *a.sums.add(t * nb + b));
                     let isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr);
                     let da = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((y as *const u16).read_unaligned() as i32)));
                     acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(da)), _mm512_cvtepi32_ps(isum), acc[t]);
@@ -223,23 +275,27 @@ mod tests {
 
     #[test]
     fn the_layout_keeps_every_code_and_factor() {
-        // (code - 8) times d, read back by the layout, is ggml's dequantized value exactly.
-        let (rows, n) = (32, 128);
-        let mut rng = Rng(23);
-        let w = random_rows(GgmlType::Q4_0, rows, n, &mut rng);
-        let p = pack(GgmlType::Q4_0, rows, n, &w).unwrap();
-        let (rb, gb, nb) = (row_size(GgmlType::Q4_0, n).unwrap(), group_bytes(GgmlType::Q4_0, n), n / 32);
-        assert_eq!(gb * (rows / PACK_ROWS), w.len(), "as large as the original");
-        for row in 0..rows {
-            let mut want = vec![0f32; n];
-            tandem_quant::dequantize_row(GgmlType::Q4_0, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
-            let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
-            let grp = &p.bytes()[g * gb..(g + 1) * gb];
-            for b in 0..nb {
-                let d = f16_at(grp, nb * CODES + b * 2 * PACK_ROWS + 2 * r);
-                for e in 0..32 {
-                    let q = code(&grp[b * CODES..(b + 1) * CODES], r, e) as i32 - 8;
-                    assert_eq!(q as f32 * d, want[b * 32 + e], "row {row} block {b} element {e}");
+        // Each code's level (q - 8 for Q4_0, KVALUES_IQ4NL[q] for IQ4_NL) times d, read back by
+        // the layout, is ggml's dequantized value exactly.
+        for (ty, nl) in [(GgmlType::Q4_0, false), (GgmlType::IQ4_NL, true)] {
+            let (rows, n) = (32, 128);
+            let mut rng = Rng(23);
+            let w = random_rows(ty, rows, n, &mut rng);
+            let p = pack(ty, rows, n, &w).unwrap();
+            let (rb, gb, nb) = (row_size(ty, n).unwrap(), group_bytes(ty, n), n / 32);
+            assert_eq!(gb * (rows / PACK_ROWS), w.len(), "{ty}: as large as the original");
+            for row in 0..rows {
+                let mut want = vec![0f32; n];
+                tandem_quant::dequantize_row(ty, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
+                let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
+                let grp = &p.bytes()[g * gb..(g + 1) * gb];
+                for b in 0..nb {
+                    let d = f16_at(grp, nb * CODES + b * 2 * PACK_ROWS + 2 * r);
+                    for e in 0..32 {
+                        let u = code(&grp[b * CODES..(b + 1) * CODES], r, e);
+                        let q = if nl { level::<true>(u).0 - 128 } else { level::<false>(u).0 - 8 };
+                        assert_eq!(q as f32 * d, want[b * 32 + e], "{ty} row {row} block {b} element {e}");
+                    }
                 }
             }
         }
