@@ -149,7 +149,8 @@ pub(super) unsafe fn group_scalar<const OFF: i32>(
         let mut acc = [0f32; PACK_ROWS];
         for b in 0..nb {
             let y = &ys[t * a.yb + b * ab..t * a.yb + (b + 1) * ab];
-            let corr = OFF * y[qs..qs + 32].iter().map(|&q| q as i8 as i32).sum::<i32>();
+            // Q5_1 has no offset (and Q8_1 blocks, where `block_sum` would not find the quants).
+            let corr = if OFF == Q5_1_OFF { 0 } else { OFF * block_sum(y) };
             for (r, acc) in acc.iter_mut().enumerate() {
                 let mut isum = 0i32;
                 for e in 0..32 {

@@ -80,8 +80,9 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::q40::NL_LEVELS;
     use super::super::x86::{bcast, prefetch_part};
-    use super::{GroupActs, D, GROUP_BLOCK, KVALUES_IQ4NL, LS, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QS, SUBS};
+    use super::{GroupActs, D, GROUP_BLOCK, LS, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QS, SUBS};
     use std::arch::x86_64::*;
 
     /// A [`super::GroupFn`] for AVX-512 VNNI.
@@ -107,9 +108,8 @@ mod x86 {
         ostride: usize,
     ) {
         let nib = _mm512_set1_epi8(0x0F);
-        let table: [u8; 16] = std::array::from_fn(|i| (KVALUES_IQ4NL[i] as i32 + 128) as u8);
         // SAFETY: 16 readable bytes.
-        let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(table.as_ptr() as *const __m128i) });
+        let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(NL_LEVELS.as_ptr() as *const __m128i) });
         let off32 = _mm512_set1_epi32(32);
         let mut acc = [_mm512_setzero_ps(); NY];
         for b in 0..nb {

@@ -22,8 +22,8 @@ const Q4_0_BYTES: usize = std::mem::size_of::<BlockQ4_0>();
 const Q8_0_QS: usize = 2;
 const _: () = assert!(Q4_0_BYTES == std::mem::size_of::<tandem_quant::blocks::BlockIQ4NL>());
 
-/// IQ4_NL's levels plus 128, by code.
-const NL_LEVELS: [u8; 16] = {
+/// IQ4_NL's (and IQ4_XS's) levels plus 128, by code: the table of their byte shuffles.
+pub(super) const NL_LEVELS: [u8; 16] = {
     let mut l = [0u8; 16];
     let mut i = 0;
     while i < 16 {
