@@ -305,7 +305,7 @@ fn flash_unit(a: &Attn, qr: &[f32], u: FlashUnit, level: Level) {
     let mut s = vec![0f32; n * len];
     scores(a, kvh, q, n, rows.clone(), &mut s, len, level);
     for (r, ml) in s.chunks_exact_mut(len).zip(ml.iter_mut()) {
-        let m = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let m = max_of(r, level);
         *ml = (m, exp_sub(r, m, level));
     }
     weighted_values(a, kvh, &s, n, len, rows, out, level);
@@ -393,7 +393,7 @@ fn heads(a: &Attn, qr: &[f32], kvh: usize, hs: std::ops::Range<usize>, out: &mut
 fn softmax_rows(n_kv: usize, s: &mut [f32], stride: usize, v_type: KvType, level: Level) {
     for row in s.chunks_exact_mut(stride.max(1)) {
         let r = &mut row[..n_kv];
-        let max = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let max = max_of(r, level);
         let inv = (1.0 / exp_sub(r, max, level)) as f32;
         #[cfg(target_arch = "x86_64")]
         if level == Level::Avx512 {
@@ -411,6 +411,38 @@ fn softmax_rows(n_kv: usize, s: &mut [f32], stride: usize, v_type: KvType, level
             *v = round_p(*v * inv, v_type);
         }
     }
+}
+
+/// The largest of `r` (`f32::max`'s: NaN ignored), in sixteen lanes: the same value as a fold
+/// in order (the lanes can differ from it only by the sign of a zero maximum, which no
+/// `exp(s - max)` sees), without its chain of one dependent comparison per score.
+fn max_of(r: &[f32], level: Level) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if level == Level::Avx512 {
+        // SAFETY: AVX-512 is present.
+        return unsafe { x86::max_of(r) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if level == Level::Avx2 {
+        // SAFETY: AVX2 is present.
+        return unsafe { x86::max_of_avx2(r) };
+    }
+    max_lanes(r)
+}
+
+#[inline(always)]
+fn max_lanes(r: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; 16];
+    let mut c = r.chunks_exact(16);
+    for ch in &mut c {
+        for (m, v) in m.iter_mut().zip(ch) {
+            *m = m.max(*v);
+        }
+    }
+    for (m, v) in m.iter_mut().zip(c.remainder()) {
+        *m = m.max(*v);
+    }
+    m.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
 /// `r[i] = exp(r[i] - max)`, returning their sum.
@@ -615,6 +647,18 @@ pub(crate) mod x86 {
             }
             i += 16;
         }
+    }
+
+    /// [`super::max_lanes`] compiled for AVX-512.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn max_of(r: &[f32]) -> f32 {
+        super::max_lanes(r)
+    }
+
+    /// [`super::max_lanes`] compiled for AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn max_of_avx2(r: &[f32]) -> f32 {
+        super::max_lanes(r)
     }
 
     /// The sum of 16 lanes (`lo` then `hi`) in one fixed order, shared by the AVX-512 and AVX2
@@ -1546,6 +1590,31 @@ mod tests {
     /// whole range a softmax sees (down to the flush to zero below e^-133 and through the
     /// subnormal results between).
     #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_lane_maximum_is_the_ordered_fold() {
+        let mut u = uniform(77);
+        for len in (0..70).chain([255, 256, 257, 3072]) {
+            for nans in [0, 1, 3] {
+                let mut r: Vec<f32> = (0..len).map(|_| u() * 50.0).collect();
+                for k in 0..nans.min(len) {
+                    r[(k * 7919) % len] = f32::NAN;
+                }
+                let want = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                for level in [Level::Scalar, Level::Avx2, Level::Avx512] {
+                    if level > Level::detected() {
+                        println!("SKIPPED the {level:?} maximum: this machine lacks it");
+                        continue;
+                    }
+                    let got = max_of(&r, level);
+                    assert_eq!(got.to_bits(), want.to_bits(), "len {len}, {nans} NaN, {level:?}: {got} != {want}");
+                }
+            }
+        }
+        // All NaN or none: minus infinity, as the fold gives.
+        assert_eq!(max_of(&[f32::NAN; 20], Level::detected()), f32::NEG_INFINITY);
+        assert_eq!(max_of(&[], Level::detected()), f32::NEG_INFINITY);
+    }
+
     #[test]
     fn avx2_softmax_has_the_bits_of_the_avx512_one() {
         if !(super::Isa::Avx512.supported() && super::Isa::Avx2.supported()) {
