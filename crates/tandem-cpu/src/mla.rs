@@ -2,12 +2,13 @@
 //! (a prefill). The absorbed form (what llama.cpp runs, and tandem for decoding) attends over the
 //! cached latent: per token, head and cached row it spends `kv_lora + n_rot` multiply-adds on the
 //! score and `kv_lora` on the value. Here every cached row's key and value are first rebuilt per
-//! head (`k_nope = W_kb^T latent`, `v = W_vb latent`), once for the whole run, and then the run
-//! attends as ordinary multi-head attention with `nope + n_rot` and `dv` per row: at a depth of
-//! thousands of rows and a few hundred tokens that is two to three times fewer operations. The
-//! products are f32 matrix products ([`crate::gemm`]) with the cached rows as the long dimension
-//! of every operand (no transposed copy of the latent), and the softmax runs down the columns of
-//! the scores, 16 (or 8) tokens per vector, with ggml's vector exp.
+//! head (`k_nope = W_kb^T latent`, `v = W_vb latent`, by the caller, as quantized products), once
+//! for the whole run, and then the run attends as ordinary multi-head attention with
+//! `nope + n_rot` and `dv` per row: at a depth of thousands of rows and a few hundred tokens that
+//! is two to three times fewer operations. The attention's products are f32 matrix products
+//! ([`crate::gemm`]) with the cached rows as the long dimension of every operand (no transposed
+//! copy of the latent), and the softmax runs down the columns of the scores, 16 (or 8) tokens per
+//! vector, with ggml's vector exp.
 
 use crate::attention::{KvType, Level};
 use crate::gemm::{gemm, Dims};
@@ -16,8 +17,8 @@ use rayon::prelude::*;
 /// Tokens per block of scores.
 const TB: usize = 64;
 
-/// Most bytes of one head's values copied into consecutive rows (16 MiB: 32K cached rows at
-/// Kimi's 128 values per head).
+/// Most bytes of one head's keys, or of its values, copied into consecutive rows (16 MiB: 32K
+/// cached rows at Kimi's 128 values per head).
 const VALUE_COPY_BYTES: usize = 16 << 20;
 
 /// The decompressed attention of `n = n_kv.len()` tokens of one sequence.
@@ -32,8 +33,9 @@ pub struct MlaPrefill<'a> {
     /// The cached rows as f32, `[rows][kv_lora + n_rot]`: the latent, then the rotary key
     /// ([`cache_rows_f32`]).
     pub kv: &'a [f32],
-    /// `W_kb` (`attn_k_b`) as f32, `[n_head][kv_lora][nope]`.
-    pub k_b: &'a [f32],
+    /// The keys rebuilt from the latent (`attn_k_b` transposed times each cached latent),
+    /// `[rows][n_head][nope]`.
+    pub k: &'a [f32],
     /// The values rebuilt from the latent (`attn_v_b` times each cached latent), `[rows][n_head][dv]`.
     pub v: &'a [f32],
     /// Rows each token attends (its position + 1), each in `1..=rows`.
@@ -56,7 +58,7 @@ impl MlaPrefill<'_> {
             && self.dv > 0
             && Some(self.q.len()) == n.checked_mul(heads * self.dk())
             && Some(out.len()) == n.checked_mul(heads * self.dv)
-            && Some(self.k_b.len()) == heads.checked_mul(self.kv_lora * self.nope)
+            && rows.checked_mul(heads * self.nope).is_some_and(|need| self.k.len() >= need)
             && rows.checked_mul(heads * self.dv).is_some_and(|need| self.v.len() >= need)
             && self.n_kv.iter().all(|&k| (1..=rows).contains(&k));
         if !ok {
@@ -113,7 +115,8 @@ pub fn mla_prefill(pool: &rayon::ThreadPool, a: &MlaPrefill, out: &mut [f32]) ->
     mla_prefill_at(pool, a, out, Level::detected(), VALUE_COPY_BYTES)
 }
 
-/// [`mla_prefill`] at `level`, copying a head's values when they take at most `copy_bytes`.
+/// [`mla_prefill`] at `level`, copying a head's keys and values when they take at most
+/// `copy_bytes` each.
 fn mla_prefill_at(
     pool: &rayon::ThreadPool,
     a: &MlaPrefill,
@@ -142,23 +145,12 @@ fn mla_prefill_at(
 fn one_head(a: &MlaPrefill, h: usize, cols: usize, level: Level, copy_bytes: usize) -> Vec<f32> {
     let (n, nh, nope, nr, kl, dv, dk) = (a.n_kv.len(), a.n_head, a.nope, a.n_rot, a.kv_lora, a.dv, a.dk());
     let row = kl + nr;
-    // The rebuilt keys, latent `[cols][kv_lora]` times W_kb,h `[kv_lora][nope]`.
-    let mut kt = vec![0f32; cols * nope];
-    let wb = &a.k_b[h * kl * nope..(h + 1) * kl * nope];
-    gemm(Dims { m: cols, n: nope, k: kl, lda: row, ka: 1, ldb: nope, ldc: nope }, a.kv, wb, &mut kt, level);
-    // This head's values as consecutive rows `[cols][dv]` (the product reads rows `nh * dv`
-    // apart 30% slower), unless the copy would be large: at most a few tasks' worth of memory
-    // per thread at long contexts.
-    let mut vh = Vec::new();
-    let (vb, ldv) = if cols * dv * std::mem::size_of::<f32>() <= copy_bytes {
-        vh.reserve_exact(cols * dv);
-        for r in 0..cols {
-            vh.extend_from_slice(&a.v[(r * nh + h) * dv..(r * nh + h + 1) * dv]);
-        }
-        (&vh[..], dv)
-    } else {
-        (&a.v[h * dv..], nh * dv)
-    };
+    // This head's keys `[cols][nope]` and values `[cols][dv]` as consecutive rows (the products
+    // read rows `nh * dv` apart 30% slower), unless a copy would be large: at most a few tasks'
+    // worth of memory per thread at long contexts.
+    let (mut kh, mut vh) = (Vec::new(), Vec::new());
+    let (kb, ldk) = head_rows(a.k, cols, nh, nope, h, copy_bytes, &mut kh);
+    let (vb, ldv) = head_rows(a.v, cols, nh, dv, h, copy_bytes, &mut vh);
     let mut o = vec![0f32; n * dv];
     let mut qt = vec![0f32; dk * TB];
     let mut st = vec![0f32; cols * TB.min(n)];
@@ -178,7 +170,7 @@ fn one_head(a: &MlaPrefill, h: usize, cols: usize, level: Level, copy_bytes: usi
         // Scores `[nk][tb]`: the rebuilt keys, then the rotary keys, one chain per score.
         let st = &mut st[..nk * tb];
         st.fill(0.0);
-        gemm(Dims { m: nk, n: tb, k: nope, lda: nope, ka: 1, ldb: tb, ldc: tb }, &kt, qt, st, level);
+        gemm(Dims { m: nk, n: tb, k: nope, lda: ldk, ka: 1, ldb: tb, ldc: tb }, kb, qt, st, level);
         gemm(Dims { m: nk, n: tb, k: nr, lda: row, ka: 1, ldb: tb, ldc: tb }, &a.kv[kl..], &qt[nope * tb..], st, level);
         let inv = softmax_columns(st, n_kv, a.scale, level);
         // The weighted values of the unnormalized probabilities, then 1 / sum per token.
@@ -189,6 +181,28 @@ fn one_head(a: &MlaPrefill, h: usize, cols: usize, level: Level, copy_bytes: usi
         }
     }
     o
+}
+
+/// Head `h`'s `d` values of each of `cols` rows of `x` (`[rows][nh][d]`): copied into `buf` as
+/// consecutive rows when they take at most `copy_bytes`, else read in place; with the distance
+/// from one row to the next.
+fn head_rows<'x>(
+    x: &'x [f32],
+    cols: usize,
+    nh: usize,
+    d: usize,
+    h: usize,
+    copy_bytes: usize,
+    buf: &'x mut Vec<f32>,
+) -> (&'x [f32], usize) {
+    if cols * d * std::mem::size_of::<f32>() > copy_bytes {
+        return (&x[h * d..], nh * d);
+    }
+    buf.reserve_exact(cols * d);
+    for r in 0..cols {
+        buf.extend_from_slice(&x[(r * nh + h) * d..(r * nh + h + 1) * d]);
+    }
+    (&buf[..], d)
 }
 
 /// Rows summed in f32 before each addition to a token's f64 sum.
@@ -389,7 +403,7 @@ mod tests {
     struct Case {
         q: Vec<f32>,
         kv: Vec<f32>,
-        k_b: Vec<f32>,
+        k: Vec<f32>,
         v: Vec<f32>,
         n_kv: Vec<usize>,
     }
@@ -403,14 +417,19 @@ mod tests {
     fn case(n_kv: Vec<usize>) -> Case {
         let rows = n_kv.iter().copied().max().unwrap();
         let kv = rand(2, rows * (KL + NR), 1.0);
-        let v_b = rand(5, NH * DV * KL, 0.3);
-        let mut v = vec![0f32; rows * NH * DV];
-        for r in 0..rows {
-            for hd in 0..NH * DV {
-                v[r * NH * DV + hd] = (0..KL).map(|j| v_b[hd * KL + j] * kv[r * (KL + NR) + j]).sum();
+        // The keys and values rebuilt from the latent, as the caller's quantized products give
+        // them (here in f32).
+        let rebuilt = |w: &[f32], d: usize| {
+            let mut x = vec![0f32; rows * NH * d];
+            for r in 0..rows {
+                for hd in 0..NH * d {
+                    x[r * NH * d + hd] = (0..KL).map(|j| w[hd * KL + j] * kv[r * (KL + NR) + j]).sum();
+                }
             }
-        }
-        Case { q: rand(1, n_kv.len() * NH * (NOPE + NR), 1.0), kv, k_b: rand(3, NH * KL * NOPE, 0.3), v, n_kv }
+            x
+        };
+        let (k, v) = (rebuilt(&rand(3, NH * NOPE * KL, 0.3), NOPE), rebuilt(&rand(5, NH * DV * KL, 0.3), DV));
+        Case { q: rand(1, n_kv.len() * NH * (NOPE + NR), 1.0), kv, k, v, n_kv }
     }
 
     fn input(c: &Case) -> MlaPrefill<'_> {
@@ -422,14 +441,15 @@ mod tests {
             kv_lora: KL,
             dv: DV,
             kv: &c.kv,
-            k_b: &c.k_b,
+            k: &c.k,
             v: &c.v,
             n_kv: &c.n_kv,
             scale: 0.3,
         }
     }
 
-    /// The textbook computation in f64: keys and values rebuilt, softmax, weighted sum.
+    /// The textbook computation in f64 from the rebuilt keys and values: scores, softmax, weighted
+    /// sum.
     fn reference(c: &Case) -> Vec<f64> {
         let dk = NOPE + NR;
         let mut out = vec![0f64; c.n_kv.len() * NH * DV];
@@ -439,13 +459,8 @@ mod tests {
                 let scores: Vec<f64> = (0..len)
                     .map(|r| {
                         let lat = &c.kv[r * (KL + NR)..(r + 1) * (KL + NR)];
-                        let nope: f64 = (0..NOPE)
-                            .map(|i| {
-                                let k: f64 =
-                                    (0..KL).map(|j| c.k_b[(h * KL + j) * NOPE + i] as f64 * lat[j] as f64).sum();
-                                k * q[i] as f64
-                            })
-                            .sum();
+                        let k = &c.k[(r * NH + h) * NOPE..(r * NH + h + 1) * NOPE];
+                        let nope: f64 = (0..NOPE).map(|i| k[i] as f64 * q[i] as f64).sum();
                         let pe: f64 = (0..NR).map(|i| q[NOPE + i] as f64 * lat[KL + i] as f64).sum();
                         0.3 * (nope + pe)
                     })
@@ -498,10 +513,10 @@ mod tests {
                 let mut par = vec![0f32; want.len()];
                 mla_prefill_at(&two, &input(&c), &mut par, level, VALUE_COPY_BYTES).unwrap();
                 assert!(par == got, "{level:?}: two threads differ from one");
-                // The values read in place (as at long contexts) instead of copied.
+                // The keys and values read in place (as at long contexts) instead of copied.
                 let mut strided = vec![0f32; want.len()];
                 mla_prefill_at(&one, &input(&c), &mut strided, level, 0).unwrap();
-                assert!(strided == got, "{level:?}: values in place differ from the copy");
+                assert!(strided == got, "{level:?}: keys and values in place differ from the copy");
                 if level != Level::Scalar {
                     if base.is_empty() {
                         base = got;
@@ -536,8 +551,8 @@ mod tests {
             let a = MlaPrefill { n_kv: &n_kv, ..input(&c) };
             assert!(mla_prefill(&pool, &a, &mut out).is_err(), "{n_kv:?}");
         }
-        let k_b = vec![0f32; 7];
-        assert!(mla_prefill(&pool, &MlaPrefill { k_b: &k_b, ..input(&c) }, &mut out).is_err());
+        let k = vec![0f32; 7];
+        assert!(mla_prefill(&pool, &MlaPrefill { k: &k, ..input(&c) }, &mut out).is_err());
         assert!(mla_prefill(&pool, &input(&c), &mut out[1..]).is_err());
         assert!(cache_rows_f32(&pool, &[0u8; 10], KvType::F16, 3, 2).is_err());
         assert!(cache_rows_f32(&pool, &[0u8; 34], KvType::Q8_0, 1, 16).is_err());

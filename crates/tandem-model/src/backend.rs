@@ -4,9 +4,12 @@
 use crate::weights::Weight;
 use crate::{Error, Result};
 use rayon::prelude::*;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tandem_cpu::packed::{pack, packable, packing_pays_for, Packed, PACK_ROWS};
 use tandem_cpu::{quantize_activations, RopeStyle, Threads, WeightRef};
 use tandem_gguf::GgmlType;
-use tandem_quant::{dequantize_row, row_size, vec_dot, vec_dot_type};
+use tandem_quant::{dequantize_row, quantize_row, row_size, vec_dot, vec_dot_type};
 
 /// One token's attention over its sequence's cached rows.
 pub struct AttnInput<'a> {
@@ -154,11 +157,62 @@ pub trait Backend: Send + Sync {
 /// Everything on the CPU, in place from the memory map.
 pub struct CpuBackend {
     threads: Threads,
+    /// Per `attn_k_b` (by name): the matrix that rebuilds the decompressed MLA's keys, made on
+    /// first use ([`KeysWeight`]).
+    keys: Mutex<HashMap<String, Arc<KeysWeight>>>,
 }
 
 impl CpuBackend {
     pub fn new(threads: Threads) -> CpuBackend {
-        CpuBackend { threads }
+        CpuBackend { threads, keys: Mutex::new(HashMap::new()) }
+    }
+
+    /// `attn_k_b` (`[n_head][kv_lora][nope]`) as the matrix whose product with a cached latent is
+    /// that row's keys: made once per weight and kept.
+    fn keys_weight(&self, k_b: &Weight, nh: usize, kl: usize, nope: usize) -> Result<Arc<KeysWeight>> {
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = keys.get(&k_b.name) {
+            return Ok(w.clone());
+        }
+        let head_bytes = row_size(k_b.ty, kl * nope)?;
+        if k_b.bytes().len() != nh * head_bytes {
+            return Err(Error::Model(format!(
+                "{}: {} bytes for {nh} heads of {head_bytes}",
+                k_b.name,
+                k_b.bytes().len()
+            )));
+        }
+        // Float weights stay exact (as f32); quantized ones are requantized to Q8_0 along the
+        // latent, as the values' `attn_v_b` rows already run.
+        let float = matches!(k_b.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+        let ty = if float { GgmlType::F32 } else { GgmlType::Q8_0 };
+        let row_q = row_size(ty, kl)?;
+        let mut data = vec![0u8; nh * nope * row_q];
+        self.threads.for_tokens(2).install(|| {
+            data.par_chunks_mut(nope * row_q).zip(k_b.bytes().par_chunks(head_bytes)).try_for_each(
+                |(o, b)| -> Result<()> {
+                    let mut w = vec![0f32; kl * nope];
+                    dequantize_row(k_b.ty, b, &mut w)?;
+                    let mut col = vec![0f32; kl];
+                    for (i, o) in o.chunks_exact_mut(row_q).enumerate() {
+                        for (j, c) in col.iter_mut().enumerate() {
+                            *c = w[j * nope + i];
+                        }
+                        quantize_row(ty, &col, o)?;
+                    }
+                    Ok(())
+                },
+            )
+        })?;
+        let rows = nh * nope;
+        let w = if packing_pays_for(ty) && packable(ty, rows, kl) && nope.is_multiple_of(PACK_ROWS) {
+            KeysWeight::Packed(pack(ty, rows, kl, &data)?)
+        } else {
+            KeysWeight::Rows { ty, rows, cols: kl, data }
+        };
+        let w = Arc::new(w);
+        keys.insert(k_b.name.clone(), w.clone());
+        Ok(w)
     }
 
     pub fn threads(&self) -> &Threads {
@@ -299,6 +353,10 @@ impl Backend for CpuBackend {
         if a.q.len() != n * nh * dk || out.len() != n * nh * dv {
             return Err(Error::Model(format!("decompressed MLA attention of {n} tokens: query or output size wrong")));
         }
+        if !kl.is_multiple_of(GgmlType::Q8_0.block_size()) {
+            return Ok(false);
+        }
+        let keys = self.keys_weight(a.k_b, nh, kl, nope)?;
         let rows = a.n_kv.iter().copied().max().unwrap_or(0);
         let pool = self.threads.for_tokens(n);
         let kv = tandem_cpu::cache_rows_f32(pool, a.kv, ty, rows, row)?;
@@ -306,21 +364,6 @@ impl Backend for CpuBackend {
         for r in kv.chunks_exact(row) {
             latent.extend_from_slice(&r[..kl]);
         }
-        // attn_k_b as f32, a head per task.
-        let mut k_b = vec![0f32; nh * kl * nope];
-        let head_bytes = row_size(a.k_b.ty, kl * nope)?;
-        if a.k_b.bytes().len() != nh * head_bytes {
-            return Err(Error::Model(format!(
-                "{}: {} bytes for {nh} heads of {head_bytes}",
-                a.k_b.name,
-                a.k_b.bytes().len()
-            )));
-        }
-        pool.install(|| {
-            k_b.par_chunks_mut(kl * nope)
-                .zip(a.k_b.bytes().par_chunks(head_bytes))
-                .try_for_each(|(o, b)| dequantize_row(a.k_b.ty, b, o))
-        })?;
         // Each head's q_nope as the absorbed form hands it to attn_k_b (rounded to the weight's
         // dot type: Q8 blocks, f16), so the scores are llama.cpp's up to the order of the sums.
         let mut q = a.q.to_vec();
@@ -338,14 +381,18 @@ impl Backend for CpuBackend {
                 Ok(())
             })
         })?;
-        // Heads in groups whose rebuilt values take at most MLA_VALUE_BYTES (one head per thread
-        // at least): at Kimi's 64 heads and 128K rows all values would be 4 GiB per layer.
-        let per_head = rows * dv * std::mem::size_of::<f32>();
+        // Heads in groups whose rebuilt keys and values take at most MLA_VALUE_BYTES (one head per
+        // thread at least): at Kimi's 64 heads and 128K rows all values would be 4 GiB per layer.
+        let per_head = rows * (nope + dv) * std::mem::size_of::<f32>();
         let hg = (MLA_VALUE_BYTES / per_head.max(1)).max(pool.current_num_threads()).clamp(1, nh);
         for h0 in (0..nh).step_by(hg) {
             let h1 = (h0 + hg).min(nh);
             let g = h1 - h0;
-            // Values: attn_v_b times every cached latent, as one quantized matrix product.
+            // Keys and values: attn_k_b (transposed) and attn_v_b times every cached latent, as
+            // quantized matrix products.
+            let mut k = vec![0f32; rows * g * nope];
+            let kw = keys.weight_ref()?.rows(h0 * nope, g * nope)?;
+            tandem_cpu::matmul(pool, &kw, &latent, &mut k)?;
             let mut v = vec![0f32; rows * g * dv];
             self.matmul_rows(a.v_b, h0 * dv, g * dv, &latent, &mut v)?;
             let qg: Vec<f32> = if g == nh {
@@ -361,7 +408,7 @@ impl Backend for CpuBackend {
                 kv_lora: kl,
                 dv,
                 kv: &kv,
-                k_b: &k_b[h0 * kl * nope..h1 * kl * nope],
+                k: &k,
                 v: &v,
                 n_kv: a.n_kv,
                 scale: a.scale,
@@ -388,7 +435,26 @@ impl Backend for CpuBackend {
     }
 }
 
-/// Most bytes of rebuilt values the decompressed MLA attention holds at once (see
+/// `attn_k_b` transposed, `[n_head][nope][kv_lora]`: each row of `kv_lora` quantized to Q8_0
+/// (packed where that pays on this machine), or f32 where `attn_k_b` is a float type. The
+/// decompressed MLA attention rebuilds every cached row's keys with it in one product, as it
+/// rebuilds the values with `attn_v_b`, instead of an f32 product of the dequantized `attn_k_b`.
+/// About 1.1 bytes per value of a quantized `attn_k_b`: 4.5 MB per layer for Kimi K2's 64 heads.
+enum KeysWeight {
+    Rows { ty: GgmlType, rows: usize, cols: usize, data: Vec<u8> },
+    Packed(Packed),
+}
+
+impl KeysWeight {
+    fn weight_ref(&self) -> Result<WeightRef<'_>> {
+        Ok(match self {
+            KeysWeight::Rows { ty, rows, cols, data } => WeightRef::new(*ty, *rows, *cols, data)?,
+            KeysWeight::Packed(p) => p.weight_ref(),
+        })
+    }
+}
+
+/// Most bytes of rebuilt keys and values the decompressed MLA attention holds at once (see
 /// `CpuBackend::mla_decompressed`).
 const MLA_VALUE_BYTES: usize = 1 << 30;
 

@@ -334,8 +334,12 @@ impl Deepseek2 {
     /// of quantized weights (int8) counted at a third of an f32 one (on the bench model with 2
     /// threads the forms break even at about 100 tokens, at depth 0 and at 3072). Absorbed:
     /// `2 kv_lora + n_rot` per token and row, plus `W_kb` on each query and `W_vb` on each output.
-    /// Decompressed: `nope + n_rot + dv` per token and row, plus rebuilding every row's key (f32)
-    /// and value (quantized).
+    /// Decompressed: `nope + n_rot + dv` per token and row, plus rebuilding every row's key and
+    /// value. The key rebuild is counted as an f32 product although it runs quantized since the
+    /// keys' Q8_0 matrix (`CpuBackend`): so weighted, the model switches at 116 tokens at depth
+    /// 3072, where the two forms measured alike at 96 tokens (Zen 5, 2 threads, 2026-12-02);
+    /// counted at a third it would switch at 58, where the absorbed form was 20% faster (64
+    /// tokens: 100-122 against 87-92 t/s).
     fn decompress(&self, mode: MlaMode, n_kv: &[usize]) -> bool {
         match mode {
             MlaMode::Absorbed => false,
