@@ -1586,10 +1586,8 @@ mod tests {
         }
     }
 
-    /// The AVX2 softmax (exp, sum, scale and rounding) gives the AVX-512 one's bits, across the
-    /// whole range a softmax sees (down to the flush to zero below e^-133 and through the
-    /// subnormal results between).
-    #[cfg(target_arch = "x86_64")]
+    /// The softmax's maximum in lanes, at every level the machine has, is the ordered fold's
+    /// value, with NaNs among the scores and at every length of the tail.
     #[test]
     fn the_lane_maximum_is_the_ordered_fold() {
         let mut u = uniform(77);
@@ -1615,6 +1613,10 @@ mod tests {
         assert_eq!(max_of(&[], Level::detected()), f32::NEG_INFINITY);
     }
 
+    /// The AVX2 softmax (exp, sum, scale and rounding) gives the AVX-512 one's bits, across the
+    /// whole range a softmax sees (down to the flush to zero below e^-133 and through the
+    /// subnormal results between).
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_softmax_has_the_bits_of_the_avx512_one() {
         if !(super::Isa::Avx512.supported() && super::Isa::Avx2.supported()) {
