@@ -152,6 +152,12 @@ MODELS: list[dict] = [
          gating=SIGMOID, exp_probs_b=True, n_groups=4, n_group_used=2,
          weights_norm=True, weights_scale=2.827, yarn=YARN_KIMI, tokenizer="kimi-k2",
          note="Kimi-K2 shape (one MoE layer) with llama.cpp's IQ4_XS mix"),
+    dict(name="deepseek2-mla-iq1_s-mix", arch="deepseek2", weights="IQ1_S-mix", cache="f16", seed=45, **DS_KQ,
+         mla=True, n_layer=1, n_dense_lead=0, n_expert_used=2, n_expert_shared=1,
+         gating=SIGMOID, exp_probs_b=True, n_groups=4, n_group_used=2,
+         weights_norm=True, weights_scale=2.827, yarn=YARN_KIMI, tokenizer="kimi-k2",
+         note="Kimi-K2 shape (one MoE layer) with every IQ1/IQ2/IQ3 type (GRID_MIX), as in 1-2 bit "
+              "Kimi / DeepSeek GGUFs"),
     dict(name="deepseek2-mla-q5_k_m", arch="deepseek2", weights="Q5_K_M", cache="f16", seed=43, **DS_KQ,
          mla=True, n_layer=1, n_dense_lead=0, n_expert_used=2, n_expert_shared=1,
          gating=SIGMOID, exp_probs_b=True, n_groups=4, n_group_used=2,
@@ -190,6 +196,22 @@ QUANT_FTYPE = {
     "Q2_K": "LLAMA_FTYPE_MOSTLY_Q2_K",
     "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
 }
+
+# The "IQ1_S-mix" file: llama_model_quantize refuses the IQ1/IQ2/IQ3 types without an importance
+# matrix ("this quantization requires an imatrix!", IQ3_XXS included), which it takes as a C++ map
+# (out of reach of ctypes), so each
+# tensor is quantized with ggml's own `ggml_quantize_chunk` (the function llama_model_quantize
+# calls) and an importance matrix of ones, to the type of the first pattern its name matches: the
+# routed experts in 1-2 bits and the rest in 2-3 bits, as in unsloth's 1-2 bit Kimi / DeepSeek
+# GGUFs; `attn_k_b` (rows of 64) in Q8_0; 1-d tensors and the router stay F32.
+GGML_TYPE_IDS = {"Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19,
+                 "IQ3_S": 21, "IQ2_S": 22, "IQ1_M": 29}
+GRID_MIX = [
+    ("ffn_gate_exps", "IQ1_S"), ("ffn_up_exps", "IQ1_M"), ("ffn_down_exps", "IQ2_XXS"),
+    ("ffn_gate_shexp", "IQ2_XS"), ("ffn_up_shexp", "IQ2_S"), ("ffn_down_shexp", "IQ3_XXS"),
+    ("attn_q_a.", "IQ3_S"), ("attn_q_b", "IQ2_XXS"), ("attn_kv_a_mqa", "IQ3_XXS"), ("attn_v_b", "IQ2_S"),
+    ("attn_output", "IQ3_S"), ("attn_k_b", "Q8_0"), ("token_embd", "Q4_K"), ("output.", "Q6_K"),
+]
 
 # --------------------------------------------------------------------------------------
 # Weights
@@ -417,6 +439,43 @@ def quantize(src: Path, dst: Path, weights: str) -> None:
         raise RuntimeError(f"llama_model_quantize({weights}) failed with {rc}")
 
 
+def quantize_grid_mix(src: Path, dst: Path) -> None:
+    """GRID_MIX: every matrix of `src` through ggml's `ggml_quantize_chunk` (see GRID_MIX)."""
+    import llama_cpp
+
+    ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    ggml.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    ggml.ggml_quantize_chunk.restype = ctypes.c_size_t
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for name, field in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1])
+        else:
+            w.add_key_value(name, field.contents(), field.types[0])
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        ty = next((q for pat, q in GRID_MIX if pat in t.name), None) if data.ndim > 1 else None
+        if ty is None:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+            continue
+        qtype = gguf.GGMLQuantizationType[ty]
+        x = np.ascontiguousarray(data, dtype=np.float32)
+        n_per_row = x.shape[-1]
+        rows = x.size // n_per_row
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        out = np.zeros(rows * (n_per_row // block) * type_size, dtype=np.uint8)
+        imatrix = np.ones(n_per_row, dtype=np.float32)
+        done = ggml.ggml_quantize_chunk(GGML_TYPE_IDS[ty], x.ctypes.data, out.ctypes.data, 0, rows, n_per_row,
+                                        imatrix.ctypes.data)
+        assert done == out.size, (t.name, ty, done, out.size)
+        w.add_tensor(t.name, out.reshape(*x.shape[:-1], -1), raw_dtype=qtype)
+    gm.write_and_close(w)
+
+
 def build_model(c: dict, path: Path) -> None:
     """Write c's model to path: F32/F16 directly, quantized types via an F16 source + llama.cpp's quantizer."""
     writer = WRITERS[c["arch"]]
@@ -426,7 +485,10 @@ def build_model(c: dict, path: Path) -> None:
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "src-f16.gguf"
         writer(src, c, all_f32=False)
-        quantize(src, path, c["weights"])
+        if c["weights"] == "IQ1_S-mix":
+            quantize_grid_mix(src, path)
+        else:
+            quantize(src, path, c["weights"])
 
 
 # --------------------------------------------------------------------------------------

@@ -35,6 +35,14 @@ c) vec_dot, `vecdot_act_<type>.bin` + `vecdot_<type>.bin`: ggml's scalar kernels
    (a llama.cpp checkout, or vendor/llama.cpp of the llama-cpp-python sdist); without it this
    part is skipped and the committed vecdot fixtures are kept.
 
+d) The IQ1/IQ2/IQ3 types (`--grid-types` regenerates only these): llama.cpp quantizes them only
+   with an importance matrix, so their fixtures are random blocks (every bit pattern is a valid
+   block; the fp16 scale set as in (a), for IQ1_M spread over its scale words' top nibbles) from
+   a generator of their own, so adding them changed no other fixture. `dequant_<type>.bin` as in
+   (a), decoded by gguf.quants and ggml's C `dequantize_row_*`, which must agree bit for bit;
+   `vecdot_<type>.bin` as in (c), each block a 256-element weight row against the committed
+   `vecdot_act_q8_K.bin` rows, its weight rows indexing the blocks of `dequant_<type>.bin`.
+
 File formats (little-endian):
   dequant_<type>.bin: u32 n_blocks | n_blocks*type_size raw bytes | n_blocks*block_size f32
   quant_input.bin:    u32 n_rows | u32 n_per_row | n_rows*n_per_row f32
@@ -470,6 +478,83 @@ def gen_vec_dot(rng: np.random.Generator) -> list[str]:
     return report
 
 
+# --- IQ1/IQ2/IQ3 --------------------------------------------------------------------------------
+
+# name -> (gguf type, ggml type id)
+GRID_TYPES = {
+    "iq2_xxs": (T.IQ2_XXS, 16), "iq2_xs": (T.IQ2_XS, 17), "iq2_s": (T.IQ2_S, 22),
+    "iq3_xxs": (T.IQ3_XXS, 18), "iq3_s": (T.IQ3_S, 21), "iq1_s": (T.IQ1_S, 19), "iq1_m": (T.IQ1_M, 29),
+}
+
+
+def gen_grid_types() -> list[str]:
+    rng = np.random.default_rng(20261202)
+    report = []
+    blocks_of = {}
+    for name, (qtype, _) in GRID_TYPES.items():
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        n_blocks = 24
+        raw = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+        d = random_scales(rng, n_blocks).view(np.uint16).astype(np.uint16)
+        if qtype == T.IQ1_M:
+            # d's four nibbles in the top nibble of each u16 scale word (bytes 48..56).
+            words = raw[:, 48:56].copy().view("<u2")
+            for k in range(4):
+                words[:, k] = (words[:, k] & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12)
+            raw[:, 48:56] = words.view(np.uint8)
+        else:
+            raw[:, 0:2] = d.view(np.uint8).reshape(n_blocks, 2)
+        raw = raw.ravel()
+        n = n_blocks * block
+        expected = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).ravel()
+        c_out = ggml_c_dequantize(f"dequantize_row_{name}", raw, n)
+        if (c_out.view(np.uint32) != expected.view(np.uint32)).any():
+            first = np.flatnonzero(c_out.view(np.uint32) != expected.view(np.uint32))[0]
+            sys.exit(f"{name}: gguf.quants and ggml C disagree at element {first}")
+        data = struct.pack("<I", n_blocks) + raw.tobytes() + c_out.astype("<f4").tobytes()
+        (OUT / f"dequant_{name}.bin").write_bytes(data)
+        report.append(f"dequant_{name}.bin: {n_blocks} blocks, {len(data)} bytes, oracle gguf.quants (== ggml C, bit for bit)")
+        blocks_of[name] = raw.reshape(n_blocks, type_size)
+
+    src = os.environ.get("LLAMA_CPP_SRC")
+    ggml_src = Path(src) / "ggml" if src else None
+    if ggml_src is None or not (ggml_src / "src" / "ggml-cpu" / "quants.c").exists():
+        return report + ["vecdot_iq*.bin not regenerated: set LLAMA_CPP_SRC (see (c))"]
+    a = (OUT / "vecdot_act_q8_K.bin").read_bytes()
+    n_rows, n = struct.unpack_from("<II", a)
+    a_size = (len(a) - 8) // n_rows
+    a_rows = [a[8 + k * a_size:8 + (k + 1) * a_size] for k in range(n_rows)]
+    assert n == QK_K
+    ggml_cpu = ctypes.CDLL(str(LIB_DIR / "libggml-cpu.so"))
+    ggml_cpu.ggml_cpu_init()
+    ggml_cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(CpuTraits)
+    with tempfile.TemporaryDirectory() as tmp:
+        shim = build_scalar_kernels(ggml_src, Path(tmp))
+        for name, (_, type_id) in GRID_TYPES.items():
+            simd = VEC_DOT_FN(ggml_cpu.ggml_get_type_traits_cpu(type_id).contents.vec_dot)
+            fn = getattr(shim, f"ggml_vec_dot_{name}_q8_K_generic")
+            fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, ctypes.c_void_p,
+                           ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            pairs, scalar, vec = [], [], []
+            for i, w in enumerate(blocks_of[name]):
+                w = w.tobytes()
+                for j in (i % n_rows, (3 * i + 1) % n_rows):
+                    out = ctypes.c_float()
+                    wbuf, abuf = ctypes.create_string_buffer(w, len(w)), ctypes.create_string_buffer(a_rows[j], a_size)
+                    fn(n, ctypes.byref(out), 0, wbuf, 0, abuf, 0, 1)
+                    scalar.append(out.value)
+                    simd(n, ctypes.byref(out), 0, ctypes.cast(wbuf, ctypes.c_void_p), 0, ctypes.cast(abuf, ctypes.c_void_p), 0, 1)
+                    vec.append(out.value)
+                    pairs += [i, j]
+            blob = (struct.pack("<I", len(scalar)) + struct.pack(f"<{len(pairs)}I", *pairs)
+                    + np.array(scalar, "<f4").tobytes() + np.array(vec, "<f4").tobytes())
+            (OUT / f"vecdot_{name}.bin").write_bytes(blob)
+            same = int(np.sum(np.array(scalar, np.float32).view(np.uint32) == np.array(vec, np.float32).view(np.uint32)))
+            report.append(f"vecdot_{name}.bin: {len(scalar)} dots with q8_K, {len(blob)} bytes; "
+                          f"SIMD equals scalar bit for bit in {same} of {len(scalar)}")
+    return report
+
+
 def ggml_c_bf16(x: np.ndarray) -> bytes:
     x = np.ascontiguousarray(x, dtype=np.float32).ravel()
     out = np.zeros(x.size, dtype=np.uint16)
@@ -480,10 +565,14 @@ def ggml_c_bf16(x: np.ndarray) -> bytes:
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(20240611)
-    report = gen_dequant(rng)
-    report += gen_quant(rng)
-    report += gen_vec_dot(rng)
+    if "--grid-types" in sys.argv[1:]:
+        report = gen_grid_types()
+    else:
+        rng = np.random.default_rng(20240611)
+        report = gen_dequant(rng)
+        report += gen_quant(rng)
+        report += gen_vec_dot(rng)
+        report += gen_grid_types()
     for line in report:
         print(line)
     total = sum(p.stat().st_size for p in OUT.glob("*.bin"))

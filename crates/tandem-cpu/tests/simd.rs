@@ -27,8 +27,35 @@ fn data(seed: u64, n: usize) -> Vec<f32> {
 
 fn weight_row(ty: GgmlType, n: usize, seed: u64) -> Vec<u8> {
     let mut w = vec![0u8; row_size(ty, n).unwrap()];
-    quantize_row(ty, &data(seed, n), &mut w).unwrap();
+    if tandem_quant::GRID_TYPES.contains(&ty) {
+        grid_row(ty, seed, &mut w);
+    } else {
+        quantize_row(ty, &data(seed, n), &mut w).unwrap();
+    }
     w
+}
+
+/// Random blocks of an IQ1/IQ2/IQ3 type (tandem cannot quantize them; every bit pattern is a
+/// valid block), each block's fp16 scale set to a modest value of either sign.
+fn grid_row(ty: GgmlType, seed: u64, w: &mut [u8]) {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for b in w.iter_mut() {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        *b = (s >> 32) as u8;
+    }
+    for (i, block) in w.chunks_exact_mut(ty.type_size()).enumerate() {
+        let d = half::f16::from_f32((0.002 + 0.001 * (i % 7) as f32) * if i % 3 == 1 { -1.0 } else { 1.0 }).to_bits();
+        if ty == GgmlType::IQ1_M {
+            // The fp16 scale's four nibbles are the top nibbles of the four u16 scale words.
+            for k in 0..4 {
+                block[48 + 2 * k + 1] = (block[48 + 2 * k + 1] & 0x0F) | ((((d >> (4 * k)) & 0xF) as u8) << 4);
+            }
+        } else {
+            block[..2].copy_from_slice(&d.to_le_bytes());
+        }
+    }
 }
 
 #[test]
@@ -245,10 +272,12 @@ fn tile_kernels_equal_single_row_kernels_bit_for_bit() {
     assert!(bad.is_empty(), "{} mismatches, first: {:?}", bad.len(), &bad[..bad.len().min(5)]);
 }
 
-/// The k-quants have tile kernels at every x86 level (where this machine runs them).
+/// The k-quants and the IQ1/IQ2/IQ3 types have tile kernels at every x86 level (where this
+/// machine runs them; the IQ types with levels above 63 stop below VNNI).
 #[test]
 fn k_quants_have_tile_kernels() {
-    for ty in [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+    let k_quants = [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K];
+    for ty in k_quants.into_iter().chain(tandem_quant::GRID_TYPES) {
         for isa in [Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni].into_iter().filter(|i| i.supported()) {
             let k = kernel(ty, isa).unwrap();
             assert!(k.has_tile(), "{ty}/{isa} has no tile kernel");
@@ -297,6 +326,57 @@ fn batched_matmul_equals_one_token_at_a_time_bit_for_bit() {
                         y[t * rows + r],
                         one[0]
                     );
+                }
+            }
+        }
+    }
+}
+
+/// The IQ1/IQ2/IQ3 kernels at the extremes of their levels: blocks of all-ones, all-zero and
+/// random bytes against activations all at +127, all at -127 and alternating, where a kernel
+/// that summed four products of levels above 63 in an i16 would saturate.
+#[test]
+fn grid_type_kernels_do_not_saturate_at_the_extreme_levels() {
+    let n = 512;
+    let acts_f32: Vec<f32> = (0..n * 3)
+        .map(|i| match i / n {
+            0 => 1.0,
+            1 => -1.0,
+            _ => {
+                if (i / 3) % 2 == 0 {
+                    1.0
+                } else {
+                    -1.0
+                }
+            }
+        })
+        .collect();
+    for ty in tandem_quant::GRID_TYPES {
+        let acts = quantize_activations(ty, &acts_f32, n).unwrap();
+        for fill in [Some(0xFFu8), Some(0x00), None] {
+            let mut w = vec![fill.unwrap_or(0); row_size(ty, n).unwrap()];
+            if fill.is_none() {
+                grid_row(ty, 77, &mut w);
+            }
+            for block in w.chunks_exact_mut(ty.type_size()) {
+                if ty == GgmlType::IQ1_M {
+                    // d = 1.0 (0x3c00) in the top nibbles of the scale words.
+                    for (k, nib) in [0x0u8, 0x0, 0xc, 0x3].into_iter().enumerate() {
+                        block[48 + 2 * k + 1] = (block[48 + 2 * k + 1] & 0x0F) | (nib << 4);
+                    }
+                } else {
+                    block[..2].copy_from_slice(&half::f16::from_f32(1.0).to_bits().to_le_bytes());
+                }
+            }
+            for isa in tandem_cpu::kernels::simd_levels(ty).into_iter().filter(|l| l.supported()) {
+                let k = kernel(ty, isa).unwrap();
+                for j in 0..3 {
+                    let a = &acts.data[j * acts.row_bytes..(j + 1) * acts.row_bytes];
+                    let want = vec_dot(ty, n, &w, a).unwrap();
+                    let mut got = [0f32];
+                    k.run(n, &w, a, &mut got);
+                    let tol = 1e-5 * want.abs().max(1.0);
+                    assert!((got[0] - want).abs() <= tol, "{ty}/{isa} fill {fill:?} row {j}: {} vs {want}", got[0]);
                 }
             }
         }

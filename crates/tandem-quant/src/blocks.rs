@@ -179,6 +179,84 @@ pub struct BlockIQ4XS {
 }
 const _: () = assert!(std::mem::size_of::<BlockIQ4XS>() == 136);
 
+/// IQ2_XXS: 256 weights in 8 groups of 32; per group two u32 (4 grid indices of 8 values, then
+/// 4 x 7 sign bits and a 4-bit scale).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockIQ2XXS {
+    pub d: f16,
+    pub qs: [u16; QK_K / 8],
+}
+const _: () = assert!(std::mem::size_of::<BlockIQ2XXS>() == 66);
+
+/// IQ2_XS: 256 weights; each u16 of `qs` is a 9-bit grid index and 7 sign bits, `scales` one
+/// 4-bit scale per 16 weights.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockIQ2XS {
+    pub d: f16,
+    pub qs: [u16; QK_K / 8],
+    pub scales: [u8; QK_K / 32],
+}
+const _: () = assert!(std::mem::size_of::<BlockIQ2XS>() == 74);
+
+/// IQ2_S: 256 weights; `qs` holds 32 grid-index low bytes then 32 sign bytes, `qh` the index
+/// high bits, `scales` one 4-bit scale per 16 weights.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockIQ2S {
+    pub d: f16,
+    pub qs: [u8; QK_K / 4],
+    pub qh: [u8; QK_K / 32],
+    pub scales: [u8; QK_K / 32],
+}
+const _: () = assert!(std::mem::size_of::<BlockIQ2S>() == 82);
+
+/// IQ3_XXS: 256 weights; 64 grid indices (4 values each), then per group of 32 a u32 of 4 x 7
+/// sign bits and a 4-bit scale.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockIQ3XXS {
+    pub d: f16,
+    pub qs: [u8; 3 * QK_K / 8],
+}
+const _: () = assert!(std::mem::size_of::<BlockIQ3XXS>() == 98);
+
+/// IQ3_S: 256 weights; 9-bit grid indices (`qs` low bytes, `qh` high bits), one sign bit per
+/// weight, one 4-bit scale per 32 weights.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockIQ3S {
+    pub d: f16,
+    pub qs: [u8; QK_K / 4],
+    pub qh: [u8; QK_K / 32],
+    pub signs: [u8; QK_K / 8],
+    pub scales: [u8; QK_K / 64],
+}
+const _: () = assert!(std::mem::size_of::<BlockIQ3S>() == 110);
+
+/// IQ1_S: 256 weights; 11-bit indices into a grid of -1/0/1 (`qs` low bytes, 3 high bits each
+/// in `qh`), per group of 32 a 3-bit scale and the sign of the 1/8 shift in `qh`'s top bits.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockIQ1S {
+    pub d: f16,
+    pub qs: [u8; QK_K / 8],
+    pub qh: [u16; QK_K / 32],
+}
+const _: () = assert!(std::mem::size_of::<BlockIQ1S>() == 50);
+
+/// IQ1_M: 256 weights; indices as IQ1_S with the high bits and shift signs per 8 weights in
+/// `qh`, 3-bit scales per 16 weights in `scales`, whose four top nibbles hold the fp16 `d`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockIQ1M {
+    pub qs: [u8; QK_K / 8],
+    pub qh: [u8; QK_K / 16],
+    pub scales: [u8; QK_K / 32],
+}
+const _: () = assert!(std::mem::size_of::<BlockIQ1M>() == 56);
+
 /// A ggml block type and the ggml type it encodes.
 pub trait Block: Pod {
     const TYPE: GgmlType;
@@ -196,7 +274,8 @@ impl_block!(
     BlockQ4_0 => Q4_0, BlockQ4_1 => Q4_1, BlockQ5_0 => Q5_0, BlockQ5_1 => Q5_1,
     BlockQ8_0 => Q8_0, BlockQ8_1 => Q8_1, BlockQ2K => Q2_K, BlockQ3K => Q3_K,
     BlockQ4K => Q4_K, BlockQ5K => Q5_K, BlockQ6K => Q6_K, BlockQ8K => Q8_K,
-    BlockIQ4NL => IQ4_NL, BlockIQ4XS => IQ4_XS,
+    BlockIQ4NL => IQ4_NL, BlockIQ4XS => IQ4_XS, BlockIQ2XXS => IQ2_XXS, BlockIQ2XS => IQ2_XS,
+    BlockIQ2S => IQ2_S, BlockIQ3XXS => IQ3_XXS, BlockIQ3S => IQ3_S, BlockIQ1S => IQ1_S, BlockIQ1M => IQ1_M,
 );
 
 /// Block `i` of `bytes`, copied out so that unaligned (memory-mapped) data is fine.
@@ -294,6 +373,13 @@ mod tests {
         check::<BlockQ8K>();
         check::<BlockIQ4NL>();
         check::<BlockIQ4XS>();
+        check::<BlockIQ2XXS>();
+        check::<BlockIQ2XS>();
+        check::<BlockIQ2S>();
+        check::<BlockIQ3XXS>();
+        check::<BlockIQ3S>();
+        check::<BlockIQ1S>();
+        check::<BlockIQ1M>();
     }
 
     #[test]

@@ -4,6 +4,7 @@
 use tandem_gguf::{GgmlType, QK_K};
 
 use crate::blocks::*;
+use crate::iq;
 use crate::kquant_helpers::{get_scale_min_k4, unpack_q3k_scales};
 
 /// Dequantizes `src` (exactly sized, checked by the caller) into `dst`. Returns false when `ty`
@@ -39,6 +40,13 @@ pub(crate) fn dequantize_into(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> bool
         GgmlType::Q8_K => each_block(src, dst, q8_k),
         GgmlType::IQ4_NL => each_block(src, dst, iq4_nl),
         GgmlType::IQ4_XS => each_block(src, dst, iq4_xs),
+        GgmlType::IQ2_XXS => each_block(src, dst, iq::dequant_iq2_xxs),
+        GgmlType::IQ2_XS => each_block(src, dst, iq::dequant_iq2_xs),
+        GgmlType::IQ2_S => each_block(src, dst, iq::dequant_iq2_s),
+        GgmlType::IQ3_XXS => each_block(src, dst, iq::dequant_iq3_xxs),
+        GgmlType::IQ3_S => each_block(src, dst, iq::dequant_iq3_s),
+        GgmlType::IQ1_S => each_block(src, dst, iq::dequant_iq1_s),
+        GgmlType::IQ1_M => each_block(src, dst, iq::dequant_iq1_m),
         _ => return false,
     }
     true

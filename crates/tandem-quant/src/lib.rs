@@ -1,9 +1,11 @@
 //! ggml block formats: scalar reference dequantize, quantize and vec_dot, bit-exact with ggml.
 //!
 //! * [`dequantize_row`] decodes F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K..Q8_K,
-//!   IQ4_NL and IQ4_XS exactly as ggml's `dequantize_row_*` (ggml/src/ggml-quants.c).
-//! * [`quantize_row`] encodes the same types as ggml's reference quantizers, byte-identical with
-//!   `llama-quantize` without an importance matrix.
+//!   IQ4_NL, IQ4_XS and the IQ1/IQ2/IQ3 families (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+//!   IQ3_S) exactly as ggml's `dequantize_row_*` (ggml/src/ggml-quants.c).
+//! * [`quantize_row`] encodes those types up to IQ4_XS as ggml's reference quantizers,
+//!   byte-identical with `llama-quantize` without an importance matrix (the IQ1/IQ2/IQ3 types are
+//!   only read: ggml quantizes them from an importance matrix).
 //! * [`vec_dot`] is ggml's scalar (`*_generic`) dot product of a weight row with an activation
 //!   row quantized to [`vec_dot_type`].
 //!
@@ -13,11 +15,14 @@
 
 pub mod blocks;
 mod dequant;
+mod iq;
+pub mod iq_tables;
 mod kquant_helpers;
 mod quant;
 mod vec_dot;
 
 pub use blocks::{bf16_to_f32, f32_to_bf16, f32_to_fp16, fp16_to_f32};
+pub use iq::{iq1m_scale, IQ1_DELTA};
 pub use kquant_helpers::{get_scale_min_k4, unpack_q3k_scales};
 pub use tandem_gguf::{GgmlType, QK_K};
 
@@ -42,7 +47,7 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Types [`dequantize_row`] decodes.
-pub const DEQUANTIZE_TYPES: [GgmlType; 17] = [
+pub const DEQUANTIZE_TYPES: [GgmlType; 24] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -60,13 +65,39 @@ pub const DEQUANTIZE_TYPES: [GgmlType; 17] = [
     GgmlType::Q8_K,
     GgmlType::IQ4_NL,
     GgmlType::IQ4_XS,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ3_S,
+    GgmlType::IQ1_S,
+    GgmlType::IQ1_M,
 ];
 
-/// Types [`quantize_row`] encodes (the same set).
-pub const QUANTIZE_TYPES: [GgmlType; 17] = DEQUANTIZE_TYPES;
+/// The IQ1/IQ2/IQ3 types: decoded and multiplied, never encoded here.
+pub const GRID_TYPES: [GgmlType; 7] = [
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ3_S,
+    GgmlType::IQ1_S,
+    GgmlType::IQ1_M,
+];
+
+/// Types [`quantize_row`] encodes: those of [`DEQUANTIZE_TYPES`] up to IQ4_XS.
+pub const QUANTIZE_TYPES: [GgmlType; 17] = {
+    let mut t = [GgmlType::F32; 17];
+    let mut i = 0;
+    while i < 17 {
+        t[i] = DEQUANTIZE_TYPES[i];
+        i += 1;
+    }
+    t
+};
 
 /// Weight types [`vec_dot`] multiplies (Q8_1 and Q8_K are activation-only types, as in ggml).
-pub const VEC_DOT_TYPES: [GgmlType; 15] = [
+pub const VEC_DOT_TYPES: [GgmlType; 22] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -82,6 +113,13 @@ pub const VEC_DOT_TYPES: [GgmlType; 15] = [
     GgmlType::Q6_K,
     GgmlType::IQ4_NL,
     GgmlType::IQ4_XS,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ3_S,
+    GgmlType::IQ1_S,
+    GgmlType::IQ1_M,
 ];
 
 /// Bytes of a row of `n` elements of `ty`, or an error when `n` is not whole blocks.

@@ -13,6 +13,7 @@
 use tandem_gguf::{GgmlType, QK_K};
 
 use crate::blocks::*;
+use crate::iq;
 use crate::kquant_helpers::{get_scale_min_k4, unpack_q3k_scales};
 
 /// The dot product of `x` (weights of type `ty`) and `y` (activations of type
@@ -31,6 +32,13 @@ pub(crate) fn dot(ty: GgmlType, n: usize, x: &[u8], y: &[u8]) -> Option<f32> {
         GgmlType::IQ4_NL => blocks(n, x, y, iq4_nl_q8_0),
         GgmlType::Q2_K => blocks(n, x, y, q2_k_q8_k),
         GgmlType::IQ4_XS => blocks(n, x, y, iq4_xs_q8_k),
+        GgmlType::IQ2_XXS => 0.125 * blocks(n, x, y, iq::dot_iq2_xxs),
+        GgmlType::IQ2_XS => 0.125 * blocks(n, x, y, iq::dot_iq2_xs),
+        GgmlType::IQ2_S => 0.125 * blocks(n, x, y, iq::dot_iq2_s),
+        GgmlType::IQ3_XXS => 0.25 * blocks(n, x, y, iq::dot_iq3_xxs),
+        GgmlType::IQ3_S => blocks(n, x, y, iq::dot_iq3_s),
+        GgmlType::IQ1_S => blocks(n, x, y, iq::dot_iq1_s),
+        GgmlType::IQ1_M => blocks(n, x, y, iq::dot_iq1_m),
         GgmlType::Q3_K => lanes(n, x, y, q3_k_q8_k),
         GgmlType::Q4_K => lanes(n, x, y, q4_k_q8_k),
         GgmlType::Q5_K => lanes(n, x, y, q5_k_q8_k),

@@ -38,8 +38,10 @@ fn unsupported_types_are_named_in_the_error() {
             assert_eq!(msg, format!("unsupported tensor type {} (id {}): {op} not implemented", ty.name(), ty.id()));
         }
     }
-    let msg = dequantize_row(GgmlType::IQ2_XXS, &[0; 66], &mut [0.0; 256]).unwrap_err().to_string();
-    assert_eq!(msg, "unsupported tensor type iq2_xxs (id 16): dequantize not implemented");
+    let msg = dequantize_row(GgmlType::TQ1_0, &[0; 54], &mut [0.0; 256]).unwrap_err().to_string();
+    assert_eq!(msg, "unsupported tensor type tq1_0 (id 34): dequantize not implemented");
+    let msg = quantize_row(GgmlType::IQ2_XXS, &[0.0; 256], &mut [0; 66]).unwrap_err().to_string();
+    assert_eq!(msg, "unsupported tensor type iq2_xxs (id 16): quantize not implemented");
 }
 
 #[test]
@@ -69,6 +71,17 @@ fn bad_lengths_are_errors_not_panics() {
         // Empty rows are fine.
         dequantize_row(ty, &[], &mut []).unwrap();
         quantize_row(ty, &[], &mut []).unwrap();
+    }
+    for ty in tandem_quant::GRID_TYPES {
+        let n = 512;
+        let bytes = row_size(ty, n).unwrap();
+        for len in [bytes - 1, bytes + 1, 0] {
+            let err = dequantize_row(ty, &vec![0u8; len], &mut vec![0f32; n]).unwrap_err();
+            assert!(matches!(err, Error::BufferLength { .. }), "{ty}: {err}");
+        }
+        let err = dequantize_row(ty, &vec![0u8; ty.type_size()], &mut vec![0f32; 255]).unwrap_err();
+        assert_eq!(err, Error::PartialBlock { ty, n: 255, block: 256 });
+        dequantize_row(ty, &[], &mut []).unwrap();
     }
     for ty in VEC_DOT_TYPES {
         let act_ty = vec_dot_type(ty);
@@ -110,6 +123,13 @@ fn vec_dot_types_follow_ggml() {
         (Q5_K, Q8_K),
         (Q6_K, Q8_K),
         (IQ4_XS, Q8_K),
+        (IQ2_XXS, Q8_K),
+        (IQ2_XS, Q8_K),
+        (IQ2_S, Q8_K),
+        (IQ3_XXS, Q8_K),
+        (IQ3_S, Q8_K),
+        (IQ1_S, Q8_K),
+        (IQ1_M, Q8_K),
     ];
     for (w, a) in table {
         assert_eq!(vec_dot_type(w), a, "{w}");

@@ -79,6 +79,8 @@ golden_tests!(dequant, check_dequant:
     q4_0 => Q4_0, q4_1 => Q4_1, q5_0 => Q5_0, q5_1 => Q5_1, q8_0 => Q8_0, q8_1 => Q8_1,
     q2_k => Q2_K, q3_k => Q3_K, q4_k => Q4_K, q5_k => Q5_K, q6_k => Q6_K, q8_k => Q8_K,
     iq4_nl => IQ4_NL, iq4_xs => IQ4_XS,
+    iq2_xxs => IQ2_XXS, iq2_xs => IQ2_XS, iq2_s => IQ2_S, iq3_xxs => IQ3_XXS, iq3_s => IQ3_S,
+    iq1_s => IQ1_S, iq1_m => IQ1_M,
 );
 
 golden_tests!(quant_llama_cpp, check_quant:

@@ -6,6 +6,8 @@
 #[cfg(target_arch = "x86_64")]
 mod dot;
 #[cfg(target_arch = "x86_64")]
+mod iq;
+#[cfg(target_arch = "x86_64")]
 mod unpack;
 
 use super::{Isa, KernelFn, TileFn};
@@ -40,6 +42,7 @@ pub(super) fn lookup_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::dot::{dot_avx2, dot_avx512, dot_avx512vnni, tile_avx2, tile_avx512, tile_avx512vnni};
+    use super::iq::{IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS};
     use super::unpack::{KQuant, Q2K, Q3K, Q4K, Q5K, Q6K};
     use crate::kernels::{Isa, KernelFn, TileFn};
     use tandem_quant::GgmlType;
@@ -91,8 +94,8 @@ mod x86 {
         match isa {
             Isa::Avx2 => Some(tile256::<T>),
             Isa::Avx512 => Some(tile512::<T>),
-            Isa::Avx512Vnni => Some(tile512vnni::<T>),
-            Isa::Scalar | Isa::Avx512Bf16 => None,
+            Isa::Avx512Vnni if T::VNNI => Some(tile512vnni::<T>),
+            Isa::Scalar | Isa::Avx512Vnni | Isa::Avx512Bf16 => None,
         }
     }
 
@@ -103,6 +106,13 @@ mod x86 {
             GgmlType::Q4_K => tile_for_type::<Q4K>(isa),
             GgmlType::Q5_K => tile_for_type::<Q5K>(isa),
             GgmlType::Q6_K => tile_for_type::<Q6K>(isa),
+            GgmlType::IQ2_XXS => tile_for_type::<IQ2XXS>(isa),
+            GgmlType::IQ2_XS => tile_for_type::<IQ2XS>(isa),
+            GgmlType::IQ2_S => tile_for_type::<IQ2S>(isa),
+            GgmlType::IQ3_XXS => tile_for_type::<IQ3XXS>(isa),
+            GgmlType::IQ3_S => tile_for_type::<IQ3S>(isa),
+            GgmlType::IQ1_S => tile_for_type::<IQ1S>(isa),
+            GgmlType::IQ1_M => tile_for_type::<IQ1M>(isa),
             _ => None,
         }
     }
@@ -111,8 +121,8 @@ mod x86 {
         match isa {
             Isa::Avx2 => Some(avx2::<T>),
             Isa::Avx512 => Some(avx512::<T>),
-            Isa::Avx512Vnni => Some(avx512vnni::<T>),
-            Isa::Scalar | Isa::Avx512Bf16 => None,
+            Isa::Avx512Vnni if T::VNNI => Some(avx512vnni::<T>),
+            Isa::Scalar | Isa::Avx512Vnni | Isa::Avx512Bf16 => None,
         }
     }
 
@@ -123,6 +133,13 @@ mod x86 {
             GgmlType::Q4_K => for_type::<Q4K>(isa),
             GgmlType::Q5_K => for_type::<Q5K>(isa),
             GgmlType::Q6_K => for_type::<Q6K>(isa),
+            GgmlType::IQ2_XXS => for_type::<IQ2XXS>(isa),
+            GgmlType::IQ2_XS => for_type::<IQ2XS>(isa),
+            GgmlType::IQ2_S => for_type::<IQ2S>(isa),
+            GgmlType::IQ3_XXS => for_type::<IQ3XXS>(isa),
+            GgmlType::IQ3_S => for_type::<IQ3S>(isa),
+            GgmlType::IQ1_S => for_type::<IQ1S>(isa),
+            GgmlType::IQ1_M => for_type::<IQ1M>(isa),
             _ => None,
         }
     }

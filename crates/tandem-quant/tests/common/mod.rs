@@ -86,12 +86,24 @@ pub fn vec_dot_fixture(ty: GgmlType, act_ty: GgmlType) -> VecDotFixture {
     let a = fixture(&format!("vecdot_act_{}.bin", act_ty.name()));
     let (n_rows, n) = (u32_at(&a, 0) as usize, u32_at(&a, 4) as usize);
     let act_rows: Vec<Vec<u8>> = a[8..].chunks_exact((a.len() - 8) / n_rows).map(<[u8]>::to_vec).collect();
-    let weight_rows = if ty == GgmlType::F32 {
+    let weight_rows = if tandem_quant::GRID_TYPES.contains(&ty) {
+        // Random blocks (llama.cpp quantizes these types only with an importance matrix): each
+        // block of dequant_<type>.bin is one weight row.
+        assert_eq!(n, ty.block_size(), "{ty}: rows of one block");
+        dequant_fixture(ty).0.chunks_exact(ty.type_size()).map(<[u8]>::to_vec).collect()
+    } else if ty == GgmlType::F32 {
         quant_input().0.iter().map(|r| r.iter().flat_map(|v| v.to_le_bytes()).collect()).collect()
     } else {
         quant_expected(ty, n).into_iter().map(|(_, bytes)| bytes).collect()
     };
     VecDotFixture { cases, weight_rows, act_rows, n }
+}
+
+/// `n` elements of `ty` from the blocks of its dequant fixture, in order and then again from the
+/// start (for the types tandem-quant cannot quantize).
+pub fn fixture_blocks(ty: GgmlType, n: usize) -> Vec<u8> {
+    let raw = dequant_fixture(ty).0;
+    raw.iter().copied().cycle().take(n / ty.block_size() * ty.type_size()).collect()
 }
 
 /// Deterministic xorshift generator for test inputs.

@@ -39,6 +39,8 @@ pub(crate) trait KQuant {
     const BYTES: usize;
     /// The `m` term carries the factor `d` (subtract it from the integer sum).
     const FOLD: bool;
+    /// Levels of at most 63, so the VNNI kernels' sums of four products pack to i16 exactly.
+    const VNNI: bool = true;
     /// # Safety
     /// `p` points at `BYTES` readable bytes; the machine has AVX2, FMA and F16C.
     unsafe fn unpack(p: *const u8) -> Unpacked;
