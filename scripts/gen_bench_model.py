@@ -12,6 +12,17 @@ With --from FILE the types are requantized from that GGUF instead (llama.cpp's a
 no F16 source, the weights of FILE rounded again), e.g. --from bench-Q8_0.gguf --types Q4_0,Q2_K
 where the disk has no room for the F16 source.
 
+    /work/venv/bin/python scripts/gen_bench_model.py --from bench-Q4_K_M.gguf --grid-types IQ1_S,IQ2_XXS
+
+writes bench-<TYPE>.gguf for the IQ1/IQ2/IQ3 types (1-3 bit experts, as in unsloth's Kimi and
+DeepSeek GGUFs): FILE's tensors with the routed experts (ffn_{gate,up,down}_exps) replaced by
+random blocks of TYPE, their fp16 scales set so the weights' RMS is 0.02 as in the F16 source.
+llama.cpp quantizes these types only with an importance matrix, and its quantizer (ggml's
+quantize_iq*) takes about half an hour per GB of weights here (0.2-2 M weights per second and
+thread): far too slow for 3.3 G expert weights. Random blocks cost the kernels the same work as
+quantized ones (every bit pattern is a valid block, and the grid tables sit in L1/L2 either way),
+so these files measure speed only; their logits mean nothing.
+
 Shapes (per layer where it applies), everything else as scripts/gen_model_fixtures.py writes it
 (mainline MLA layout attn_k_b + attn_v_b, Kimi-K2 tokenizer layout and chat template):
 
@@ -47,6 +58,7 @@ from gen_model_fixtures import KIMI_ROPE, TOKENIZERS, add_tokenizer, bytes_to_un
 
 F32 = gguf.GGMLQuantizationType.F32
 F16 = gguf.GGMLQuantizationType.F16
+QK_K = 256
 
 DEFAULT_OUT_DIR = Path("/work/bench-models")
 SEED = 20251130
@@ -293,6 +305,56 @@ def verify(path: Path) -> None:
         raise RuntimeError(f"non-finite logits for {path.name}")
 
 
+# The IQ1/IQ2/IQ3 types --grid-types writes, with their ggml type ids.
+GRID_TYPES = {"IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19, "IQ3_S": 21, "IQ2_S": 22, "IQ1_M": 29}
+
+
+def random_grid_blocks(rng: np.random.Generator, qtype: gguf.GGMLQuantizationType, n_blocks: int,
+                       d: float) -> np.ndarray:
+    """n_blocks random blocks of qtype whose fp16 scale is d (IQ1_M: spread over its scale words)."""
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+    bits = np.uint16(np.float16(d).view(np.uint16))
+    if qtype == gguf.GGMLQuantizationType.IQ1_M:
+        words = raw[:, 48:56].copy().view("<u2")
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | (((bits >> (4 * k)) & 0xF) << 12)
+        raw[:, 48:56] = words.view(np.uint8)
+    else:
+        raw[:, 0:2] = np.array([bits], dtype="<u2").view(np.uint8)
+    return raw
+
+
+def write_grid_model(src: Path, dst: Path, name: str) -> None:
+    """src's tensors with the routed experts replaced by random blocks of the grid type `name`."""
+    qtype = gguf.GGMLQuantizationType[name]
+    rng = np.random.default_rng(GRID_TYPES[name])
+    # The fp16 scale that gives weights of RMS 0.02, from 64 random blocks with scale 1.
+    probe = gguf.quants.dequantize(random_grid_blocks(rng, qtype, 64, 1.0).ravel(), qtype)
+    d = 0.02 / float(np.sqrt(np.mean(np.square(probe, dtype=np.float64))))
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1])
+        else:
+            w.add_key_value(key, field.contents(), field.types[0])
+    for t in r.tensors:
+        if "_exps." in t.name:
+            ne = [int(x) for x in t.shape]  # ne0, ne1, ne2
+            n_blocks = ne[0] // QK_K * ne[1] * ne[2]
+            blocks = random_grid_blocks(rng, qtype, n_blocks, d)
+            w.add_tensor(t.name, blocks.reshape(ne[2], ne[1], -1), raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
@@ -301,7 +363,25 @@ def main() -> int:
     ap.add_argument("--verify-only", action="store_true", help="only run the llama.cpp check")
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--from", dest="source", type=Path, help="requantize from this GGUF instead of an F16 source")
+    ap.add_argument("--grid-types", default="", help="with --from: routed experts as random blocks of these: "
+                    + ",".join(GRID_TYPES))
     args = ap.parse_args()
+
+    if args.grid_types:
+        if not args.source or not args.source.is_file():
+            ap.error("--grid-types needs --from FILE")
+        t_all = time.time()
+        for t in args.grid_types.split(","):
+            if t not in GRID_TYPES:
+                ap.error(f"unknown grid type {t!r}")
+            out = args.out_dir / f"bench-{t}.gguf"
+            print(f"{args.source} -> {out} (routed experts: random {t} blocks)", flush=True)
+            write_grid_model(args.source, out, t)
+            print(f"  {out.stat().st_size:,d} bytes", flush=True)
+            if not args.no_verify:
+                verify(out)
+        print(f"done in {time.time() - t_all:.0f} s")
+        return 0
 
     types = [t for t in args.types.split(",") if t]
     for t in types:

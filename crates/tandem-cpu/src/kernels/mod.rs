@@ -2,7 +2,7 @@
 //! (quantized to the weight type's `vec_dot_type`), so a weight block unpacked once serves several
 //! tokens of a batch. Every type has the scalar reference of tandem-quant; SIMD versions exist per
 //! type and instruction set, and [`kernel`] picks the best one the machine can run, never above the
-//! level `TANDEM_CPU_ISA` allows (`scalar`, `avx2`, `avx512`, `avx512vnni`, `avx512bf16`).
+//! level `TANDEM_CPU_ISA` allows (`scalar`, `avx2`, `avx512`, `avx512vnni`, `avx512bf16`, `avx512vbmi`).
 //!
 //! SIMD kernels sum the same integer products exactly but combine per-block float terms in another
 //! order (with FMA), as ggml's own SIMD kernels do, so they agree with the scalar reference within a
@@ -65,10 +65,14 @@ pub enum Isa {
     Avx512Vnni,
     /// AVX-512 VNNI with BF16 (`vdpbf16ps`).
     Avx512Bf16,
+    /// All of the above with VBMI and BITALG (byte permutes, `vpmultishiftqb`, `vpopcntb`): Zen 4
+    /// and later, Sapphire Rapids and later (Ice Lake has VBMI but no BF16, so it stops a level
+    /// below).
+    Avx512Vbmi,
 }
 
 impl Isa {
-    pub const ALL: [Isa; 5] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni, Isa::Avx512Bf16];
+    pub const ALL: [Isa; 6] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni, Isa::Avx512Bf16, Isa::Avx512Vbmi];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -77,6 +81,7 @@ impl Isa {
             Isa::Avx512 => "avx512",
             Isa::Avx512Vnni => "avx512vnni",
             Isa::Avx512Bf16 => "avx512bf16",
+            Isa::Avx512Vbmi => "avx512vbmi",
         }
     }
 
@@ -97,6 +102,9 @@ impl Isa {
                 Isa::Avx512 => avx512,
                 Isa::Avx512Vnni => avx512 && has!("avx512vnni"),
                 Isa::Avx512Bf16 => avx512 && has!("avx512vnni") && has!("avx512bf16"),
+                Isa::Avx512Vbmi => {
+                    avx512 && has!("avx512vnni") && has!("avx512bf16") && has!("avx512vbmi") && has!("avx512bitalg")
+                }
             }
         }
         #[cfg(not(target_arch = "x86_64"))]

@@ -278,6 +278,9 @@ fn row_vnni_q(wz: &[__m512i; 4], s: &[__m512i; 2], q: &[__m512i; 4]) -> __m512i 
 /// The zmm kernels differ only in how one row block's integer sum is formed (`$scales`, `$row`).
 macro_rules! dot_512 {
     ($(#[$doc:meta])* $name:ident, $features:literal, $scales:ident, $row:ident) => {
+        dot_512!($(#[$doc])* $name, $features, $scales, $row, unpack512);
+    };
+    ($(#[$doc:meta])* $name:ident, $features:literal, $scales:ident, $row:ident, $unpack:ident) => {
         $(#[$doc])*
         ///
         /// # Safety
@@ -293,7 +296,7 @@ macro_rules! dot_512 {
                     if NY == 1 {
                         prefetch_block::<T>(w.add(i * T::BYTES));
                     }
-                    let (wz, f) = T::unpack512(w.add(i * T::BYTES));
+                    let (wz, f) = T::$unpack(w.add(i * T::BYTES));
                     let s = $scales(f.sc);
                     let (dv, dmv) = (_mm512_set1_ps(f.d), _mm512_set1_ps(f.dmin));
                     for (j, a) in acc.iter_mut().enumerate() {
@@ -325,6 +328,12 @@ dot_512!(
     /// AVX-512 VNNI (zmm): `out[j] = dot(w, y_j)` for `NY` rows.
     dot_avx512vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", scales_packed, row_vnni
 );
+dot_512!(
+    /// AVX-512 with VBMI and BITALG (zmm), unpacking with [`KQuant::unpack_vbmi`]: `out[j] = dot(w, y_j)`
+    /// for `NY` rows.
+    dot_avx512vbmi, "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c", scales_512, row_madd,
+    unpack_vbmi
+);
 
 /// Multi-row zmm kernels: `NR` weight rows (`wstride` bytes apart) against `NY` activation rows.
 /// Each activation block is loaded once and serves all `NR` unpacked weight blocks; every
@@ -332,6 +341,9 @@ dot_512!(
 /// so it is bit-identical to it.
 macro_rules! tile_512 {
     ($(#[$doc:meta])* $name:ident, $features:literal, $scales:ident, $rowq:ident) => {
+        tile_512!($(#[$doc])* $name, $features, $scales, $rowq, unpack512);
+    };
+    ($(#[$doc:meta])* $name:ident, $features:literal, $scales:ident, $rowq:ident, $unpack:ident) => {
         $(#[$doc])*
         ///
         /// # Safety
@@ -358,7 +370,7 @@ macro_rules! tile_512 {
                     let mut u = [([_mm512_setzero_si512(); 4], zero); NR];
                     let mut s = [[_mm512_setzero_si512(); _]; NR];
                     for r in 0..NR {
-                        u[r] = T::unpack512(w.add(r * wstride + i * T::BYTES));
+                        u[r] = T::$unpack(w.add(r * wstride + i * T::BYTES));
                         s[r] = $scales(u[r].1.sc);
                     }
                     for j in 0..NY {
@@ -398,4 +410,10 @@ tile_512!(
 tile_512!(
     /// AVX-512 VNNI (zmm): `out[r * NY + j] = dot(w_r, y_j)`.
     tile_avx512vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", scales_packed, row_vnni_q
+);
+tile_512!(
+    /// AVX-512 with VBMI and BITALG (zmm), unpacking with [`KQuant::unpack_vbmi`]:
+    /// `out[r * NY + j] = dot(w_r, y_j)`.
+    tile_avx512vbmi, "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c", scales_512,
+    row_madd_q, unpack_vbmi
 );

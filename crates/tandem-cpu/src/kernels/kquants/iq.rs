@@ -56,6 +56,17 @@ static KSIGN_MASK: [u64; 128] = {
 
 const ONES: u64 = 0x0101_0101_0101_0101;
 
+/// `ksigns_iq2xs[i]` as bytes of +1 / -1 (for `vpsignb`).
+static KSIGN_PM1: [u64; 128] = {
+    let mut t = [0u64; 128];
+    let mut i = 0;
+    while i < 128 {
+        t[i] = byte_mask(KSIGNS_IQ2XS[i]) | ONES;
+        i += 1;
+    }
+    t
+};
+
 /// `offset + value` where the mask byte is clear, `offset - value` where it is set.
 #[inline(always)]
 fn signed(grid: u64, mask: u64, offset: u64) -> u64 {
@@ -75,20 +86,21 @@ fn iq1_level(grid: u64, delta_negative: bool) -> u64 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn factors(sc: &[i16; 16], offset: i16, d: f32) -> Factors {
-    let m: [i16; 16] = std::array::from_fn(|g| offset * sc[g]);
-    // SAFETY: 32 bytes read from each 16 x i16 array.
-    let (sc, m) = unsafe {
-        (_mm256_loadu_si256(sc.as_ptr() as *const __m256i), _mm256_loadu_si256(m.as_ptr() as *const __m256i))
-    };
-    Factors { sc, m, d, dmin: d }
+    // SAFETY: 32 bytes read from a 16 x i16 array.
+    let sc = unsafe { _mm256_loadu_si256(sc.as_ptr() as *const __m256i) };
+    Factors { sc, m: _mm256_mullo_epi16(sc, _mm256_set1_epi16(offset)), d, dmin: d }
 }
 
-/// The 256 levels as 8 ymm.
+/// The 256 levels as 8 ymm (a plain loop: `array::from_fn`'s closure was left as a call).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn levels(u: &[u64; 32]) -> [__m256i; 8] {
-    // SAFETY: 32 bytes at a time from a 256-byte array.
-    std::array::from_fn(|k| unsafe { _mm256_loadu_si256(u.as_ptr().add(4 * k) as *const __m256i) })
+    let mut w = [_mm256_setzero_si256(); 8];
+    for (k, v) in w.iter_mut().enumerate() {
+        // SAFETY: 32 bytes at a time from a 256-byte array.
+        *v = unsafe { _mm256_loadu_si256(u.as_ptr().add(4 * k) as *const __m256i) };
+    }
+    w
 }
 
 #[inline(always)]
@@ -106,6 +118,96 @@ unsafe fn read<B: tandem_quant::blocks::Block>(p: *const u8) -> B {
     unsafe { std::ptr::read_unaligned(p as *const B) }
 }
 
+/// 64 bytes, 64-byte aligned, to load as one zmm.
+#[repr(C, align(64))]
+struct Zmm<T>(T);
+
+/// Each IQ2XXS_GRID entry as 2-bit codes (0, 1, 2 for 8, 25, 43), weight `j` in bits `2j, 2j + 1`.
+static IQ2XXS_CODES: Zmm<[u16; 256]> = Zmm({
+    let mut t = [0u16; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut j = 0;
+        while j < 8 {
+            let v = (IQ2XXS_GRID[i] >> (8 * j)) as u8;
+            let c = if v == 8 {
+                0
+            } else if v == 25 {
+                1
+            } else {
+                2
+            };
+            t[i] |= c << (2 * j);
+            j += 1;
+        }
+        i += 1;
+    }
+    t
+});
+
+/// Byte tables of the IQ2_XXS VBMI unpacking (see `IQ2XXS::unpack_vbmi`).
+#[repr(C, align(64))]
+struct Iq2xxsVbmi {
+    /// u16 lane `m` (low byte) <- byte of grid index `m` in the 64 `qs` bytes.
+    idx: [u8; 64],
+    /// u16 lane `4j` of qword `j` <- code lane `8k + j`, for each zmm `k`.
+    sel: [[u16; 32]; 4],
+    /// Byte `j` of each qword <- bits `2j..2j + 8`.
+    codes: [u8; 64],
+    /// Bytes 0..4 of qword `ib` <- bits `32 + 7l..` (the 7-bit sign fields of group of 32 `ib`).
+    signs: [u8; 64],
+    /// Qword `j` of zmm `k` <- the sign byte of its group of 8, in every byte.
+    bcast: [[u8; 64]; 4],
+    /// Byte `8j + b` = `1 << b`.
+    bits: [u8; 64],
+    /// Levels `43 + value` and `43 - value` by code (low 2 bits of the index).
+    pos: [u8; 64],
+    neg: [u8; 64],
+    /// u16 lane `g` (low byte) <- the byte whose high nibble is the scale of group of 16 `g`.
+    scale: [u8; 64],
+}
+
+static IQ2XXS_VBMI: Iq2xxsVbmi = {
+    let mut t = Iq2xxsVbmi {
+        idx: [0; 64],
+        sel: [[0; 32]; 4],
+        codes: [0; 64],
+        signs: [0; 64],
+        bcast: [[0; 64]; 4],
+        bits: [0; 64],
+        pos: [0; 64],
+        neg: [0; 64],
+        scale: [0; 64],
+    };
+    let vals = [8u8, 25, 43, 0];
+    let mut i = 0;
+    while i < 64 {
+        let (q, b) = (i / 8, i % 8);
+        if i % 2 == 0 {
+            let m = i / 2;
+            t.idx[i] = (8 * (m / 4) + m % 4) as u8;
+        }
+        t.codes[i] = (2 * b) as u8;
+        t.signs[i] = if b < 4 { (32 + 7 * b) as u8 } else { 0 };
+        let mut k = 0;
+        while k < 4 {
+            t.bcast[k][i] = (8 * (2 * k + q / 4) + q % 4) as u8;
+            if i < 32 {
+                t.sel[k][i] = (8 * k + i / 4) as u16;
+            }
+            k += 1;
+        }
+        t.bits[i] = 1 << b;
+        t.pos[i] = 43 + vals[i % 4];
+        t.neg[i] = 43 - vals[i % 4];
+        if i % 2 == 0 && i < 32 {
+            t.scale[i] = (8 * (i / 4) + 7) as u8;
+        }
+        i += 1;
+    }
+    t
+};
+
 pub(crate) struct IQ2XXS;
 pub(crate) struct IQ2XS;
 pub(crate) struct IQ2S;
@@ -118,29 +220,91 @@ const OFF2: u64 = 43 * ONES;
 const OFF3XXS: u64 = 62 * ONES;
 const OFF3S: u64 = 15 * ONES;
 
+impl IQ2XXS {
+    /// The two u32 of group of 32 `ib`: 4 grid indices, then 4 x 7 sign bits and the scale.
+    #[inline(always)]
+    fn aux(x: &BlockIQ2XXS, ib: usize) -> (u32, u32) {
+        let aux0 = x.qs[4 * ib] as u32 | (x.qs[4 * ib + 1] as u32) << 16;
+        let aux1 = x.qs[4 * ib + 2] as u32 | (x.qs[4 * ib + 3] as u32) << 16;
+        (aux0, aux1)
+    }
+
+    #[inline(always)]
+    fn scales(x: &BlockIQ2XXS) -> [i16; 16] {
+        let mut sc = [0i16; 16];
+        for (g, v) in sc.iter_mut().enumerate() {
+            *v = 2 * (Self::aux(x, g / 2).1 >> 28) as i16 + 1;
+        }
+        sc
+    }
+}
+
 impl KQuant for IQ2XXS {
     const BYTES: usize = size_of::<BlockIQ2XXS>();
     const FOLD: bool = true;
     const VNNI: bool = false;
+    const OWN_VBMI: bool = true;
+
+    /// The codes of all 32 groups of 8 looked up at once (`vpermi2w` over the 256-entry code
+    /// table), spread to bytes (`vpermw`, `vpmultishiftqb`), and the levels taken from a 64-byte
+    /// table (`vpermb`), from the negated table where the group's sign bit is set (the sign bytes
+    /// with their parity bit by `vpmultishiftqb` and `vpopcntb`, spread by `vpermb`, `vptestmb`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
+    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
+        let t = &IQ2XXS_VBMI;
+        // SAFETY (every `ld`): 64-byte aligned 64-byte tables.
+        let ld = |b: *const u8| unsafe { _mm512_load_si512(b as *const __m512i) };
+        // SAFETY: the 64 bytes of `qs` follow the 2-byte scale.
+        let q = unsafe { _mm512_loadu_si512(p.add(2) as *const __m512i) };
+        let idx = _mm512_maskz_permutexvar_epi8(0x5555_5555_5555_5555, ld(t.idx.as_ptr()), q);
+        let c = IQ2XXS_CODES.0.as_ptr() as *const u8;
+        // SAFETY: 8 x 64 bytes of the 512-byte table.
+        let tab = |k: usize| ld(unsafe { c.add(64 * k) });
+        let t01 = _mm512_permutex2var_epi16(tab(0), idx, tab(1));
+        let t23 = _mm512_permutex2var_epi16(tab(2), idx, tab(3));
+        let t45 = _mm512_permutex2var_epi16(tab(4), idx, tab(5));
+        let t67 = _mm512_permutex2var_epi16(tab(6), idx, tab(7));
+        let k6 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(0x40));
+        let k7 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(0x80));
+        let codes =
+            _mm512_mask_blend_epi16(k7, _mm512_mask_blend_epi16(k6, t01, t23), _mm512_mask_blend_epi16(k6, t45, t67));
+        let s7 = _mm512_and_si512(_mm512_multishift_epi64_epi8(ld(t.signs.as_ptr()), q), _mm512_set1_epi8(0x7F));
+        let parity = _mm512_and_si512(_mm512_popcnt_epi8(s7), _mm512_set1_epi8(1));
+        let sb = _mm512_or_si512(s7, _mm512_slli_epi16(parity, 7));
+        let (ctrl, bits, pos, neg) =
+            (ld(t.codes.as_ptr()), ld(t.bits.as_ptr()), ld(t.pos.as_ptr()), ld(t.neg.as_ptr()));
+        let mut w = [_mm512_setzero_si512(); 4];
+        for (k, v) in w.iter_mut().enumerate() {
+            let qk = _mm512_permutexvar_epi16(ld(t.sel[k].as_ptr() as *const u8), codes);
+            let ck = _mm512_multishift_epi64_epi8(ctrl, qk);
+            let neg_k = _mm512_test_epi8_mask(_mm512_permutexvar_epi8(ld(t.bcast[k].as_ptr()), sb), bits);
+            *v = _mm512_mask_permutexvar_epi8(_mm512_permutexvar_epi8(ck, pos), neg_k, ck, neg);
+        }
+        // Scales 2s + 1 from the top nibble of each group of 32's last byte, m = 43 * scale.
+        let s4 = _mm512_srli_epi16(_mm512_maskz_permutexvar_epi8(0x5555_5555_5555_5555, ld(t.scale.as_ptr()), q), 4);
+        let sc = _mm512_add_epi16(_mm512_add_epi16(s4, s4), _mm512_set1_epi16(1));
+        let m = _mm512_mullo_epi16(sc, _mm512_set1_epi16(43));
+        // SAFETY: the block's first two bytes.
+        let d = 0.125 * f16(u16::from_le_bytes(unsafe { [*p, *p.add(1)] }));
+        (w, Factors { sc: _mm512_castsi512_si256(sc), m: _mm512_castsi512_si256(m), d, dmin: d })
+    }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> Unpacked {
         // SAFETY: forwarded from the caller.
         let x: BlockIQ2XXS = unsafe { read(p) };
-        let mut u = [0u64; 32];
-        let mut sc = [0i16; 16];
-        for ib in 0..8 {
-            let aux0 = x.qs[4 * ib] as u32 | (x.qs[4 * ib + 1] as u32) << 16;
-            let aux1 = x.qs[4 * ib + 2] as u32 | (x.qs[4 * ib + 3] as u32) << 16;
-            let ls = 2 * (aux1 >> 28) as i16 + 1;
-            sc[2 * ib] = ls;
-            sc[2 * ib + 1] = ls;
-            for l in 0..4 {
-                let grid = IQ2XXS_GRID[((aux0 >> (8 * l)) & 0xFF) as usize];
-                u[4 * ib + l] = signed(grid, KSIGN_MASK[((aux1 >> (7 * l)) & 127) as usize], OFF2);
-            }
+        let off = _mm256_set1_epi8(43);
+        let mut w = [_mm256_setzero_si256(); 8];
+        for (ib, v) in w.iter_mut().enumerate() {
+            let (aux0, aux1) = Self::aux(&x, ib);
+            let g = |l: u32| IQ2XXS_GRID[((aux0 >> (8 * l)) & 0xFF) as usize] as i64;
+            let s = |l: u32| KSIGN_PM1[((aux1 >> (7 * l)) & 127) as usize] as i64;
+            let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
+            let signs = _mm256_set_epi64x(s(3), s(2), s(1), s(0));
+            *v = _mm256_add_epi8(off, _mm256_sign_epi8(grid, signs));
         }
-        Unpacked { w: levels(&u), f: factors(&sc, 43, 0.125 * f16(x.d.to_bits())) }
+        Unpacked { w, f: factors(&Self::scales(&x), 43, 0.125 * f16(x.d.to_bits())) }
     }
 }
 
@@ -158,7 +322,10 @@ impl KQuant for IQ2XS {
             let q = x.qs[k];
             *v = signed(IQ2XS_GRID[(q & 511) as usize], KSIGN_MASK[(q >> 9) as usize], OFF2);
         }
-        let sc: [i16; 16] = std::array::from_fn(|g| 2 * ((x.scales[g / 2] >> (4 * (g % 2))) & 0xf) as i16 + 1);
+        let mut sc = [0i16; 16];
+        for (g, v) in sc.iter_mut().enumerate() {
+            *v = 2 * ((x.scales[g / 2] >> (4 * (g % 2))) & 0xf) as i16 + 1;
+        }
         Unpacked { w: levels(&u), f: factors(&sc, 43, 0.125 * f16(x.d.to_bits())) }
     }
 }
@@ -178,7 +345,10 @@ impl KQuant for IQ2S {
             let idx = x.qs[k] as usize | (((x.qh[ib] as usize) << (8 - 2 * l)) & 0x300);
             *v = signed(IQ2S_GRID[idx], SIGN_MASK[x.qs[32 + k] as usize], OFF2);
         }
-        let sc: [i16; 16] = std::array::from_fn(|g| 2 * ((x.scales[g / 2] >> (4 * (g % 2))) & 0xf) as i16 + 1);
+        let mut sc = [0i16; 16];
+        for (g, v) in sc.iter_mut().enumerate() {
+            *v = 2 * ((x.scales[g / 2] >> (4 * (g % 2))) & 0xf) as i16 + 1;
+        }
         Unpacked { w: levels(&u), f: factors(&sc, 43, 0.125 * f16(x.d.to_bits())) }
     }
 }
@@ -227,7 +397,10 @@ impl KQuant for IQ3S {
             let grid = IQ3S_GRID[i1] as u64 | (IQ3S_GRID[i2] as u64) << 32;
             *v = signed(grid, SIGN_MASK[x.signs[k] as usize], OFF3S);
         }
-        let sc: [i16; 16] = std::array::from_fn(|g| 2 * ((x.scales[g / 4] >> (4 * ((g / 2) % 2))) & 0xf) as i16 + 1);
+        let mut sc = [0i16; 16];
+        for (g, v) in sc.iter_mut().enumerate() {
+            *v = 2 * ((x.scales[g / 4] >> (4 * ((g / 2) % 2))) & 0xf) as i16 + 1;
+        }
         Unpacked { w: levels(&u), f: factors(&sc, 15, f16(x.d.to_bits())) }
     }
 }
@@ -273,12 +446,16 @@ impl KQuant for IQ1M {
             let idx = x.qs[k] as usize | (((qh as usize) << (8 - 4 * (l % 2))) & 0x700);
             *v = iq1_level(IQ1S_GRID[idx], qh & (0x08 << (4 * (l % 2))) != 0);
         }
-        let words: [u16; 4] = std::array::from_fn(|k| u16::from_le_bytes([x.scales[2 * k], x.scales[2 * k + 1]]));
+        let mut words = [0u16; 4];
+        for (k, v) in words.iter_mut().enumerate() {
+            *v = u16::from_le_bytes([x.scales[2 * k], x.scales[2 * k + 1]]);
+        }
         // Group of 16 g: group of 32 g / 2, its first or second half.
-        let sc: [i16; 16] = std::array::from_fn(|g| {
+        let mut sc = [0i16; 16];
+        for (g, v) in sc.iter_mut().enumerate() {
             let ib = g / 2;
-            2 * ((words[ib / 2] >> (6 * (ib % 2) + 3 * (g % 2))) & 0x7) as i16 + 1
-        });
+            *v = 2 * ((words[ib / 2] >> (6 * (ib % 2) + 3 * (g % 2))) & 0x7) as i16 + 1;
+        }
         Unpacked { w: levels(&u), f: factors(&sc, 9, 0.125 * tandem_quant::iq1m_scale(&x.scales)) }
     }
 }

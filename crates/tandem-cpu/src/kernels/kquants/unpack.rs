@@ -41,6 +41,8 @@ pub(crate) trait KQuant {
     const FOLD: bool;
     /// Levels of at most 63, so the VNNI kernels' sums of four products pack to i16 exactly.
     const VNNI: bool = true;
+    /// [`Self::unpack_vbmi`] is the type's own (the `avx512vbmi` kernels exist for it).
+    const OWN_VBMI: bool = false;
     /// # Safety
     /// `p` points at `BYTES` readable bytes; the machine has AVX2, FMA and F16C.
     unsafe fn unpack(p: *const u8) -> Unpacked;
@@ -56,6 +58,18 @@ pub(crate) trait KQuant {
         let u = unsafe { Self::unpack(p) };
         let w = std::array::from_fn(|k| _mm512_inserti64x4(_mm512_castsi256_si512(u.w[2 * k]), u.w[2 * k + 1], 1));
         (w, u.f)
+    }
+
+    /// [`Self::unpack512`] with AVX-512 VBMI and BITALG as well (byte permutes and shifts), where a
+    /// type gains from them; the same levels and factors.
+    ///
+    /// # Safety
+    /// As [`Self::unpack512`], and the machine has AVX-512 VBMI and BITALG.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
+    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
+        // SAFETY: forwarded from the caller.
+        unsafe { Self::unpack512(p) }
     }
 }
 
