@@ -8,6 +8,8 @@ mod dot;
 #[cfg(target_arch = "x86_64")]
 mod iq;
 #[cfg(target_arch = "x86_64")]
+mod iq_vbmi;
+#[cfg(target_arch = "x86_64")]
 mod unpack;
 
 use super::{Isa, KernelFn, TileFn};

@@ -13,6 +13,7 @@
 //! `vpdpbusd` products do not always fit an i16: these types skip the VNNI kernels, whose packed
 //! sums need levels of at most 63 ([`KQuant::VNNI`]).
 
+use super::iq_vbmi;
 use super::unpack::{Factors, KQuant, Unpacked};
 use std::arch::x86_64::*;
 use std::mem::size_of;
@@ -118,96 +119,6 @@ unsafe fn read<B: tandem_quant::blocks::Block>(p: *const u8) -> B {
     unsafe { std::ptr::read_unaligned(p as *const B) }
 }
 
-/// 64 bytes, 64-byte aligned, to load as one zmm.
-#[repr(C, align(64))]
-struct Zmm<T>(T);
-
-/// Each IQ2XXS_GRID entry as 2-bit codes (0, 1, 2 for 8, 25, 43), weight `j` in bits `2j, 2j + 1`.
-static IQ2XXS_CODES: Zmm<[u16; 256]> = Zmm({
-    let mut t = [0u16; 256];
-    let mut i = 0;
-    while i < 256 {
-        let mut j = 0;
-        while j < 8 {
-            let v = (IQ2XXS_GRID[i] >> (8 * j)) as u8;
-            let c = if v == 8 {
-                0
-            } else if v == 25 {
-                1
-            } else {
-                2
-            };
-            t[i] |= c << (2 * j);
-            j += 1;
-        }
-        i += 1;
-    }
-    t
-});
-
-/// Byte tables of the IQ2_XXS VBMI unpacking (see `IQ2XXS::unpack_vbmi`).
-#[repr(C, align(64))]
-struct Iq2xxsVbmi {
-    /// u16 lane `m` (low byte) <- byte of grid index `m` in the 64 `qs` bytes.
-    idx: [u8; 64],
-    /// u16 lane `4j` of qword `j` <- code lane `8k + j`, for each zmm `k`.
-    sel: [[u16; 32]; 4],
-    /// Byte `j` of each qword <- bits `2j..2j + 8`.
-    codes: [u8; 64],
-    /// Bytes 0..4 of qword `ib` <- bits `32 + 7l..` (the 7-bit sign fields of group of 32 `ib`).
-    signs: [u8; 64],
-    /// Qword `j` of zmm `k` <- the sign byte of its group of 8, in every byte.
-    bcast: [[u8; 64]; 4],
-    /// Byte `8j + b` = `1 << b`.
-    bits: [u8; 64],
-    /// Levels `43 + value` and `43 - value` by code (low 2 bits of the index).
-    pos: [u8; 64],
-    neg: [u8; 64],
-    /// u16 lane `g` (low byte) <- the byte whose high nibble is the scale of group of 16 `g`.
-    scale: [u8; 64],
-}
-
-static IQ2XXS_VBMI: Iq2xxsVbmi = {
-    let mut t = Iq2xxsVbmi {
-        idx: [0; 64],
-        sel: [[0; 32]; 4],
-        codes: [0; 64],
-        signs: [0; 64],
-        bcast: [[0; 64]; 4],
-        bits: [0; 64],
-        pos: [0; 64],
-        neg: [0; 64],
-        scale: [0; 64],
-    };
-    let vals = [8u8, 25, 43, 0];
-    let mut i = 0;
-    while i < 64 {
-        let (q, b) = (i / 8, i % 8);
-        if i % 2 == 0 {
-            let m = i / 2;
-            t.idx[i] = (8 * (m / 4) + m % 4) as u8;
-        }
-        t.codes[i] = (2 * b) as u8;
-        t.signs[i] = if b < 4 { (32 + 7 * b) as u8 } else { 0 };
-        let mut k = 0;
-        while k < 4 {
-            t.bcast[k][i] = (8 * (2 * k + q / 4) + q % 4) as u8;
-            if i < 32 {
-                t.sel[k][i] = (8 * k + i / 4) as u16;
-            }
-            k += 1;
-        }
-        t.bits[i] = 1 << b;
-        t.pos[i] = 43 + vals[i % 4];
-        t.neg[i] = 43 - vals[i % 4];
-        if i % 2 == 0 && i < 32 {
-            t.scale[i] = (8 * (i / 4) + 7) as u8;
-        }
-        i += 1;
-    }
-    t
-};
-
 pub(crate) struct IQ2XXS;
 pub(crate) struct IQ2XS;
 pub(crate) struct IQ2S;
@@ -245,50 +156,13 @@ impl KQuant for IQ2XXS {
     const VNNI: bool = false;
     const OWN_VBMI: bool = true;
 
-    /// The codes of all 32 groups of 8 looked up at once (`vpermi2w` over the 256-entry code
-    /// table), spread to bytes (`vpermw`, `vpmultishiftqb`), and the levels taken from a 64-byte
-    /// table (`vpermb`), from the negated table where the group's sign bit is set (the sign bytes
-    /// with their parity bit by `vpmultishiftqb` and `vpopcntb`, spread by `vpermb`, `vptestmb`).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
     unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
-        let t = &IQ2XXS_VBMI;
-        // SAFETY (every `ld`): 64-byte aligned 64-byte tables.
-        let ld = |b: *const u8| unsafe { _mm512_load_si512(b as *const __m512i) };
-        // SAFETY: the 64 bytes of `qs` follow the 2-byte scale.
-        let q = unsafe { _mm512_loadu_si512(p.add(2) as *const __m512i) };
-        let idx = _mm512_maskz_permutexvar_epi8(0x5555_5555_5555_5555, ld(t.idx.as_ptr()), q);
-        let c = IQ2XXS_CODES.0.as_ptr() as *const u8;
-        // SAFETY: 8 x 64 bytes of the 512-byte table.
-        let tab = |k: usize| ld(unsafe { c.add(64 * k) });
-        let t01 = _mm512_permutex2var_epi16(tab(0), idx, tab(1));
-        let t23 = _mm512_permutex2var_epi16(tab(2), idx, tab(3));
-        let t45 = _mm512_permutex2var_epi16(tab(4), idx, tab(5));
-        let t67 = _mm512_permutex2var_epi16(tab(6), idx, tab(7));
-        let k6 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(0x40));
-        let k7 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(0x80));
-        let codes =
-            _mm512_mask_blend_epi16(k7, _mm512_mask_blend_epi16(k6, t01, t23), _mm512_mask_blend_epi16(k6, t45, t67));
-        let s7 = _mm512_and_si512(_mm512_multishift_epi64_epi8(ld(t.signs.as_ptr()), q), _mm512_set1_epi8(0x7F));
-        let parity = _mm512_and_si512(_mm512_popcnt_epi8(s7), _mm512_set1_epi8(1));
-        let sb = _mm512_or_si512(s7, _mm512_slli_epi16(parity, 7));
-        let (ctrl, bits, pos, neg) =
-            (ld(t.codes.as_ptr()), ld(t.bits.as_ptr()), ld(t.pos.as_ptr()), ld(t.neg.as_ptr()));
-        let mut w = [_mm512_setzero_si512(); 4];
-        for (k, v) in w.iter_mut().enumerate() {
-            let qk = _mm512_permutexvar_epi16(ld(t.sel[k].as_ptr() as *const u8), codes);
-            let ck = _mm512_multishift_epi64_epi8(ctrl, qk);
-            let neg_k = _mm512_test_epi8_mask(_mm512_permutexvar_epi8(ld(t.bcast[k].as_ptr()), sb), bits);
-            *v = _mm512_mask_permutexvar_epi8(_mm512_permutexvar_epi8(ck, pos), neg_k, ck, neg);
-        }
-        // Scales 2s + 1 from the top nibble of each group of 32's last byte, m = 43 * scale.
-        let s4 = _mm512_srli_epi16(_mm512_maskz_permutexvar_epi8(0x5555_5555_5555_5555, ld(t.scale.as_ptr()), q), 4);
-        let sc = _mm512_add_epi16(_mm512_add_epi16(s4, s4), _mm512_set1_epi16(1));
-        let m = _mm512_mullo_epi16(sc, _mm512_set1_epi16(43));
-        // SAFETY: the block's first two bytes.
-        let d = 0.125 * f16(u16::from_le_bytes(unsafe { [*p, *p.add(1)] }));
-        (w, Factors { sc: _mm512_castsi512_si256(sc), m: _mm512_castsi512_si256(m), d, dmin: d })
+        // SAFETY: forwarded from the caller.
+        unsafe { iq_vbmi::iq2xxs(p) }
     }
+
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> Unpacked {
@@ -312,6 +186,15 @@ impl KQuant for IQ2XS {
     const BYTES: usize = size_of::<BlockIQ2XS>();
     const FOLD: bool = true;
     const VNNI: bool = false;
+    const OWN_VBMI: bool = true;
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
+    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
+        // SAFETY: forwarded from the caller.
+        unsafe { iq_vbmi::iq2xs(p) }
+    }
+
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> Unpacked {
@@ -334,6 +217,15 @@ impl KQuant for IQ2S {
     const BYTES: usize = size_of::<BlockIQ2S>();
     const FOLD: bool = true;
     const VNNI: bool = false;
+    const OWN_VBMI: bool = true;
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
+    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
+        // SAFETY: forwarded from the caller.
+        unsafe { iq_vbmi::iq2s(p) }
+    }
+
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> Unpacked {
@@ -357,6 +249,15 @@ impl KQuant for IQ3XXS {
     const BYTES: usize = size_of::<BlockIQ3XXS>();
     const FOLD: bool = true;
     const VNNI: bool = false;
+    const OWN_VBMI: bool = true;
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
+    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
+        // SAFETY: forwarded from the caller.
+        unsafe { iq_vbmi::iq3xxs(p) }
+    }
+
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> Unpacked {
@@ -383,6 +284,15 @@ impl KQuant for IQ3S {
     const BYTES: usize = size_of::<BlockIQ3S>();
     const FOLD: bool = true;
     const VNNI: bool = true;
+    const OWN_VBMI: bool = true;
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
+    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
+        // SAFETY: forwarded from the caller.
+        unsafe { iq_vbmi::iq3s(p) }
+    }
+
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> Unpacked {
@@ -409,6 +319,15 @@ impl KQuant for IQ1S {
     const BYTES: usize = size_of::<BlockIQ1S>();
     const FOLD: bool = true;
     const VNNI: bool = true;
+    const OWN_VBMI: bool = true;
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
+    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
+        // SAFETY: forwarded from the caller.
+        unsafe { iq_vbmi::iq1s(p) }
+    }
+
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> Unpacked {
@@ -434,6 +353,15 @@ impl KQuant for IQ1M {
     const BYTES: usize = size_of::<BlockIQ1M>();
     const FOLD: bool = true;
     const VNNI: bool = true;
+    const OWN_VBMI: bool = true;
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
+    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
+        // SAFETY: forwarded from the caller.
+        unsafe { iq_vbmi::iq1m(p) }
+    }
+
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> Unpacked {
