@@ -1,7 +1,8 @@
 //! Quantized matmul per weight type through `tandem_cpu::matmul`: a 2048 x 2048 weight against
 //! 1 token (the decode matvec) and 64 tokens (a prefill micro-batch), row-major and, for the types
 //! `--repack` packs, packed (`TYPE-packed`; where the machine runs the packed kernels). Throughput
-//! is the row-major weight bytes.
+//! is the row-major weight bytes. The IQ1/IQ2/IQ3 types are random blocks (tandem cannot quantize
+//! them).
 //!
 //! `cargo bench --bench kernels` (`-- --quick` for a short run); threads: TANDEM_BENCH_THREADS.
 
@@ -14,7 +15,7 @@ use tandem_quant::GgmlType;
 
 const N: usize = 2048;
 const TOKENS: [usize; 2] = [1, 64];
-const TYPES: [GgmlType; 9] = [
+const TYPES: [GgmlType; 12] = [
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
@@ -22,6 +23,9 @@ const TYPES: [GgmlType; 9] = [
     GgmlType::Q5_0,
     GgmlType::Q4_0,
     GgmlType::IQ4_XS,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ1_S,
     GgmlType::F16,
     GgmlType::BF16,
 ];

@@ -28,9 +28,25 @@ pub fn random_f32(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// A `rows x cols` matrix of random weights quantized to `ty` row by row.
+/// A `rows x cols` matrix of random weights quantized to `ty` row by row; for the IQ1/IQ2/IQ3
+/// types, which tandem does not quantize, random blocks (every bit pattern is one) with a modest
+/// fp16 scale.
 pub fn quantized_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     let rb = row_size(ty, cols).expect("row size");
+    if tandem_quant::GRID_TYPES.contains(&ty) {
+        let mut out: Vec<u8> = random_f32(rows * rb, seed).iter().map(|v| (v.to_bits() >> 8) as u8).collect();
+        let d = tandem_quant::f32_to_fp16(0.002).to_bits();
+        for block in out.chunks_exact_mut(ty.type_size()) {
+            if ty == GgmlType::IQ1_M {
+                for k in 0..4 {
+                    block[49 + 2 * k] = (block[49 + 2 * k] & 0x0F) | ((((d >> (4 * k)) & 0xF) as u8) << 4);
+                }
+            } else {
+                block[..2].copy_from_slice(&d.to_le_bytes());
+            }
+        }
+        return out;
+    }
     let src = random_f32(rows * cols, seed);
     let mut out = vec![0u8; rows * rb];
     for (s, d) in src.chunks_exact(cols).zip(out.chunks_exact_mut(rb)) {

@@ -44,7 +44,8 @@ pub(super) fn lookup_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::dot::{
-        dot_avx2, dot_avx512, dot_avx512vbmi, dot_avx512vnni, tile_avx2, tile_avx512, tile_avx512vbmi, tile_avx512vnni,
+        dot_avx2, dot_avx512, dot_avx512vbmi, dot_avx512vbmi_vnni, dot_avx512vnni, tile_avx2, tile_avx512,
+        tile_avx512vnni,
     };
     use super::iq::{IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS};
     use super::unpack::{KQuant, Q2K, Q3K, Q4K, Q5K, Q6K};
@@ -79,6 +80,7 @@ mod x86 {
     entry!(avx512, dot_avx512);
     entry!(avx512vnni, dot_avx512vnni);
     entry!(avx512vbmi, dot_avx512vbmi);
+    entry!(avx512vbmi_vnni, dot_avx512vbmi_vnni);
 
     /// A `TileFn` from a tile loop generic over the weight rows `NR` (2 or 4, from `out.len() / ny`)
     /// and `NY`.
@@ -94,15 +96,16 @@ mod x86 {
     tile_entry!(tile256, tile_avx2);
     tile_entry!(tile512, tile_avx512);
     tile_entry!(tile512vnni, tile_avx512vnni);
-    tile_entry!(tile512vbmi, tile_avx512vbmi);
 
     fn tile_for_type<T: KQuant>(isa: Isa) -> Option<TileFn> {
+        if !T::TILES {
+            return None;
+        }
         match isa {
             Isa::Avx2 => Some(tile256::<T>),
             Isa::Avx512 => Some(tile512::<T>),
             Isa::Avx512Vnni if T::VNNI => Some(tile512vnni::<T>),
-            Isa::Avx512Vbmi if T::OWN_VBMI => Some(tile512vbmi::<T>),
-            Isa::Scalar | Isa::Avx512Vnni | Isa::Avx512Bf16 | Isa::Avx512Vbmi => None,
+            Isa::Scalar | Isa::Avx512Vnni | Isa::Avx512Vbmi | Isa::Avx512Bf16 => None,
         }
     }
 
@@ -129,6 +132,7 @@ mod x86 {
             Isa::Avx2 => Some(avx2::<T>),
             Isa::Avx512 => Some(avx512::<T>),
             Isa::Avx512Vnni if T::VNNI => Some(avx512vnni::<T>),
+            Isa::Avx512Vbmi if T::OWN_VBMI && T::VNNI => Some(avx512vbmi_vnni::<T>),
             Isa::Avx512Vbmi if T::OWN_VBMI => Some(avx512vbmi::<T>),
             Isa::Scalar | Isa::Avx512Vnni | Isa::Avx512Bf16 | Isa::Avx512Vbmi => None,
         }

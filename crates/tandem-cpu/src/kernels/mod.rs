@@ -2,7 +2,7 @@
 //! (quantized to the weight type's `vec_dot_type`), so a weight block unpacked once serves several
 //! tokens of a batch. Every type has the scalar reference of tandem-quant; SIMD versions exist per
 //! type and instruction set, and [`kernel`] picks the best one the machine can run, never above the
-//! level `TANDEM_CPU_ISA` allows (`scalar`, `avx2`, `avx512`, `avx512vnni`, `avx512bf16`, `avx512vbmi`).
+//! level `TANDEM_CPU_ISA` allows (`scalar`, `avx2`, `avx512`, `avx512vnni`, `avx512vbmi`, `avx512bf16`).
 //!
 //! SIMD kernels sum the same integer products exactly but combine per-block float terms in another
 //! order (with FMA), as ggml's own SIMD kernels do, so they agree with the scalar reference within a
@@ -63,16 +63,16 @@ pub enum Isa {
     Avx512,
     /// AVX-512 with VNNI (`vpdpbusd`).
     Avx512Vnni,
-    /// AVX-512 VNNI with BF16 (`vdpbf16ps`).
-    Avx512Bf16,
-    /// All of the above with VBMI and BITALG (byte permutes, `vpmultishiftqb`, `vpopcntb`): Zen 4
-    /// and later, Sapphire Rapids and later (Ice Lake has VBMI but no BF16, so it stops a level
-    /// below).
+    /// AVX-512 VNNI with VBMI and BITALG (byte permutes, `vpmultishiftqb`, `vpopcntb`): Ice Lake,
+    /// Zen 4 and later.
     Avx512Vbmi,
+    /// All of the above with BF16 (`vdpbf16ps`): Sapphire Rapids, Zen 4 and later (Cooper Lake
+    /// has BF16 without VBMI, so it stops at `avx512vnni`).
+    Avx512Bf16,
 }
 
 impl Isa {
-    pub const ALL: [Isa; 6] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni, Isa::Avx512Bf16, Isa::Avx512Vbmi];
+    pub const ALL: [Isa; 6] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni, Isa::Avx512Vbmi, Isa::Avx512Bf16];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -96,15 +96,14 @@ impl Isa {
             use std::arch::is_x86_feature_detected as has;
             let avx2 = has!("avx2") && has!("fma") && has!("f16c");
             let avx512 = avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq");
+            let vbmi = avx512 && has!("avx512vnni") && has!("avx512vbmi") && has!("avx512bitalg");
             match self {
                 Isa::Scalar => true,
                 Isa::Avx2 => avx2,
                 Isa::Avx512 => avx512,
                 Isa::Avx512Vnni => avx512 && has!("avx512vnni"),
-                Isa::Avx512Bf16 => avx512 && has!("avx512vnni") && has!("avx512bf16"),
-                Isa::Avx512Vbmi => {
-                    avx512 && has!("avx512vnni") && has!("avx512bf16") && has!("avx512vbmi") && has!("avx512bitalg")
-                }
+                Isa::Avx512Vbmi => vbmi,
+                Isa::Avx512Bf16 => vbmi && has!("avx512bf16"),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]

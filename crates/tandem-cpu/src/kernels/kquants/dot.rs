@@ -329,6 +329,12 @@ dot_512!(
     dot_avx512vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", scales_packed, row_vnni
 );
 dot_512!(
+    /// AVX-512 VNNI with VBMI and BITALG (zmm), unpacking with [`KQuant::unpack_vbmi`] (types with
+    /// [`KQuant::VNNI`]): `out[j] = dot(w, y_j)` for `NY` rows.
+    dot_avx512vbmi_vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bitalg,avx2,fma,f16c",
+    scales_packed, row_vnni, unpack_vbmi
+);
+dot_512!(
     /// AVX-512 with VBMI and BITALG (zmm), unpacking with [`KQuant::unpack_vbmi`]: `out[j] = dot(w, y_j)`
     /// for `NY` rows.
     dot_avx512vbmi, "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c", scales_512, row_madd,
@@ -341,9 +347,6 @@ dot_512!(
 /// so it is bit-identical to it.
 macro_rules! tile_512 {
     ($(#[$doc:meta])* $name:ident, $features:literal, $scales:ident, $rowq:ident) => {
-        tile_512!($(#[$doc])* $name, $features, $scales, $rowq, unpack512);
-    };
-    ($(#[$doc:meta])* $name:ident, $features:literal, $scales:ident, $rowq:ident, $unpack:ident) => {
         $(#[$doc])*
         ///
         /// # Safety
@@ -370,7 +373,7 @@ macro_rules! tile_512 {
                     let mut u = [([_mm512_setzero_si512(); 4], zero); NR];
                     let mut s = [[_mm512_setzero_si512(); _]; NR];
                     for r in 0..NR {
-                        u[r] = T::$unpack(w.add(r * wstride + i * T::BYTES));
+                        u[r] = T::unpack512(w.add(r * wstride + i * T::BYTES));
                         s[r] = $scales(u[r].1.sc);
                     }
                     for j in 0..NY {
@@ -410,10 +413,4 @@ tile_512!(
 tile_512!(
     /// AVX-512 VNNI (zmm): `out[r * NY + j] = dot(w_r, y_j)`.
     tile_avx512vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", scales_packed, row_vnni_q
-);
-tile_512!(
-    /// AVX-512 with VBMI and BITALG (zmm), unpacking with [`KQuant::unpack_vbmi`]:
-    /// `out[r * NY + j] = dot(w_r, y_j)`.
-    tile_avx512vbmi, "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c", scales_512,
-    row_madd_q, unpack_vbmi
 );

@@ -155,6 +155,7 @@ impl KQuant for IQ2XXS {
     const FOLD: bool = true;
     const VNNI: bool = false;
     const OWN_VBMI: bool = true;
+    const TILES: bool = false;
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
@@ -187,6 +188,7 @@ impl KQuant for IQ2XS {
     const FOLD: bool = true;
     const VNNI: bool = false;
     const OWN_VBMI: bool = true;
+    const TILES: bool = false;
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
@@ -218,6 +220,7 @@ impl KQuant for IQ2S {
     const FOLD: bool = true;
     const VNNI: bool = false;
     const OWN_VBMI: bool = true;
+    const TILES: bool = false;
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
@@ -250,6 +253,7 @@ impl KQuant for IQ3XXS {
     const FOLD: bool = true;
     const VNNI: bool = false;
     const OWN_VBMI: bool = true;
+    const TILES: bool = false;
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
@@ -285,6 +289,7 @@ impl KQuant for IQ3S {
     const FOLD: bool = true;
     const VNNI: bool = true;
     const OWN_VBMI: bool = true;
+    const TILES: bool = false;
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
@@ -320,6 +325,7 @@ impl KQuant for IQ1S {
     const FOLD: bool = true;
     const VNNI: bool = true;
     const OWN_VBMI: bool = true;
+    const TILES: bool = false;
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
@@ -354,6 +360,7 @@ impl KQuant for IQ1M {
     const FOLD: bool = true;
     const VNNI: bool = true;
     const OWN_VBMI: bool = true;
+    const TILES: bool = false;
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]

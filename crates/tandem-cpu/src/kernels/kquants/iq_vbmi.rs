@@ -53,9 +53,9 @@ static IQ2XXS_CODES: A64<[u16; 256]> = codes(&IQ2XXS_GRID, 8, &V2, 2);
 static IQ2XS_CODES: A64<[u16; 512]> = codes(&IQ2XS_GRID, 8, &V2, 2);
 static IQ2S_CODES: A64<[u16; 1025]> = codes(&IQ2S_GRID, 8, &V2, 2);
 static IQ3XXS_CODES: A64<[u16; 256]> = codes(&widen(&IQ3XXS_GRID), 4, &V3XXS, 3);
-static IQ3S_CODES: A64<[u16; 513]> = codes(&widen(&IQ3S_GRID), 4, &V3S, 3);
-/// IQ1S_GRID's codes (0, 1, 2 for -1, 0, 1). The gathered tables (IQ1S, IQ2S, IQ3S) have one
-/// entry more: a gather reads 4 bytes.
+static IQ3S_CODES: A64<[u16; 512]> = codes(&widen(&IQ3S_GRID), 4, &V3S, 3);
+/// IQ1S_GRID's codes (0, 1, 2 for -1, 0, 1). The gathered tables (IQ1S, IQ2S) have one entry
+/// more: a gather reads 4 bytes.
 static IQ1S_CODES: A64<[u16; 2049]> = codes(&IQ1S_GRID, 8, &[0xFF, 0, 1], 2);
 
 /// The control vectors (64 bytes each).
@@ -443,7 +443,7 @@ pub(super) unsafe fn iq3s(p: *const u8) -> ([__m512i; 4], Factors) {
             _mm512_or_si512(_mm512_maskz_permutexvar_epi8(ODD_ZERO, ld(c.lanes_lo.as_ptr()), q), hi_bit(&c.qh8_lo));
         let idx_hi =
             _mm512_or_si512(_mm512_maskz_permutexvar_epi8(ODD_ZERO, ld(c.lanes_hi.as_ptr()), q), hi_bit(&c.qh8_hi));
-        let codes = [gather_codes(&IQ3S_CODES, idx_lo), gather_codes(&IQ3S_CODES, idx_hi)];
+        let codes = [lookup(&IQ3S_CODES, idx_lo), lookup(&IQ3S_CODES, idx_hi)];
         let mut w = [_mm512_setzero_si512(); 4];
         for (k, v) in w.iter_mut().enumerate() {
             let qk = _mm512_permutexvar_epi16(ld(c.sel2[k].as_ptr()), codes[k / 2]);

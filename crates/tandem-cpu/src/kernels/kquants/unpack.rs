@@ -43,6 +43,8 @@ pub(crate) trait KQuant {
     const VNNI: bool = true;
     /// [`Self::unpack_vbmi`] is the type's own (the `avx512vbmi` kernels exist for it).
     const OWN_VBMI: bool = false;
+    /// Multi-row tile kernels pay for this type.
+    const TILES: bool = true;
     /// # Safety
     /// `p` points at `BYTES` readable bytes; the machine has AVX2, FMA and F16C.
     unsafe fn unpack(p: *const u8) -> Unpacked;
