@@ -409,6 +409,16 @@ def scalar_float_dot(wt: str, x: bytes, y: bytes) -> float:
     return float(np.float32(np.cumsum(products)[-1]))
 
 
+def write_vec_dot(wt: str, at: str, pairs: list[int], scalar: list[float], vec: list[float]) -> str:
+    """Writes vecdot_<wt>.bin (format in the module docstring); returns its report line."""
+    blob = (struct.pack("<I", len(scalar)) + struct.pack(f"<{len(pairs)}I", *pairs)
+            + np.array(scalar, "<f4").tobytes() + np.array(vec, "<f4").tobytes())
+    (OUT / f"vecdot_{wt}.bin").write_bytes(blob)
+    same = int(np.sum(np.array(scalar, np.float32).view(np.uint32) == np.array(vec, np.float32).view(np.uint32)))
+    return (f"vecdot_{wt}.bin: {len(scalar)} dots with {at}, {len(blob)} bytes; "
+            f"SIMD equals scalar bit for bit in {same} of {len(scalar)}")
+
+
 def gen_vec_dot(rng: np.random.Generator) -> list[str]:
     src = os.environ.get("LLAMA_CPP_SRC")
     ggml_src = Path(src) / "ggml" if src else None
@@ -469,12 +479,7 @@ def gen_vec_dot(rng: np.random.Generator) -> list[str]:
                 simd(n, ctypes.byref(out), 0, ctypes.cast(wbuf, ctypes.c_void_p), 0, ctypes.cast(abuf, ctypes.c_void_p), 0, 1)
                 vec.append(out.value)
                 pairs += [i, j]
-            blob = (struct.pack("<I", len(scalar)) + struct.pack(f"<{len(pairs)}I", *pairs)
-                    + np.array(scalar, "<f4").tobytes() + np.array(vec, "<f4").tobytes())
-            (OUT / f"vecdot_{wt}.bin").write_bytes(blob)
-            same = int(np.sum(np.array(scalar, np.float32).view(np.uint32) == np.array(vec, np.float32).view(np.uint32)))
-            report.append(f"vecdot_{wt}.bin: {len(scalar)} dots with {at}, {len(blob)} bytes; "
-                          f"SIMD equals scalar bit for bit in {same} of {len(scalar)}")
+            report.append(write_vec_dot(wt, at, pairs, scalar, vec))
     return report
 
 
@@ -546,12 +551,7 @@ def gen_grid_types() -> list[str]:
                     simd(n, ctypes.byref(out), 0, ctypes.cast(wbuf, ctypes.c_void_p), 0, ctypes.cast(abuf, ctypes.c_void_p), 0, 1)
                     vec.append(out.value)
                     pairs += [i, j]
-            blob = (struct.pack("<I", len(scalar)) + struct.pack(f"<{len(pairs)}I", *pairs)
-                    + np.array(scalar, "<f4").tobytes() + np.array(vec, "<f4").tobytes())
-            (OUT / f"vecdot_{name}.bin").write_bytes(blob)
-            same = int(np.sum(np.array(scalar, np.float32).view(np.uint32) == np.array(vec, np.float32).view(np.uint32)))
-            report.append(f"vecdot_{name}.bin: {len(scalar)} dots with q8_K, {len(blob)} bytes; "
-                          f"SIMD equals scalar bit for bit in {same} of {len(scalar)}")
+            report.append(write_vec_dot(name, "q8_K", pairs, scalar, vec))
     return report
 
 

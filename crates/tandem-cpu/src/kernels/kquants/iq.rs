@@ -150,247 +150,145 @@ impl IQ2XXS {
     }
 }
 
-impl KQuant for IQ2XXS {
-    const BYTES: usize = size_of::<BlockIQ2XXS>();
-    const FOLD: bool = true;
-    const VNNI: bool = false;
-    const OWN_VBMI: bool = true;
-    const TILES: bool = false;
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
-    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
-        // SAFETY: forwarded from the caller.
-        unsafe { iq_vbmi::iq2xxs(p) }
+/// Scales `2s + 1` from one 4-bit `s` per 16 weights (IQ2_XS, IQ2_S).
+#[inline(always)]
+fn nibble_scales(scales: &[u8; 8]) -> [i16; 16] {
+    let mut sc = [0i16; 16];
+    for (g, v) in sc.iter_mut().enumerate() {
+        *v = 2 * ((scales[g / 2] >> (4 * (g % 2))) & 0xf) as i16 + 1;
     }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> Unpacked {
-        // SAFETY: forwarded from the caller.
-        let x: BlockIQ2XXS = unsafe { read(p) };
-        let off = _mm256_set1_epi8(43);
-        let mut w = [_mm256_setzero_si256(); 8];
-        for (ib, v) in w.iter_mut().enumerate() {
-            let (aux0, aux1) = Self::aux(&x, ib);
-            let g = |l: u32| IQ2XXS_GRID[((aux0 >> (8 * l)) & 0xFF) as usize] as i64;
-            let s = |l: u32| KSIGN_PM1[((aux1 >> (7 * l)) & 127) as usize] as i64;
-            let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
-            let signs = _mm256_set_epi64x(s(3), s(2), s(1), s(0));
-            *v = _mm256_add_epi8(off, _mm256_sign_epi8(grid, signs));
-        }
-        Unpacked { w, f: factors(&Self::scales(&x), 43, 0.125 * f16(x.d.to_bits())) }
-    }
+    sc
 }
 
-impl KQuant for IQ2XS {
-    const BYTES: usize = size_of::<BlockIQ2XS>();
-    const FOLD: bool = true;
-    const VNNI: bool = false;
-    const OWN_VBMI: bool = true;
-    const TILES: bool = false;
+/// The `KQuant` impl of a grid type: its block, whether its levels fit the VNNI kernels, its
+/// `iq_vbmi` unpacking, and the AVX2 unpacking of `x` (the block) as the body.
+macro_rules! grid_type {
+    ($t:ident, $block:ident, vnni: $vnni:expr, vbmi: $vbmi:ident, |$x:ident| $body:block) => {
+        impl KQuant for $t {
+            const BYTES: usize = size_of::<$block>();
+            const FOLD: bool = true;
+            const VNNI: bool = $vnni;
+            const OWN_VBMI: bool = true;
+            const TILES: bool = false;
 
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
-    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
-        // SAFETY: forwarded from the caller.
-        unsafe { iq_vbmi::iq2xs(p) }
-    }
+            #[inline]
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
+            unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
+                // SAFETY: forwarded from the caller.
+                unsafe { iq_vbmi::$vbmi(p) }
+            }
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> Unpacked {
-        // SAFETY: forwarded from the caller.
-        let x: BlockIQ2XS = unsafe { read(p) };
-        let mut u = [0u64; 32];
-        for (k, v) in u.iter_mut().enumerate() {
-            let q = x.qs[k];
-            *v = signed(IQ2XS_GRID[(q & 511) as usize], KSIGN_MASK[(q >> 9) as usize], OFF2);
-        }
-        let mut sc = [0i16; 16];
-        for (g, v) in sc.iter_mut().enumerate() {
-            *v = 2 * ((x.scales[g / 2] >> (4 * (g % 2))) & 0xf) as i16 + 1;
-        }
-        Unpacked { w: levels(&u), f: factors(&sc, 43, 0.125 * f16(x.d.to_bits())) }
-    }
-}
-
-impl KQuant for IQ2S {
-    const BYTES: usize = size_of::<BlockIQ2S>();
-    const FOLD: bool = true;
-    const VNNI: bool = false;
-    const OWN_VBMI: bool = true;
-    const TILES: bool = false;
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
-    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
-        // SAFETY: forwarded from the caller.
-        unsafe { iq_vbmi::iq2s(p) }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> Unpacked {
-        // SAFETY: forwarded from the caller.
-        let x: BlockIQ2S = unsafe { read(p) };
-        let mut u = [0u64; 32];
-        for (k, v) in u.iter_mut().enumerate() {
-            let (ib, l) = (k / 4, k % 4);
-            let idx = x.qs[k] as usize | (((x.qh[ib] as usize) << (8 - 2 * l)) & 0x300);
-            *v = signed(IQ2S_GRID[idx], SIGN_MASK[x.qs[32 + k] as usize], OFF2);
-        }
-        let mut sc = [0i16; 16];
-        for (g, v) in sc.iter_mut().enumerate() {
-            *v = 2 * ((x.scales[g / 2] >> (4 * (g % 2))) & 0xf) as i16 + 1;
-        }
-        Unpacked { w: levels(&u), f: factors(&sc, 43, 0.125 * f16(x.d.to_bits())) }
-    }
-}
-
-impl KQuant for IQ3XXS {
-    const BYTES: usize = size_of::<BlockIQ3XXS>();
-    const FOLD: bool = true;
-    const VNNI: bool = false;
-    const OWN_VBMI: bool = true;
-    const TILES: bool = false;
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
-    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
-        // SAFETY: forwarded from the caller.
-        unsafe { iq_vbmi::iq3xxs(p) }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> Unpacked {
-        // SAFETY: forwarded from the caller.
-        let x: BlockIQ3XXS = unsafe { read(p) };
-        let mut u = [0u64; 32];
-        let mut sc = [0i16; 16];
-        for ib in 0..8 {
-            let aux = u32::from_le_bytes([x.qs[64 + 4 * ib], x.qs[65 + 4 * ib], x.qs[66 + 4 * ib], x.qs[67 + 4 * ib]]);
-            let ls = 2 * (aux >> 28) as i16 + 1;
-            sc[2 * ib] = ls;
-            sc[2 * ib + 1] = ls;
-            for l in 0..4 {
-                let q = &x.qs[8 * ib + 2 * l..];
-                let grid = IQ3XXS_GRID[q[0] as usize] as u64 | (IQ3XXS_GRID[q[1] as usize] as u64) << 32;
-                u[4 * ib + l] = signed(grid, KSIGN_MASK[((aux >> (7 * l)) & 127) as usize], OFF3XXS);
+            #[inline]
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn unpack(p: *const u8) -> Unpacked {
+                // SAFETY: forwarded from the caller.
+                let $x: $block = unsafe { read(p) };
+                $body
             }
         }
-        Unpacked { w: levels(&u), f: factors(&sc, 62, 0.25 * f16(x.d.to_bits())) }
-    }
+    };
 }
 
-impl KQuant for IQ3S {
-    const BYTES: usize = size_of::<BlockIQ3S>();
-    const FOLD: bool = true;
-    const VNNI: bool = true;
-    const OWN_VBMI: bool = true;
-    const TILES: bool = false;
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
-    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
-        // SAFETY: forwarded from the caller.
-        unsafe { iq_vbmi::iq3s(p) }
+grid_type!(IQ2XXS, BlockIQ2XXS, vnni: false, vbmi: iq2xxs, |x| {
+    let off = _mm256_set1_epi8(43);
+    let mut w = [_mm256_setzero_si256(); 8];
+    for (ib, v) in w.iter_mut().enumerate() {
+        let (aux0, aux1) = Self::aux(&x, ib);
+        let g = |l: u32| IQ2XXS_GRID[((aux0 >> (8 * l)) & 0xFF) as usize] as i64;
+        let s = |l: u32| KSIGN_PM1[((aux1 >> (7 * l)) & 127) as usize] as i64;
+        let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
+        let signs = _mm256_set_epi64x(s(3), s(2), s(1), s(0));
+        *v = _mm256_add_epi8(off, _mm256_sign_epi8(grid, signs));
     }
+    Unpacked { w, f: factors(&Self::scales(&x), 43, 0.125 * f16(x.d.to_bits())) }
+});
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> Unpacked {
-        // SAFETY: forwarded from the caller.
-        let x: BlockIQ3S = unsafe { read(p) };
-        let mut u = [0u64; 32];
-        for (k, v) in u.iter_mut().enumerate() {
-            let (g, l) = (k / 4, k % 4);
-            let qh = x.qh[g] as usize;
-            let i1 = x.qs[2 * k] as usize | ((qh << (8 - 2 * l)) & 256);
-            let i2 = x.qs[2 * k + 1] as usize | ((qh << (7 - 2 * l)) & 256);
-            let grid = IQ3S_GRID[i1] as u64 | (IQ3S_GRID[i2] as u64) << 32;
-            *v = signed(grid, SIGN_MASK[x.signs[k] as usize], OFF3S);
-        }
-        let mut sc = [0i16; 16];
-        for (g, v) in sc.iter_mut().enumerate() {
-            *v = 2 * ((x.scales[g / 4] >> (4 * ((g / 2) % 2))) & 0xf) as i16 + 1;
-        }
-        Unpacked { w: levels(&u), f: factors(&sc, 15, f16(x.d.to_bits())) }
+grid_type!(IQ2XS, BlockIQ2XS, vnni: false, vbmi: iq2xs, |x| {
+    let mut u = [0u64; 32];
+    for (k, v) in u.iter_mut().enumerate() {
+        let q = x.qs[k];
+        *v = signed(IQ2XS_GRID[(q & 511) as usize], KSIGN_MASK[(q >> 9) as usize], OFF2);
     }
-}
+    Unpacked { w: levels(&u), f: factors(&nibble_scales(&x.scales), 43, 0.125 * f16(x.d.to_bits())) }
+});
 
-impl KQuant for IQ1S {
-    const BYTES: usize = size_of::<BlockIQ1S>();
-    const FOLD: bool = true;
-    const VNNI: bool = true;
-    const OWN_VBMI: bool = true;
-    const TILES: bool = false;
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
-    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
-        // SAFETY: forwarded from the caller.
-        unsafe { iq_vbmi::iq1s(p) }
+grid_type!(IQ2S, BlockIQ2S, vnni: false, vbmi: iq2s, |x| {
+    let mut u = [0u64; 32];
+    for (k, v) in u.iter_mut().enumerate() {
+        let (ib, l) = (k / 4, k % 4);
+        let idx = x.qs[k] as usize | (((x.qh[ib] as usize) << (8 - 2 * l)) & 0x300);
+        *v = signed(IQ2S_GRID[idx], SIGN_MASK[x.qs[32 + k] as usize], OFF2);
     }
+    Unpacked { w: levels(&u), f: factors(&nibble_scales(&x.scales), 43, 0.125 * f16(x.d.to_bits())) }
+});
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> Unpacked {
-        // SAFETY: forwarded from the caller.
-        let x: BlockIQ1S = unsafe { read(p) };
-        let mut u = [0u64; 32];
-        let mut sc = [0i16; 16];
-        for ib in 0..8 {
-            let qh = x.qh[ib];
-            let ls = 2 * ((qh >> 12) & 7) as i16 + 1;
-            sc[2 * ib] = ls;
-            sc[2 * ib + 1] = ls;
-            for l in 0..4 {
-                let grid = IQ1S_GRID[x.qs[4 * ib + l] as usize | ((((qh >> (3 * l)) & 7) as usize) << 8)];
-                u[4 * ib + l] = iq1_level(grid, qh & 0x8000 != 0);
-            }
+grid_type!(IQ3XXS, BlockIQ3XXS, vnni: false, vbmi: iq3xxs, |x| {
+    let mut u = [0u64; 32];
+    let mut sc = [0i16; 16];
+    for ib in 0..8 {
+        let aux = u32::from_le_bytes([x.qs[64 + 4 * ib], x.qs[65 + 4 * ib], x.qs[66 + 4 * ib], x.qs[67 + 4 * ib]]);
+        let ls = 2 * (aux >> 28) as i16 + 1;
+        sc[2 * ib] = ls;
+        sc[2 * ib + 1] = ls;
+        for l in 0..4 {
+            let q = &x.qs[8 * ib + 2 * l..];
+            let grid = IQ3XXS_GRID[q[0] as usize] as u64 | (IQ3XXS_GRID[q[1] as usize] as u64) << 32;
+            u[4 * ib + l] = signed(grid, KSIGN_MASK[((aux >> (7 * l)) & 127) as usize], OFF3XXS);
         }
-        Unpacked { w: levels(&u), f: factors(&sc, 9, 0.125 * f16(x.d.to_bits())) }
     }
-}
+    Unpacked { w: levels(&u), f: factors(&sc, 62, 0.25 * f16(x.d.to_bits())) }
+});
 
-impl KQuant for IQ1M {
-    const BYTES: usize = size_of::<BlockIQ1M>();
-    const FOLD: bool = true;
-    const VNNI: bool = true;
-    const OWN_VBMI: bool = true;
-    const TILES: bool = false;
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
-    unsafe fn unpack_vbmi(p: *const u8) -> ([__m512i; 4], Factors) {
-        // SAFETY: forwarded from the caller.
-        unsafe { iq_vbmi::iq1m(p) }
+grid_type!(IQ3S, BlockIQ3S, vnni: true, vbmi: iq3s, |x| {
+    let mut u = [0u64; 32];
+    for (k, v) in u.iter_mut().enumerate() {
+        let (g, l) = (k / 4, k % 4);
+        let qh = x.qh[g] as usize;
+        let i1 = x.qs[2 * k] as usize | ((qh << (8 - 2 * l)) & 256);
+        let i2 = x.qs[2 * k + 1] as usize | ((qh << (7 - 2 * l)) & 256);
+        let grid = IQ3S_GRID[i1] as u64 | (IQ3S_GRID[i2] as u64) << 32;
+        *v = signed(grid, SIGN_MASK[x.signs[k] as usize], OFF3S);
     }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> Unpacked {
-        // SAFETY: forwarded from the caller.
-        let x: BlockIQ1M = unsafe { read(p) };
-        let mut u = [0u64; 32];
-        for (k, v) in u.iter_mut().enumerate() {
-            let (ib, l) = (k / 4, k % 4);
-            let qh = x.qh[2 * ib + l / 2];
-            let idx = x.qs[k] as usize | (((qh as usize) << (8 - 4 * (l % 2))) & 0x700);
-            *v = iq1_level(IQ1S_GRID[idx], qh & (0x08 << (4 * (l % 2))) != 0);
-        }
-        let mut words = [0u16; 4];
-        for (k, v) in words.iter_mut().enumerate() {
-            *v = u16::from_le_bytes([x.scales[2 * k], x.scales[2 * k + 1]]);
-        }
-        // Group of 16 g: group of 32 g / 2, its first or second half.
-        let mut sc = [0i16; 16];
-        for (g, v) in sc.iter_mut().enumerate() {
-            let ib = g / 2;
-            *v = 2 * ((words[ib / 2] >> (6 * (ib % 2) + 3 * (g % 2))) & 0x7) as i16 + 1;
-        }
-        Unpacked { w: levels(&u), f: factors(&sc, 9, 0.125 * tandem_quant::iq1m_scale(&x.scales)) }
+    let mut sc = [0i16; 16];
+    for (g, v) in sc.iter_mut().enumerate() {
+        *v = 2 * ((x.scales[g / 4] >> (4 * ((g / 2) % 2))) & 0xf) as i16 + 1;
     }
-}
+    Unpacked { w: levels(&u), f: factors(&sc, 15, f16(x.d.to_bits())) }
+});
+
+grid_type!(IQ1S, BlockIQ1S, vnni: true, vbmi: iq1s, |x| {
+    let mut u = [0u64; 32];
+    let mut sc = [0i16; 16];
+    for ib in 0..8 {
+        let qh = x.qh[ib];
+        let ls = 2 * ((qh >> 12) & 7) as i16 + 1;
+        sc[2 * ib] = ls;
+        sc[2 * ib + 1] = ls;
+        for l in 0..4 {
+            let grid = IQ1S_GRID[x.qs[4 * ib + l] as usize | ((((qh >> (3 * l)) & 7) as usize) << 8)];
+            u[4 * ib + l] = iq1_level(grid, qh & 0x8000 != 0);
+        }
+    }
+    Unpacked { w: levels(&u), f: factors(&sc, 9, 0.125 * f16(x.d.to_bits())) }
+});
+
+grid_type!(IQ1M, BlockIQ1M, vnni: true, vbmi: iq1m, |x| {
+    let mut u = [0u64; 32];
+    for (k, v) in u.iter_mut().enumerate() {
+        let (ib, l) = (k / 4, k % 4);
+        let qh = x.qh[2 * ib + l / 2];
+        let idx = x.qs[k] as usize | (((qh as usize) << (8 - 4 * (l % 2))) & 0x700);
+        *v = iq1_level(IQ1S_GRID[idx], qh & (0x08 << (4 * (l % 2))) != 0);
+    }
+    let mut words = [0u16; 4];
+    for (k, v) in words.iter_mut().enumerate() {
+        *v = u16::from_le_bytes([x.scales[2 * k], x.scales[2 * k + 1]]);
+    }
+    // Group of 16 g: group of 32 g / 2, its first or second half.
+    let mut sc = [0i16; 16];
+    for (g, v) in sc.iter_mut().enumerate() {
+        let ib = g / 2;
+        *v = 2 * ((words[ib / 2] >> (6 * (ib % 2) + 3 * (g % 2))) & 0x7) as i16 + 1;
+    }
+    Unpacked { w: levels(&u), f: factors(&sc, 9, 0.125 * tandem_quant::iq1m_scale(&x.scales)) }
+});
