@@ -4,7 +4,7 @@
 //! leaves threads idle at every tail. Here the products of a step are cut into row blocks and
 //! handed to the pool together: one synchronization per step.
 
-use crate::kernels::{best_kernel, MAX_NY, MAX_TILE_ROWS};
+use crate::kernels::{best_kernel, MAX_NY, MAX_TILE_ROWS, MAX_WIDE};
 use crate::matmul::{quantize_activations, QuantizedActs, WeightRef};
 use crate::packed::{act_sums, group_bytes, group_kernel, packable, GroupActs, PACK_ROWS};
 use crate::{Error, Result};
@@ -139,9 +139,9 @@ fn row_blocks(weights: &[(WeightRef, bool)], threads: usize, one_token: bool) ->
     blocks
 }
 
-/// Rows in tiles of `ROW_TILE` against tokens in groups of [`MAX_NY`]: a tile of weight rows
-/// stays in cache while every token group passes over it, and each unpacked weight block serves a
-/// whole group.
+/// Rows in tiles of `ROW_TILE` against tokens in groups of [`MAX_NY`] (of [`MAX_WIDE`] for the
+/// kernels with a wide variant): a tile of weight rows stays in cache while every token group
+/// passes over it, and each unpacked weight block serves a whole group.
 fn run_piece(p: Piece) {
     const ROW_TILE: usize = 16;
     if p.w.packed {
@@ -155,11 +155,12 @@ fn run_piece(p: Piece) {
     let rows_ok = tandem_quant::row_size(p.w.ty, p.w.cols).is_ok_and(|b| b == rb && rb * p.w.rows == p.w.data.len());
     let acts_ok = tandem_quant::row_size(p.acts.ty, p.w.cols).is_ok_and(|b| b == yb && yb * n == p.acts.data.len());
     assert!(rows_ok && acts_ok && p.acts.ty == vec_dot_type(p.w.ty) && p.r0 + p.w.rows <= p.stride);
-    let mut tmp = [0f32; MAX_NY * MAX_TILE_ROWS];
+    let mut tmp = [0f32; if MAX_WIDE > MAX_NY * MAX_TILE_ROWS { MAX_WIDE } else { MAX_NY * MAX_TILE_ROWS }];
+    let group = kernel.max_tokens();
     for tile in (0..p.w.rows).step_by(ROW_TILE) {
         let end = (tile + ROW_TILE).min(p.w.rows);
-        for t0 in (0..n).step_by(MAX_NY) {
-            let nt = MAX_NY.min(n - t0);
+        for t0 in (0..n).step_by(group) {
+            let nt = group.min(n - t0);
             let ys = &p.acts.data[t0 * yb..(t0 + nt) * yb];
             let mut r = tile;
             // Several weight rows per call share each activation block; bit-identical to the

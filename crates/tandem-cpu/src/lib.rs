@@ -71,7 +71,7 @@ pub(crate) fn test_data(seed: u64, n: usize) -> Vec<f32> {
 
 pub use attention::{attention, attention_many, Attn, KvType, FLASH_MIN};
 pub use jobs::{ffn_jobs, matmul_jobs, FfnJob, MatJob};
-pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY};
+pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY, MAX_WIDE};
 pub use matmul::{matmul, matmul_quantized, quantize_activations, QuantizedActs, WeightRef};
 pub use mla::{cache_rows_f32, mla_prefill, MlaPrefill};
 pub use ops::{add_assign, rmsnorm, rope, silu_mul, softmax_in_place, RopeParams, RopeStyle};

@@ -387,3 +387,37 @@ fn grid_type_kernels_do_not_saturate_at_the_extreme_levels() {
         }
     }
 }
+
+/// The wide kernels (up to MAX_WIDE tokens per call: IQ1_S, IQ1_M, IQ2_S and IQ3_S at the
+/// `avx512vbmi` level) give each token the bits of the single-row kernel called 8 tokens at a time.
+#[test]
+fn wide_kernels_equal_eight_tokens_at_a_time_bit_for_bit() {
+    let n = 512;
+    let mut ran = Vec::new();
+    for ty in tandem_quant::GRID_TYPES {
+        for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
+            let k = kernel(ty, isa).unwrap();
+            if k.max_tokens() == MAX_NY || k.isa != isa {
+                continue;
+            }
+            assert_eq!(k.max_tokens(), tandem_cpu::MAX_WIDE);
+            ran.push(format!("{ty}/{}", k.isa));
+            let w = weight_row(ty, n, 9);
+            let x = data(200, n * tandem_cpu::MAX_WIDE);
+            let acts = quantize_activations(ty, &x, n).unwrap();
+            for ny in [9, 24, tandem_cpu::MAX_WIDE] {
+                let mut wide = vec![0f32; ny];
+                k.run(n, &w, &acts.data[..ny * acts.row_bytes], &mut wide);
+                for t0 in (0..ny).step_by(MAX_NY) {
+                    let nt = MAX_NY.min(ny - t0);
+                    let mut narrow = vec![0f32; nt];
+                    k.run(n, &w, &acts.data[t0 * acts.row_bytes..(t0 + nt) * acts.row_bytes], &mut narrow);
+                    for (i, v) in narrow.iter().enumerate() {
+                        assert_eq!(v.to_bits(), wide[t0 + i].to_bits(), "{ty}/{isa}: {ny} tokens, token {}", t0 + i);
+                    }
+                }
+            }
+        }
+    }
+    println!("wide kernels checked on this machine: {}", if ran.is_empty() { "none".into() } else { ran.join(" ") });
+}

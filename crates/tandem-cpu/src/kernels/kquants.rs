@@ -28,6 +28,25 @@ pub(super) fn lookup(ty: GgmlType, isa: Isa) -> Option<KernelFn> {
     }
 }
 
+/// The kernel for `ty` written for exactly `isa` that takes up to [`MAX_WIDE`] tokens, if any.
+pub(super) fn lookup_wide(ty: GgmlType, isa: Isa) -> Option<KernelFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::lookup_wide(ty, isa)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (ty, isa);
+        None
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) use dot::MAX_WIDE;
+/// Most tokens a wide kernel takes.
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const MAX_WIDE: usize = 64;
+
 /// The multi-row kernel for `ty` written for exactly `isa` (taking each of `super::TILE_ROWS`), if any.
 pub(super) fn lookup_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
     #[cfg(target_arch = "x86_64")]
@@ -44,8 +63,8 @@ pub(super) fn lookup_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::dot::{
-        dot_avx2, dot_avx512, dot_avx512vbmi, dot_avx512vbmi_vnni, dot_avx512vnni, tile_avx2, tile_avx512,
-        tile_avx512vnni,
+        dot_avx2, dot_avx512, dot_avx512vbmi, dot_avx512vbmi_vnni, dot_avx512vnni, dot_wide_avx512vbmi,
+        dot_wide_avx512vbmi_vnni, tile_avx2, tile_avx512, tile_avx512vnni,
     };
     use super::iq::{IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS};
     use super::unpack::{KQuant, Q2K, Q3K, Q4K, Q5K, Q6K};
@@ -81,6 +100,43 @@ mod x86 {
     entry!(avx512vnni, dot_avx512vnni);
     entry!(avx512vbmi, dot_avx512vbmi);
     entry!(avx512vbmi_vnni, dot_avx512vbmi_vnni);
+
+    /// # Safety
+    /// As [`KernelFn`] with up to `MAX_WIDE` rows: lengths checked by the caller.
+    unsafe fn wide_vbmi<T: KQuant>(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
+        // SAFETY: forwarded from the caller.
+        unsafe { dot_wide_avx512vbmi::<T>(n, w.as_ptr(), ys.as_ptr(), ny.min(out.len()), out.as_mut_ptr()) }
+    }
+
+    /// # Safety
+    /// As [`wide_vbmi`].
+    unsafe fn wide_vbmi_vnni<T: KQuant>(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
+        // SAFETY: forwarded from the caller.
+        unsafe { dot_wide_avx512vbmi_vnni::<T>(n, w.as_ptr(), ys.as_ptr(), ny.min(out.len()), out.as_mut_ptr()) }
+    }
+
+    fn wide_for_type<T: KQuant>(isa: Isa) -> Option<KernelFn> {
+        match isa {
+            Isa::Avx512Vbmi if T::OWN_VBMI && T::VNNI => Some(wide_vbmi_vnni::<T>),
+            Isa::Avx512Vbmi if T::OWN_VBMI => Some(wide_vbmi::<T>),
+            _ => None,
+        }
+    }
+
+    /// The types whose unpacking (two gathers, or two lookups of 512 entries) costs more than the
+    /// activations of 8 more tokens falling out of L1: prefill of 256 tokens on the bench models
+    /// (Zen 5, alternating binaries) IQ3_S 159-189 against 144-158 t/s, IQ1_S 150-161 against
+    /// 128-134; IQ2_XXS, whose block unpacks in 9-13 ns, 180-219 against 191-251, so it and IQ2_XS
+    /// and IQ3_XXS (15-16 ns) keep groups of 8.
+    pub(super) fn lookup_wide(ty: GgmlType, isa: Isa) -> Option<KernelFn> {
+        match ty {
+            GgmlType::IQ2_S => wide_for_type::<IQ2S>(isa),
+            GgmlType::IQ3_S => wide_for_type::<IQ3S>(isa),
+            GgmlType::IQ1_S => wide_for_type::<IQ1S>(isa),
+            GgmlType::IQ1_M => wide_for_type::<IQ1M>(isa),
+            _ => None,
+        }
+    }
 
     /// A `TileFn` from a tile loop generic over the weight rows `NR` (2 or 4, from `out.len() / ny`)
     /// and `NY`.

@@ -53,6 +53,9 @@ use tandem_quant::{row_size, vec_dot, vec_dot_type, GgmlType};
 /// Most activation rows one kernel call takes.
 pub const MAX_NY: usize = 8;
 
+/// Most activation rows one call of a kernel with a wide variant takes ([`Kernel::max_tokens`]).
+pub const MAX_WIDE: usize = kquants::MAX_WIDE;
+
 /// Instruction-set levels, each including the ones below it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Isa {
@@ -162,6 +165,9 @@ pub struct Kernel {
     f: Option<KernelFn>,
     /// A multi-row kernel of the same level.
     tile: Option<TileFn>,
+    /// A single-row kernel of the same level for up to [`MAX_WIDE`] rows (each weight block
+    /// unpacked once for all of them), bit-identical to `f`.
+    wide: Option<KernelFn>,
     /// The single-row kernel asks for the weight bytes ahead of what it reads itself (for one token).
     prefetches: bool,
 }
@@ -182,7 +188,7 @@ impl Kernel {
         let wb = row_size(self.ty, n).unwrap_or(usize::MAX);
         let yb = row_size(vec_dot_type(self.ty), n).unwrap_or(usize::MAX);
         assert!(
-            (1..=MAX_NY).contains(&ny) && w.len() == wb && Some(ys.len()) == yb.checked_mul(ny),
+            (1..=self.max_tokens()).contains(&ny) && w.len() == wb && Some(ys.len()) == yb.checked_mul(ny),
             "kernel {} {}: {n} elements, {} weight bytes, {} activation bytes for {ny} rows",
             self.ty,
             self.isa,
@@ -197,14 +203,16 @@ impl Kernel {
     ///
     /// # Safety
     /// `w.len() == row_size(ty, n)`, `ys.len() == out.len() * row_size(vec_dot_type(ty), n)` and
-    /// `1 <= out.len() <= MAX_NY`.
+    /// `1 <= out.len() <= self.max_tokens()`.
     #[inline]
     pub unsafe fn run_unchecked(&self, n: usize, w: &[u8], ys: &[u8], out: &mut [f32]) {
         let ny = out.len();
-        match self.f {
-            // SAFETY: the caller checked the lengths; `kernel` only hands out code the machine supports.
-            Some(f) => unsafe { f(n, w, ys, ny, out) },
-            None => {
+        match (self.f, self.wide) {
+            // SAFETY (both): the caller checked the lengths; `kernel` only hands out code the
+            // machine supports.
+            (_, Some(wide)) if ny > MAX_NY => unsafe { wide(n, w, ys, ny, out) },
+            (Some(f), _) => unsafe { f(n, w, ys, ny, out) },
+            (None, _) => {
                 let yb = ys.len() / ny.max(1);
                 for (o, y) in out.iter_mut().zip(ys.chunks_exact(yb.max(1))) {
                     *o = vec_dot(self.ty, n, w, y).unwrap_or(f32::NAN);
@@ -215,6 +223,17 @@ impl Kernel {
 }
 
 impl Kernel {
+    /// Most activation rows [`Kernel::run`] takes: [`MAX_WIDE`] where the kernel has a wide
+    /// variant (IQ1_S, IQ1_M, IQ2_S and IQ3_S at the `avx512vbmi` level), else [`MAX_NY`].
+    #[inline]
+    pub fn max_tokens(&self) -> usize {
+        if self.wide.is_some() {
+            MAX_WIDE
+        } else {
+            MAX_NY
+        }
+    }
+
     /// Whether a single-token call asks for the weight bytes ahead of the ones it reads itself
     /// (the k-quants' SIMD kernels, a few lines per block); otherwise the caller may.
     #[inline]
@@ -233,6 +252,9 @@ impl Kernel {
     /// multi-row (tile) kernel that beats the single-row one there: none for one token (decode).
     #[inline]
     pub fn tile_rows(&self, ny: usize) -> Option<usize> {
+        if ny > MAX_NY {
+            return None;
+        }
         // Measured on Zen 4 (Q4_K/Q6_K, `tile_throughput`): zmm with 4 rows wins 10-25% from 6
         // tokens on; below, 2 rows are even (VNNI) or 3-5% behind (AVX-512). AVX2 (16 ymm, the
         // NR x NY accumulators live in memory): 4 rows win at 2-7 tokens, lose 5-10% at 8.
@@ -318,10 +340,11 @@ pub fn kernel(ty: GgmlType, isa: Isa) -> Option<Kernel> {
         let kq = kquants::lookup(ty, level);
         if let Some(f) = kq.or_else(|| legacy::lookup(ty, level)) {
             let tile = kquants::lookup_tile(ty, level).or_else(|| legacy::lookup_tile(ty, level));
-            return Some(Kernel { ty, isa: level, f: Some(f), tile, prefetches: kq.is_some() });
+            let wide = kquants::lookup_wide(ty, level);
+            return Some(Kernel { ty, isa: level, f: Some(f), tile, wide, prefetches: kq.is_some() });
         }
     }
-    Some(Kernel { ty, isa: Isa::Scalar, f: None, tile: None, prefetches: false })
+    Some(Kernel { ty, isa: Isa::Scalar, f: None, tile: None, wide: None, prefetches: false })
 }
 
 /// The kernel [`Isa::detected`] selects for `ty`, cached per type.

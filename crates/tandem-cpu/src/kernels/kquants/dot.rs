@@ -341,6 +341,62 @@ dot_512!(
     unpack_vbmi
 );
 
+/// Single-row zmm kernels for up to [`MAX_WIDE`] tokens, each weight block unpacked once for all
+/// of them (for the types whose unpacking costs more than a token's dot product), with the
+/// accumulators in memory: per token the operations of `dot_512!`, so bit-identical to it.
+macro_rules! dot_wide_512 {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $scales:ident, $row:ident, $unpack:ident) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// As [`dot_avx2`] with `ny` (at most [`MAX_WIDE`]) rows, and the machine has the features named.
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn $name<T: KQuant>(n: usize, w: *const u8, ys: *const u8, ny: usize, out: *mut f32) {
+            let nb = n / tandem_quant::QK_K;
+            let row = nb * Q8K_BYTES;
+            let ny = ny.min(MAX_WIDE);
+            let mut acc = [_mm512_setzero_ps(); MAX_WIDE];
+            for i in 0..nb {
+                // SAFETY: block `i` of the weight row and of each of the ny activation rows is in bounds.
+                unsafe {
+                    let (wz, f) = T::$unpack(w.add(i * T::BYTES));
+                    let s = $scales(f.sc);
+                    let (dv, dmv) = (_mm512_set1_ps(f.d), _mm512_set1_ps(f.dmin));
+                    for (j, a) in acc[..ny].iter_mut().enumerate() {
+                        let y = ys.add(j * row + i * Q8K_BYTES);
+                        let t = $row(&wz, &s, y);
+                        let mi = _mm512_zextsi256_si512(_mm256_madd_epi16(ld(y.add(Q8K_BSUMS)), f.m));
+                        let v = if T::FOLD {
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t, mi)), dv)
+                        } else {
+                            _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mi), dmv, _mm512_mul_ps(_mm512_cvtepi32_ps(t), dv))
+                        };
+                        *a = _mm512_fmadd_ps(v, _mm512_set1_ps(yd(y)), *a);
+                    }
+                }
+            }
+            for (j, a) in acc[..ny].iter().enumerate() {
+                // SAFETY: `out` has ny elements.
+                unsafe { *out.add(j) = _mm512_reduce_add_ps(*a) };
+            }
+        }
+    };
+}
+
+/// Most tokens a wide kernel (`dot_wide_512!`) takes.
+pub(crate) const MAX_WIDE: usize = 64;
+
+dot_wide_512!(
+    /// [`dot_avx512vbmi`] for up to [`MAX_WIDE`] tokens.
+    dot_wide_avx512vbmi, "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c", scales_512,
+    row_madd, unpack_vbmi
+);
+dot_wide_512!(
+    /// [`dot_avx512vbmi_vnni`] for up to [`MAX_WIDE`] tokens.
+    dot_wide_avx512vbmi_vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bitalg,avx2,fma,f16c",
+    scales_packed, row_vnni, unpack_vbmi
+);
+
 /// Multi-row zmm kernels: `NR` weight rows (`wstride` bytes apart) against `NY` activation rows.
 /// Each activation block is loaded once and serves all `NR` unpacked weight blocks; every
 /// (row, token) result goes through exactly the operations of the single-row kernel (`dot_512!`),
