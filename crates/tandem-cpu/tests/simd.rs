@@ -388,8 +388,9 @@ fn grid_type_kernels_do_not_saturate_at_the_extreme_levels() {
     }
 }
 
-/// The wide kernels (up to MAX_WIDE tokens per call: IQ1_S, IQ1_M, IQ2_S and IQ3_S at the
-/// `avx512vbmi` level) give each token the bits of the single-row kernel called 8 tokens at a time.
+/// The wide kernels (up to MAX_WIDE tokens per call: the IQ1/IQ2/IQ3 types below the `avx512vbmi`
+/// level, IQ1_S, IQ1_M, IQ2_S and IQ3_S at it) give each token the bits of the single-row kernel
+/// called 8 tokens at a time.
 #[test]
 fn wide_kernels_equal_eight_tokens_at_a_time_bit_for_bit() {
     let n = 512;

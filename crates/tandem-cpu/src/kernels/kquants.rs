@@ -63,8 +63,8 @@ pub(super) fn lookup_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::dot::{
-        dot_avx2, dot_avx512, dot_avx512vbmi, dot_avx512vbmi_vnni, dot_avx512vnni, dot_wide_avx512vbmi,
-        dot_wide_avx512vbmi_vnni, tile_avx2, tile_avx512, tile_avx512vnni,
+        dot_avx2, dot_avx512, dot_avx512vbmi, dot_avx512vbmi_vnni, dot_avx512vnni, dot_wide_avx2, dot_wide_avx512,
+        dot_wide_avx512vbmi, dot_wide_avx512vbmi_vnni, dot_wide_avx512vnni, tile_avx2, tile_avx512, tile_avx512vnni,
     };
     use super::iq::{IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS};
     use super::unpack::{KQuant, Q2K, Q3K, Q4K, Q5K, Q6K};
@@ -101,39 +101,51 @@ mod x86 {
     entry!(avx512vbmi, dot_avx512vbmi);
     entry!(avx512vbmi_vnni, dot_avx512vbmi_vnni);
 
-    /// # Safety
-    /// As [`KernelFn`] with up to `MAX_WIDE` rows: lengths checked by the caller.
-    unsafe fn wide_vbmi<T: KQuant>(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
-        // SAFETY: forwarded from the caller.
-        unsafe { dot_wide_avx512vbmi::<T>(n, w.as_ptr(), ys.as_ptr(), ny.min(out.len()), out.as_mut_ptr()) }
+    /// A `KernelFn` for up to `MAX_WIDE` rows from a wide dot loop.
+    macro_rules! wide_entry {
+        ($name:ident, $dot:ident) => {
+            /// # Safety
+            /// As [`KernelFn`] with up to `MAX_WIDE` rows: lengths checked by the caller.
+            unsafe fn $name<T: KQuant>(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
+                // SAFETY: forwarded from the caller.
+                unsafe { $dot::<T>(n, w.as_ptr(), ys.as_ptr(), ny.min(out.len()), out.as_mut_ptr()) }
+            }
+        };
     }
+    wide_entry!(wide256, dot_wide_avx2);
+    wide_entry!(wide512, dot_wide_avx512);
+    wide_entry!(wide512vnni, dot_wide_avx512vnni);
+    wide_entry!(wide_vbmi, dot_wide_avx512vbmi);
+    wide_entry!(wide_vbmi_vnni, dot_wide_avx512vbmi_vnni);
 
-    /// # Safety
-    /// As [`wide_vbmi`].
-    unsafe fn wide_vbmi_vnni<T: KQuant>(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
-        // SAFETY: forwarded from the caller.
-        unsafe { dot_wide_avx512vbmi_vnni::<T>(n, w.as_ptr(), ys.as_ptr(), ny.min(out.len()), out.as_mut_ptr()) }
-    }
-
-    fn wide_for_type<T: KQuant>(isa: Isa) -> Option<KernelFn> {
+    /// The wide kernel of a grid type at `isa`; at the `avx512vbmi` level only where `vbmi_wide`.
+    fn wide_for_type<T: KQuant>(isa: Isa, vbmi_wide: bool) -> Option<KernelFn> {
         match isa {
-            Isa::Avx512Vbmi if T::OWN_VBMI && T::VNNI => Some(wide_vbmi_vnni::<T>),
-            Isa::Avx512Vbmi if T::OWN_VBMI => Some(wide_vbmi::<T>),
+            Isa::Avx2 => Some(wide256::<T>),
+            Isa::Avx512 => Some(wide512::<T>),
+            Isa::Avx512Vnni if T::VNNI => Some(wide512vnni::<T>),
+            Isa::Avx512Vbmi if vbmi_wide && T::VNNI => Some(wide_vbmi_vnni::<T>),
+            Isa::Avx512Vbmi if vbmi_wide => Some(wide_vbmi::<T>),
             _ => None,
         }
     }
 
-    /// The types whose unpacking (two gathers, or two lookups of 512 entries) costs more than the
-    /// activations of 8 more tokens falling out of L1: prefill of 256 tokens on the bench models
-    /// (Zen 5, alternating binaries) IQ3_S 159-189 against 144-158 t/s, IQ1_S 150-161 against
-    /// 128-134; IQ2_XXS, whose block unpacks in 9-13 ns, 180-219 against 191-251, so it and IQ2_XS
-    /// and IQ3_XXS (15-16 ns) keep groups of 8.
+    /// The grid types' wide kernels. Below the `avx512vbmi` level every block's unpacking (table
+    /// loads, 29-50 ns) costs more than the activations of 8 more tokens falling out of L1. At
+    /// that level only for the types whose unpacking still does (two gathers, or two lookups of
+    /// 512 entries): prefill of 256 tokens on the bench models (Zen 5, alternating binaries)
+    /// IQ3_S 159-189 against 144-158 t/s, IQ1_S 150-161 against 128-134; IQ2_XXS, whose block
+    /// unpacks in 9-13 ns, 180-219 against 191-251, so it and IQ2_XS and IQ3_XXS (15-16 ns) keep
+    /// groups of 8 there.
     pub(super) fn lookup_wide(ty: GgmlType, isa: Isa) -> Option<KernelFn> {
         match ty {
-            GgmlType::IQ2_S => wide_for_type::<IQ2S>(isa),
-            GgmlType::IQ3_S => wide_for_type::<IQ3S>(isa),
-            GgmlType::IQ1_S => wide_for_type::<IQ1S>(isa),
-            GgmlType::IQ1_M => wide_for_type::<IQ1M>(isa),
+            GgmlType::IQ2_XXS => wide_for_type::<IQ2XXS>(isa, false),
+            GgmlType::IQ2_XS => wide_for_type::<IQ2XS>(isa, false),
+            GgmlType::IQ3_XXS => wide_for_type::<IQ3XXS>(isa, false),
+            GgmlType::IQ2_S => wide_for_type::<IQ2S>(isa, true),
+            GgmlType::IQ3_S => wide_for_type::<IQ3S>(isa, true),
+            GgmlType::IQ1_S => wide_for_type::<IQ1S>(isa, true),
+            GgmlType::IQ1_M => wide_for_type::<IQ1M>(isa, true),
             _ => None,
         }
     }

@@ -224,7 +224,8 @@ impl Kernel {
 
 impl Kernel {
     /// Most activation rows [`Kernel::run`] takes: [`MAX_WIDE`] where the kernel has a wide
-    /// variant (IQ1_S, IQ1_M, IQ2_S and IQ3_S at the `avx512vbmi` level), else [`MAX_NY`].
+    /// variant (the IQ1/IQ2/IQ3 types below the `avx512vbmi` level; IQ1_S, IQ1_M, IQ2_S and IQ3_S
+    /// at it), else [`MAX_NY`].
     #[inline]
     pub fn max_tokens(&self) -> usize {
         if self.wide.is_some() {

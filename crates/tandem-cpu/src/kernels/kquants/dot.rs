@@ -117,6 +117,46 @@ pub(crate) unsafe fn dot_avx2<T: KQuant, const NY: usize>(n: usize, w: *const u8
     }
 }
 
+/// AVX2 for up to [`MAX_WIDE`] rows, each weight block unpacked once for all of them, the
+/// accumulators in memory: per row the operations of [`dot_avx2`], so bit-identical to it.
+///
+/// # Safety
+/// As [`dot_avx2`] with `ny` (at most [`MAX_WIDE`]) rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_wide_avx2<T: KQuant>(n: usize, w: *const u8, ys: *const u8, ny: usize, out: *mut f32) {
+    let nb = n / tandem_quant::QK_K;
+    let row = nb * Q8K_BYTES;
+    let ny = ny.min(MAX_WIDE);
+    let mut acc = [_mm256_setzero_ps(); MAX_WIDE];
+    for i in 0..nb {
+        // SAFETY: block `i` of the weight row and of each of the ny activation rows is in bounds.
+        unsafe {
+            let Unpacked { w: wb, f } = T::unpack(w.add(i * T::BYTES));
+            let s = scales_256(f.sc);
+            let (dv, dmv) = (_mm256_set1_ps(f.d), _mm256_set1_ps(f.dmin));
+            for (j, a) in acc[..ny].iter_mut().enumerate() {
+                let yy = ys.add(j * row + i * Q8K_BYTES);
+                let mut t = _mm256_setzero_si256();
+                for (k, (wk, sk)) in wb.iter().zip(&s).enumerate() {
+                    let q = ld(yy.add(Q8K_QS + 32 * k));
+                    t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(*wk, q), *sk));
+                }
+                let mi = _mm256_madd_epi16(ld(yy.add(Q8K_BSUMS)), f.m);
+                let v = if T::FOLD {
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(t, mi)), dv)
+                } else {
+                    _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi), dmv, _mm256_mul_ps(_mm256_cvtepi32_ps(t), dv))
+                };
+                *a = _mm256_fmadd_ps(v, _mm256_set1_ps(yd(yy)), *a);
+            }
+        }
+    }
+    for (j, a) in acc[..ny].iter().enumerate() {
+        // SAFETY: `out` has ny elements.
+        unsafe { *out.add(j) = hsum256(*a) };
+    }
+}
+
 /// AVX2 multi-row kernel: `out[r * NY + j] = dot(w_r, y_j)` for `NR` weight rows `wstride` bytes
 /// apart. Each activation vector is loaded once for the `NR` rows; every (row, token) result goes
 /// through the operations of [`dot_avx2`] (integer sums are exact), so it is bit-identical to it.
@@ -386,6 +426,15 @@ macro_rules! dot_wide_512 {
 /// Most tokens a wide kernel (`dot_wide_512!`) takes.
 pub(crate) const MAX_WIDE: usize = 64;
 
+dot_wide_512!(
+    /// [`dot_avx512`] for up to [`MAX_WIDE`] tokens.
+    dot_wide_avx512, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", scales_512, row_madd, unpack512
+);
+dot_wide_512!(
+    /// [`dot_avx512vnni`] for up to [`MAX_WIDE`] tokens.
+    dot_wide_avx512vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", scales_packed, row_vnni,
+    unpack512
+);
 dot_wide_512!(
     /// [`dot_avx512vbmi`] for up to [`MAX_WIDE`] tokens.
     dot_wide_avx512vbmi, "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c", scales_512,
