@@ -47,6 +47,31 @@ fn hsum256(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
+/// One block's float term of a row (ymm lanes): the integer sum `t` less the `m` term (`bsums`
+/// times `m`) in integers, times `d`, for [`KQuant::FOLD`] types; else `t * d - (bsums . m) * dmin`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn block_term256<T: KQuant>(t: __m256i, bsums: __m256i, m: __m256i, dv: __m256, dmv: __m256) -> __m256 {
+    let mi = _mm256_madd_epi16(bsums, m);
+    if T::FOLD {
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(t, mi)), dv)
+    } else {
+        _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi), dmv, _mm256_mul_ps(_mm256_cvtepi32_ps(t), dv))
+    }
+}
+
+/// [`block_term256`] for a zmm integer sum (the `m` term in the low 8 lanes).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+fn block_term512<T: KQuant>(t: __m512i, bsums: __m256i, m: __m256i, dv: __m512, dmv: __m512) -> __m512 {
+    let mi = _mm512_zextsi256_si512(_mm256_madd_epi16(bsums, m));
+    if T::FOLD {
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t, mi)), dv)
+    } else {
+        _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mi), dmv, _mm512_mul_ps(_mm512_cvtepi32_ps(t), dv))
+    }
+}
+
 /// Per-32-element i16 scale vectors for `vpmaddubsw` output: low half group 2k, high half 2k+1.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -101,12 +126,7 @@ pub(crate) unsafe fn dot_avx2<T: KQuant, const NY: usize>(n: usize, w: *const u8
                 }
             }
             for ((a, tt), yy) in acc.iter_mut().zip(t).zip(y) {
-                let mi = _mm256_madd_epi16(ld(yy.add(Q8K_BSUMS)), f.m);
-                let v = if T::FOLD {
-                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(tt, mi)), dv)
-                } else {
-                    _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi), dmv, _mm256_mul_ps(_mm256_cvtepi32_ps(tt), dv))
-                };
+                let v = block_term256::<T>(tt, ld(yy.add(Q8K_BSUMS)), f.m, dv, dmv);
                 *a = _mm256_fmadd_ps(v, _mm256_set1_ps(yd(yy)), *a);
             }
         }
@@ -141,12 +161,7 @@ pub(crate) unsafe fn dot_wide_avx2<T: KQuant>(n: usize, w: *const u8, ys: *const
                     let q = ld(yy.add(Q8K_QS + 32 * k));
                     t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(*wk, q), *sk));
                 }
-                let mi = _mm256_madd_epi16(ld(yy.add(Q8K_BSUMS)), f.m);
-                let v = if T::FOLD {
-                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(t, mi)), dv)
-                } else {
-                    _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi), dmv, _mm256_mul_ps(_mm256_cvtepi32_ps(t), dv))
-                };
+                let v = block_term256::<T>(t, ld(yy.add(Q8K_BSUMS)), f.m, dv, dmv);
                 *a = _mm256_fmadd_ps(v, _mm256_set1_ps(yd(yy)), *a);
             }
         }
@@ -200,12 +215,7 @@ pub(crate) unsafe fn tile_avx2<T: KQuant, const NR: usize, const NY: usize>(
                 for r in 0..NR {
                     let f = u[r].f;
                     let (dv, dmv) = (_mm256_set1_ps(f.d), _mm256_set1_ps(f.dmin));
-                    let mi = _mm256_madd_epi16(bs, f.m);
-                    let v = if T::FOLD {
-                        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(t[r], mi)), dv)
-                    } else {
-                        _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi), dmv, _mm256_mul_ps(_mm256_cvtepi32_ps(t[r]), dv))
-                    };
+                    let v = block_term256::<T>(t[r], bs, f.m, dv, dmv);
                     acc[r][j] = _mm256_fmadd_ps(v, ydv, acc[r][j]);
                 }
             }
@@ -342,12 +352,7 @@ macro_rules! dot_512 {
                     for (j, a) in acc.iter_mut().enumerate() {
                         let y = ys.add(j * row + i * Q8K_BYTES);
                         let t = $row(&wz, &s, y);
-                        let mi = _mm512_zextsi256_si512(_mm256_madd_epi16(ld(y.add(Q8K_BSUMS)), f.m));
-                        let v = if T::FOLD {
-                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t, mi)), dv)
-                        } else {
-                            _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mi), dmv, _mm512_mul_ps(_mm512_cvtepi32_ps(t), dv))
-                        };
+                        let v = block_term512::<T>(t, ld(y.add(Q8K_BSUMS)), f.m, dv, dmv);
                         *a = _mm512_fmadd_ps(v, _mm512_set1_ps(yd(y)), *a);
                     }
                 }
@@ -405,12 +410,7 @@ macro_rules! dot_wide_512 {
                     for (j, a) in acc[..ny].iter_mut().enumerate() {
                         let y = ys.add(j * row + i * Q8K_BYTES);
                         let t = $row(&wz, &s, y);
-                        let mi = _mm512_zextsi256_si512(_mm256_madd_epi16(ld(y.add(Q8K_BSUMS)), f.m));
-                        let v = if T::FOLD {
-                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t, mi)), dv)
-                        } else {
-                            _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mi), dmv, _mm512_mul_ps(_mm512_cvtepi32_ps(t), dv))
-                        };
+                        let v = block_term512::<T>(t, ld(y.add(Q8K_BSUMS)), f.m, dv, dmv);
                         *a = _mm512_fmadd_ps(v, _mm512_set1_ps(yd(y)), *a);
                     }
                 }
@@ -490,12 +490,7 @@ macro_rules! tile_512 {
                             let (wz, f) = &u[r];
                             let (dv, dmv) = (_mm512_set1_ps(f.d), _mm512_set1_ps(f.dmin));
                             let t = $rowq(wz, &s[r], &q);
-                            let mi = _mm512_zextsi256_si512(_mm256_madd_epi16(bs, f.m));
-                            let v = if T::FOLD {
-                                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t, mi)), dv)
-                            } else {
-                                _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mi), dmv, _mm512_mul_ps(_mm512_cvtepi32_ps(t), dv))
-                            };
+                            let v = block_term512::<T>(t, bs, f.m, dv, dmv);
                             acc[r][j] = _mm512_fmadd_ps(v, ydv, acc[r][j]);
                         }
                     }
