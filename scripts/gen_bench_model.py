@@ -54,7 +54,7 @@ import numpy as np
 import gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gen_model_fixtures import KIMI_ROPE, TOKENIZERS, add_tokenizer, bytes_to_unicode  # noqa: E402
+from gen_model_fixtures import KIMI_ROPE, TOKENIZERS, add_tokenizer, bytes_to_unicode, copy_metadata  # noqa: E402
 
 F32 = gguf.GGMLQuantizationType.F32
 F16 = gguf.GGMLQuantizationType.F16
@@ -334,13 +334,7 @@ def write_grid_model(src: Path, dst: Path, name: str) -> None:
     d = 0.02 / float(np.sqrt(np.mean(np.square(probe, dtype=np.float64))))
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
-    for key, field in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1])
-        else:
-            w.add_key_value(key, field.contents(), field.types[0])
+    copy_metadata(r, w)
     for t in r.tensors:
         if "_exps." in t.name:
             ne = [int(x) for x in t.shape]  # ne0, ne1, ne2

@@ -449,13 +449,7 @@ def quantize_grid_mix(src: Path, dst: Path) -> None:
     ggml.ggml_quantize_chunk.restype = ctypes.c_size_t
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
-    for name, field in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1])
-        else:
-            w.add_key_value(name, field.contents(), field.types[0])
+    gm.copy_metadata(r, w)
     for t in r.tensors:
         data = np.asarray(t.data)
         ty = next((q for pat, q in GRID_MIX if pat in t.name), None) if data.ndim > 1 else None

@@ -556,6 +556,18 @@ def quantize_q4_k_m(src: Path, dst: Path) -> None:
         raise RuntimeError(f"llama_model_quantize failed with {rc}")
 
 
+def copy_metadata(r: gguf.GGUFReader, w: gguf.GGUFWriter) -> None:
+    """Every key of `r` but the architecture (the writer's own) into `w`, with its types."""
+    for name, field in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, field.contents(), vtype, sub_type=field.types[-1])
+        else:
+            w.add_key_value(name, field.contents(), vtype)
+
+
 def split_gguf(src: Path, dst_base: Path, n_split: int) -> list[Path]:
     """Split `src` into `n_split` shards with the keys and layout llama.cpp's gguf-split writes:
     shard 0 carries all metadata + split.no (u16) / split.count (u16) / split.tensors.count (i32),
@@ -566,14 +578,7 @@ def split_gguf(src: Path, dst_base: Path, n_split: int) -> list[Path]:
     per = math.ceil(n_tensors / n_split)
     arch = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst_base), arch, split_max_tensors=per)
-    for name, field in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(name, field.contents(), vtype, sub_type=field.types[-1])
-        else:
-            w.add_key_value(name, field.contents(), vtype)
+    copy_metadata(r, w)
     for t in r.tensors:
         w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     write_and_close(w)
