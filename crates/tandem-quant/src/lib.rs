@@ -46,8 +46,8 @@ pub enum Error {
 /// Result of tandem-quant.
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// Types [`dequantize_row`] decodes.
-pub const DEQUANTIZE_TYPES: [GgmlType; 24] = [
+/// Types [`quantize_row`] encodes (and [`dequantize_row`] decodes).
+pub const QUANTIZE_TYPES: [GgmlType; 17] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -65,13 +65,6 @@ pub const DEQUANTIZE_TYPES: [GgmlType; 24] = [
     GgmlType::Q8_K,
     GgmlType::IQ4_NL,
     GgmlType::IQ4_XS,
-    GgmlType::IQ2_XXS,
-    GgmlType::IQ2_XS,
-    GgmlType::IQ2_S,
-    GgmlType::IQ3_XXS,
-    GgmlType::IQ3_S,
-    GgmlType::IQ1_S,
-    GgmlType::IQ1_M,
 ];
 
 /// The IQ1/IQ2/IQ3 types: decoded and multiplied, never encoded here.
@@ -85,42 +78,38 @@ pub const GRID_TYPES: [GgmlType; 7] = [
     GgmlType::IQ1_M,
 ];
 
-/// Types [`quantize_row`] encodes: those of [`DEQUANTIZE_TYPES`] up to IQ4_XS.
-pub const QUANTIZE_TYPES: [GgmlType; 17] = {
-    let mut t = [GgmlType::F32; 17];
+/// Types [`dequantize_row`] decodes: [`QUANTIZE_TYPES`], then [`GRID_TYPES`].
+pub const DEQUANTIZE_TYPES: [GgmlType; 24] = concat(QUANTIZE_TYPES, GRID_TYPES);
+
+/// Weight types [`vec_dot`] multiplies (Q8_1 and Q8_K are activation-only types, as in ggml):
+/// those of [`QUANTIZE_TYPES`], then [`GRID_TYPES`].
+pub const VEC_DOT_TYPES: [GgmlType; 22] = {
+    let mut t = [GgmlType::F32; 22];
+    let mut n = 0;
+    let all = DEQUANTIZE_TYPES;
     let mut i = 0;
-    while i < 17 {
-        t[i] = DEQUANTIZE_TYPES[i];
+    while i < all.len() {
+        if !matches!(all[i], GgmlType::Q8_1 | GgmlType::Q8_K) {
+            t[n] = all[i];
+            n += 1;
+        }
         i += 1;
     }
+    assert!(n == t.len());
     t
 };
 
-/// Weight types [`vec_dot`] multiplies (Q8_1 and Q8_K are activation-only types, as in ggml).
-pub const VEC_DOT_TYPES: [GgmlType; 22] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::IQ4_NL,
-    GgmlType::IQ4_XS,
-    GgmlType::IQ2_XXS,
-    GgmlType::IQ2_XS,
-    GgmlType::IQ2_S,
-    GgmlType::IQ3_XXS,
-    GgmlType::IQ3_S,
-    GgmlType::IQ1_S,
-    GgmlType::IQ1_M,
-];
+/// `a` then `b` (`C = A + B`, checked at compile time).
+const fn concat<const A: usize, const B: usize, const C: usize>(a: [GgmlType; A], b: [GgmlType; B]) -> [GgmlType; C] {
+    assert!(A + B == C);
+    let mut t = [GgmlType::F32; C];
+    let mut i = 0;
+    while i < C {
+        t[i] = if i < A { a[i] } else { b[i - A] };
+        i += 1;
+    }
+    t
+}
 
 /// Bytes of a row of `n` elements of `ty`, or an error when `n` is not whole blocks.
 pub fn row_size(ty: GgmlType, n: usize) -> Result<usize> {

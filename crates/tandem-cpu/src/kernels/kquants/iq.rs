@@ -57,17 +57,6 @@ static KSIGN_MASK: [u64; 128] = {
 
 const ONES: u64 = 0x0101_0101_0101_0101;
 
-/// `ksigns_iq2xs[i]` as bytes of +1 / -1 (for `vpsignb`).
-static KSIGN_PM1: [u64; 128] = {
-    let mut t = [0u64; 128];
-    let mut i = 0;
-    while i < 128 {
-        t[i] = byte_mask(KSIGNS_IQ2XS[i]) | ONES;
-        i += 1;
-    }
-    t
-};
-
 /// `offset + value` where the mask byte is clear, `offset - value` where it is set.
 #[inline(always)]
 fn signed(grid: u64, mask: u64, offset: u64) -> u64 {
@@ -190,17 +179,15 @@ macro_rules! grid_type {
 }
 
 grid_type!(IQ2XXS, BlockIQ2XXS, vnni: false, vbmi: iq2xxs, |x| {
-    let off = _mm256_set1_epi8(43);
-    let mut w = [_mm256_setzero_si256(); 8];
-    for (ib, v) in w.iter_mut().enumerate() {
+    let mut u = [0u64; 32];
+    for ib in 0..8 {
         let (aux0, aux1) = Self::aux(&x, ib);
-        let g = |l: u32| IQ2XXS_GRID[((aux0 >> (8 * l)) & 0xFF) as usize] as i64;
-        let s = |l: u32| KSIGN_PM1[((aux1 >> (7 * l)) & 127) as usize] as i64;
-        let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
-        let signs = _mm256_set_epi64x(s(3), s(2), s(1), s(0));
-        *v = _mm256_add_epi8(off, _mm256_sign_epi8(grid, signs));
+        for l in 0..4 {
+            let grid = IQ2XXS_GRID[((aux0 >> (8 * l)) & 0xFF) as usize];
+            u[4 * ib + l] = signed(grid, KSIGN_MASK[((aux1 >> (7 * l)) & 127) as usize], OFF2);
+        }
     }
-    Unpacked { w, f: factors(&Self::scales(&x), 43, 0.125 * f16(x.d.to_bits())) }
+    Unpacked { w: levels(&u), f: factors(&Self::scales(&x), 43, 0.125 * f16(x.d.to_bits())) }
 });
 
 grid_type!(IQ2XS, BlockIQ2XS, vnni: false, vbmi: iq2xs, |x| {
