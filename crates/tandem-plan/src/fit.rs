@@ -113,12 +113,14 @@ pub(crate) fn fit(cx: &FitContext, placed: &mut [Option<Device>]) -> Vec<String>
     let mut has_experts = vec![false; cx.gpus.len()];
     let mut on_gpu_layers: Vec<u32> = Vec::new();
     let mut stopped_at = None;
+    let mut any_experts = false;
     for l in (0..n_layer).rev() {
         let experts = |t: &TensorEntry| t.layer == Some(l as u32) && t.category == TensorCategory::RoutedExperts;
         let g = group(cx.model, placed, &experts, 0);
         if g.tensors.is_empty() {
             continue;
         }
+        any_experts = true;
         let need = |k: usize| g.bytes + if has_experts[k] { 0 } else { expert_compute };
         let Some(k) = (0..cx.gpus.len()).find(|&k| left[k] >= need(k)) else {
             let best = left.iter().copied().max().unwrap_or(0);
@@ -142,7 +144,7 @@ pub(crate) fn fit(cx: &FitContext, placed: &mut [Option<Device>]) -> Vec<String>
             human(best),
             l + 1
         ));
-    } else if h.n_expert > 0 {
+    } else if any_experts {
         why.push("--fit: every routed expert fits on the GPU(s)".into());
     }
     for p in placed.iter_mut().filter(|p| p.is_none()) {

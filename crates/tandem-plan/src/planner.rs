@@ -19,7 +19,7 @@ use crate::model::{Attention, ModelInfo};
 use crate::report::{ByCategory, DeviceReport, HostReport, KvReport, Plan, TensorPlacement};
 use crate::rules::{Matcher, Rule};
 use crate::{Error, Result};
-use tandem_gguf::TensorCategory;
+use tandem_gguf::{GgmlType, TensorCategory};
 
 /// `--fit-target`'s default: VRAM left free on each GPU (llama.cpp's `-fitt` default, 1024 MiB).
 pub const DEFAULT_FIT_MARGIN: u64 = GIB;
@@ -88,6 +88,11 @@ pub fn plan(model: &ModelInfo, req: &PlanRequest) -> Result<Plan> {
 
     // 1. Rules: the first matching rule in order wins.
     let mut placed = apply_rules(model, req, &rule_devices, &mut warnings);
+    // Matrices of a type the CUDA runtime has no kernel for run on the CPU wherever a rule or
+    // their layer would put them (the runtime keeps them there), so they take no GPU memory.
+    if !req.gpus.is_empty() {
+        keep_kernelless_on_cpu(model, &mut placed, &mut decisions, &mut warnings);
+    }
 
     // 2. Everything else follows its layer, placed by -ngl or by --fit.
     let ngl_given = matches!(req.n_gpu_layers, Some(GpuLayers::All | GpuLayers::Count(_)));
@@ -344,6 +349,55 @@ fn apply_rules(
         });
     }
     placed
+}
+
+/// Whether the CUDA runtime multiplies matrices of type `ty` (`tandem_cuda::MATVEC_TYPES`); it
+/// keeps a matrix of any other type on the CPU wherever the plan puts it.
+pub fn has_gpu_kernel(ty: GgmlType) -> bool {
+    tandem_cuda::MATVEC_TYPES.contains(&ty)
+}
+
+/// Places on the CPU every matrix (two or more dimensions, as the runtime uploads them) whose type
+/// has no CUDA kernel, including those a rule sent to a GPU, and says so.
+fn keep_kernelless_on_cpu(
+    model: &ModelInfo,
+    placed: &mut [Option<Device>],
+    decisions: &mut Vec<String>,
+    warnings: &mut Vec<String>,
+) {
+    let mut types: Vec<(GgmlType, usize)> = Vec::new();
+    let (mut n, mut bytes) = (0usize, 0u64);
+    let mut overruled: Vec<&str> = Vec::new();
+    for (t, p) in model.tensors.iter().zip(placed.iter_mut()) {
+        if t.dims.len() < 2 || has_gpu_kernel(t.ty) || *p == Some(Device::Cpu) {
+            continue;
+        }
+        if p.is_some() {
+            overruled.push(&t.name);
+        }
+        *p = Some(Device::Cpu);
+        n += 1;
+        bytes += t.bytes;
+        match types.iter_mut().find(|(ty, _)| *ty == t.ty) {
+            Some((_, k)) => *k += 1,
+            None => types.push((t.ty, 1)),
+        }
+    }
+    if n == 0 {
+        return;
+    }
+    let list: Vec<String> = types.iter().map(|(ty, k)| format!("{ty} x {k}")).collect();
+    decisions.push(format!(
+        "no CUDA kernel for {}: those {n} matrices ({}) run on the CPU",
+        list.join(", "),
+        human(bytes)
+    ));
+    if let Some(first) = overruled.first() {
+        warnings.push(format!(
+            "{} matrices a rule sent to a GPU (first {first}) have a type with no CUDA kernel: they run on the CPU",
+            overruled.len()
+        ));
+    }
 }
 
 /// The device of every layer and of the output head for `-ngl ngl`, as llama.cpp's

@@ -189,6 +189,53 @@ fn fit_takes_non_experts_first_then_expert_layers_from_the_end() {
     assert_eq!(dev(&plan(&m, &r).unwrap(), "blk.2.ffn_up_exps.weight"), CPU);
 }
 
+/// The runtime multiplies on a GPU only the types it has a CUDA kernel for; the plan keeps the
+/// matrices of any other type on the CPU, whatever `-ngl`, `-ot` or `--fit` would say.
+#[test]
+fn matrices_without_a_cuda_kernel_stay_on_the_cpu() {
+    let mut m = mla();
+    for t in m.tensors.iter_mut() {
+        if t.name.contains("_shexp.") {
+            t.ty = GgmlType::Q2_K;
+        } else if t.name == "blk.2.ffn_down_exps.weight" {
+            t.ty = GgmlType::IQ1_S;
+        }
+    }
+    let shexp: u64 = m.tensors.iter().filter(|t| t.name.contains("_shexp.")).map(|t| t.bytes).sum();
+    let moved = shexp + m.tensors.iter().find(|t| t.name == "blk.2.ffn_down_exps.weight").unwrap().bytes;
+    let all = plan(&mla(), &req(&["CUDA0=1GiB"], &[], Some(999))).unwrap();
+    let p = plan(&m, &req(&["CUDA0=1GiB"], &[], Some(999))).unwrap();
+    assert_eq!(dev(&p, "blk.1.ffn_up_shexp.weight"), CPU);
+    assert_eq!(dev(&p, "blk.2.ffn_down_exps.weight"), CPU);
+    assert_eq!(dev(&p, "blk.2.ffn_up_exps.weight"), GPU0);
+    assert_eq!(dev(&p, "blk.1.ffn_norm.weight"), GPU0, "vectors are not multiplied");
+    assert_eq!(p.device(CPU).unwrap().weights_bytes, moved);
+    assert_eq!(p.device(GPU0).unwrap().weights_bytes, all.device(GPU0).unwrap().weights_bytes - moved);
+    assert!(
+        p.decisions.contains(
+            &"no CUDA kernel for q2_K x 6, iq1_s x 1: those 7 matrices (TOTAL) run on the CPU"
+                .replace("TOTAL", &tandem_plan::human(moved))
+        ),
+        "{:#?}",
+        p.decisions
+    );
+    assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+    // A rule naming the GPU does not change that, and is warned about.
+    let p = plan(&m, &req(&["CUDA0=1GiB"], &["shexp=CUDA0"], Some(999))).unwrap();
+    assert_eq!(dev(&p, "blk.2.ffn_gate_shexp.weight"), CPU);
+    assert_eq!(
+        p.warnings,
+        ["6 matrices a rule sent to a GPU (first blk.1.ffn_down_shexp.weight) have a type with no CUDA kernel: they run on the CPU"]
+    );
+    // --fit spends no GPU memory on them, and says nothing of experts it never considered.
+    let p = plan(&m, &PlanRequest { fit_margin: 0, ..req(&["CUDA0=1GiB"], &[], None) }).unwrap();
+    assert_eq!(p.device(CPU).unwrap().weights_bytes, moved);
+    assert_eq!(dev(&p, "blk.1.ffn_up_exps.weight"), GPU0);
+    // Without a GPU nothing is said.
+    let p = plan(&m, &req(&[], &[], None)).unwrap();
+    assert!(!p.decisions.iter().any(|d| d.contains("CUDA kernel")), "{:#?}", p.decisions);
+}
+
 #[test]
 fn over_budget_gpu_does_not_fit() {
     let p = plan(&mla(), &req(&["CUDA0=1MiB"], &[], Some(999))).unwrap();
