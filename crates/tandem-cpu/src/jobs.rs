@@ -155,7 +155,9 @@ fn run_piece(p: Piece) {
     let rows_ok = tandem_quant::row_size(p.w.ty, p.w.cols).is_ok_and(|b| b == rb && rb * p.w.rows == p.w.data.len());
     let acts_ok = tandem_quant::row_size(p.acts.ty, p.w.cols).is_ok_and(|b| b == yb && yb * n == p.acts.data.len());
     assert!(rows_ok && acts_ok && p.acts.ty == vec_dot_type(p.w.ty) && p.r0 + p.w.rows <= p.stride);
-    let mut tmp = [0f32; if MAX_WIDE > MAX_NY * MAX_TILE_ROWS { MAX_WIDE } else { MAX_NY * MAX_TILE_ROWS }];
+    // Room for a tile of MAX_TILE_ROWS rows of MAX_NY tokens or of up to 4 rows of MAX_WIDE tokens.
+    const TMP: usize = if MAX_WIDE > MAX_NY { 4 * MAX_WIDE } else { MAX_NY * MAX_TILE_ROWS };
+    let mut tmp = [0f32; TMP];
     let group = kernel.max_tokens();
     for tile in (0..p.w.rows).step_by(ROW_TILE) {
         let end = (tile + ROW_TILE).min(p.w.rows);

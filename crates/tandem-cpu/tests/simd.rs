@@ -273,8 +273,9 @@ fn tile_kernels_equal_single_row_kernels_bit_for_bit() {
 }
 
 /// The k-quants have tile kernels at every x86 level (where this machine runs them). The
-/// IQ1/IQ2/IQ3 types have none: their unpacking needs the registers, and one row at a time with 8
-/// tokens was faster (prefill of 256 tokens on their bench models, Zen 5).
+/// IQ1/IQ2/IQ3 types have none for up to 8 tokens: their unpacking needs the registers, and one
+/// row at a time with 8 tokens was faster (prefill of 256 tokens on their bench models, Zen 5);
+/// their multi-row kernels are wide ones (more than 8 tokens).
 #[test]
 fn k_quants_have_tile_kernels() {
     for ty in tandem_quant::GRID_TYPES {
@@ -303,11 +304,14 @@ fn a_tile_kernel_refuses_mismatched_lengths() {
 }
 
 /// A batched product (tile kernels over row tiles, single-row kernels for the remaining rows and
-/// tokens) gives every (row, token) exactly what one single-row call on that token gives.
+/// tokens, wide kernels for the grid types) gives every (row, token) exactly what one single-row
+/// call on that token gives.
 #[test]
 fn batched_matmul_equals_one_token_at_a_time_bit_for_bit() {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
+    // IQ1_S and IQ2_XXS: wide kernels (more than 8 tokens per call), with two rows per call at the
+    // `avx512vbmi` level.
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::IQ1_S, GgmlType::IQ2_XXS] {
         let k = tandem_cpu::best_kernel(ty).unwrap();
         // Row counts with tails after tiles of 4 and 2; token counts with tails after groups of 8.
         for (rows, tokens) in [(37usize, 13usize), (16, 8), (6, 3), (5, 17)] {
@@ -388,13 +392,15 @@ fn grid_type_kernels_do_not_saturate_at_the_extreme_levels() {
     }
 }
 
-/// The wide kernels (up to MAX_WIDE tokens per call: the IQ1/IQ2/IQ3 types below the `avx512vbmi`
-/// level, IQ1_S, IQ1_M, IQ2_S and IQ3_S at it) give each token the bits of the single-row kernel
-/// called 8 tokens at a time.
+/// The wide kernels (up to MAX_WIDE tokens per call: the IQ1/IQ2/IQ3 types) give each token the
+/// bits of the single-row kernel called 8 tokens at a time, and their multi-row versions (two or
+/// four weight rows per call, at the `avx512vbmi` level) give each row the bits of the single-row
+/// wide kernel.
 #[test]
 fn wide_kernels_equal_eight_tokens_at_a_time_bit_for_bit() {
     let n = 512;
     let mut ran = Vec::new();
+    let mut tiled = Vec::new();
     for ty in tandem_quant::GRID_TYPES {
         for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
             let k = kernel(ty, isa).unwrap();
@@ -418,7 +424,37 @@ fn wide_kernels_equal_eight_tokens_at_a_time_bit_for_bit() {
                     }
                 }
             }
+            if k.tile_rows(MAX_NY + 1).is_none() {
+                continue;
+            }
+            assert_eq!(k.tile_rows(MAX_NY + 1), Some(tandem_cpu::kernels::WIDE_TILE_ROWS));
+            tiled.push(format!("{ty}/{}", k.isa));
+            for nr in [2, 4] {
+                let rows: Vec<Vec<u8>> = (0..nr).map(|r| weight_row(ty, n, 30 + r as u64)).collect();
+                let wt = rows.concat();
+                for ny in [9, 24, tandem_cpu::MAX_WIDE] {
+                    let ys = &acts.data[..ny * acts.row_bytes];
+                    let mut tile = vec![f32::NAN; nr * ny];
+                    k.run_tile(n, &wt, ys, &mut tile);
+                    for (r, row) in rows.iter().enumerate() {
+                        let mut one = vec![f32::NAN; ny];
+                        k.run(n, row, ys, &mut one);
+                        for (j, v) in one.iter().enumerate() {
+                            let got = tile[r * ny + j];
+                            assert_eq!(
+                                got.to_bits(),
+                                v.to_bits(),
+                                "{ty}/{isa}: {nr} rows, {ny} tokens, row {r} token {j}"
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
     println!("wide kernels checked on this machine: {}", if ran.is_empty() { "none".into() } else { ran.join(" ") });
+    println!(
+        "multi-row wide kernels checked on this machine: {}",
+        if tiled.is_empty() { "none".into() } else { tiled.join(" ") }
+    );
 }

@@ -47,6 +47,20 @@ pub(super) use dot::MAX_WIDE;
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) const MAX_WIDE: usize = 64;
 
+/// The multi-row kernel for `ty` written for exactly `isa` that takes more than `MAX_NY` (up to
+/// [`MAX_WIDE`]) tokens and each of `super::WIDE_TILE_ROWS` rows, if any.
+pub(super) fn lookup_wide_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::lookup_wide_tile(ty, isa)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (ty, isa);
+        None
+    }
+}
+
 /// The multi-row kernel for `ty` written for exactly `isa` (taking each of `super::TILE_ROWS`), if any.
 pub(super) fn lookup_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
     #[cfg(target_arch = "x86_64")]
@@ -65,6 +79,7 @@ mod x86 {
     use super::dot::{
         dot_avx2, dot_avx512, dot_avx512vbmi, dot_avx512vbmi_vnni, dot_avx512vnni, dot_wide_avx2, dot_wide_avx512,
         dot_wide_avx512vbmi, dot_wide_avx512vbmi_vnni, dot_wide_avx512vnni, tile_avx2, tile_avx512, tile_avx512vnni,
+        wide_tile_avx512vbmi, wide_tile_avx512vbmi_vnni,
     };
     use super::iq::{IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS};
     use super::unpack::{KQuant, Q2K, Q3K, Q4K, Q5K, Q6K};
@@ -118,34 +133,85 @@ mod x86 {
     wide_entry!(wide_vbmi, dot_wide_avx512vbmi);
     wide_entry!(wide_vbmi_vnni, dot_wide_avx512vbmi_vnni);
 
-    /// The wide kernel of a grid type at `isa`; at the `avx512vbmi` level only where `vbmi_wide`.
-    fn wide_for_type<T: KQuant>(isa: Isa, vbmi_wide: bool) -> Option<KernelFn> {
+    /// The wide kernel of a grid type at `isa`.
+    fn wide_for_type<T: KQuant>(isa: Isa) -> Option<KernelFn> {
         match isa {
             Isa::Avx2 => Some(wide256::<T>),
             Isa::Avx512 => Some(wide512::<T>),
             Isa::Avx512Vnni if T::VNNI => Some(wide512vnni::<T>),
-            Isa::Avx512Vbmi if vbmi_wide && T::VNNI => Some(wide_vbmi_vnni::<T>),
-            Isa::Avx512Vbmi if vbmi_wide => Some(wide_vbmi::<T>),
+            Isa::Avx512Vbmi if T::VNNI => Some(wide_vbmi_vnni::<T>),
+            Isa::Avx512Vbmi => Some(wide_vbmi::<T>),
             _ => None,
         }
     }
 
-    /// The grid types' wide kernels. Below the `avx512vbmi` level every block's unpacking (table
-    /// loads, 29-50 ns) costs more than the activations of 8 more tokens falling out of L1. At
-    /// that level only for the types whose unpacking still does (two gathers, or two lookups of
-    /// 512 entries): prefill of 256 tokens on the bench models (Zen 5, alternating binaries)
-    /// IQ3_S 159-189 against 144-158 t/s, IQ1_S 150-161 against 128-134; IQ2_XXS, whose block
-    /// unpacks in 9-13 ns, 180-219 against 191-251, so it and IQ2_XS and IQ3_XXS (15-16 ns) keep
-    /// groups of 8 there.
+    /// The grid types' wide kernels, at every level: their unpacking (table loads, 29-50 ns per
+    /// block below the `avx512vbmi` level, 9-31 ns at it) costs more than the activations of more
+    /// than 8 tokens falling out of L1. At the `avx512vbmi` level IQ2_XXS, IQ2_XS and IQ3_XXS,
+    /// whose blocks unpack fastest, took calls of 8 tokens until the two-row wide kernels below
+    /// (single-row wide, IQ2_XXS prefilled 256 tokens at 180-219 against 191-251 t/s).
     pub(super) fn lookup_wide(ty: GgmlType, isa: Isa) -> Option<KernelFn> {
         match ty {
-            GgmlType::IQ2_XXS => wide_for_type::<IQ2XXS>(isa, false),
-            GgmlType::IQ2_XS => wide_for_type::<IQ2XS>(isa, false),
-            GgmlType::IQ3_XXS => wide_for_type::<IQ3XXS>(isa, false),
-            GgmlType::IQ2_S => wide_for_type::<IQ2S>(isa, true),
-            GgmlType::IQ3_S => wide_for_type::<IQ3S>(isa, true),
-            GgmlType::IQ1_S => wide_for_type::<IQ1S>(isa, true),
-            GgmlType::IQ1_M => wide_for_type::<IQ1M>(isa, true),
+            GgmlType::IQ2_XXS => wide_for_type::<IQ2XXS>(isa),
+            GgmlType::IQ2_XS => wide_for_type::<IQ2XS>(isa),
+            GgmlType::IQ3_XXS => wide_for_type::<IQ3XXS>(isa),
+            GgmlType::IQ2_S => wide_for_type::<IQ2S>(isa),
+            GgmlType::IQ3_S => wide_for_type::<IQ3S>(isa),
+            GgmlType::IQ1_S => wide_for_type::<IQ1S>(isa),
+            GgmlType::IQ1_M => wide_for_type::<IQ1M>(isa),
+            _ => None,
+        }
+    }
+
+    /// A `TileFn` from a wide tile loop generic over the weight rows `NR` (2 or 4, from
+    /// `out.len() / ny`), for up to `MAX_WIDE` tokens.
+    macro_rules! wide_tile_entry {
+        ($name:ident, $tile:ident) => {
+            /// # Safety
+            /// As [`TileFn`] with up to `MAX_WIDE` tokens: lengths checked by `Kernel::run_tile`.
+            unsafe fn $name<T: KQuant>(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
+                let nr = out.len() / ny.max(1);
+                let ws = w.len() / nr.max(1);
+                let (w, ys, o) = (w.as_ptr(), ys.as_ptr(), out.as_mut_ptr());
+                // SAFETY: forwarded from the caller (nr rows of ws bytes, ny tokens, nr * ny outputs).
+                unsafe {
+                    match nr {
+                        2 => $tile::<T, 2>(n, w, ws, ys, ny, o),
+                        4 => $tile::<T, 4>(n, w, ws, ys, ny, o),
+                        _ => out.fill(f32::NAN),
+                    }
+                }
+            }
+        };
+    }
+    wide_tile_entry!(wide_tile_vbmi, wide_tile_avx512vbmi);
+    wide_tile_entry!(wide_tile_vbmi_vnni, wide_tile_avx512vbmi_vnni);
+
+    fn wide_tile_for_type<T: KQuant>(isa: Isa) -> Option<TileFn> {
+        match isa {
+            Isa::Avx512Vbmi if T::VNNI => Some(wide_tile_vbmi_vnni::<T>),
+            Isa::Avx512Vbmi => Some(wide_tile_vbmi::<T>),
+            _ => None,
+        }
+    }
+
+    /// The grid types' two-row wide kernels, at the `avx512vbmi` level only: each activation
+    /// block loaded once for two weight rows. Prefill of 256 tokens on the bench models (Zen 5,
+    /// alternating binaries, against single-row wide kernels for IQ1_S and IQ3_S and calls of 8
+    /// tokens for IQ2_XXS): IQ1_S 158-161 against 149, IQ3_S 152-154 against 136-138, IQ2_XXS
+    /// 167-173 against 125-141 t/s; four rows at once were slower (IQ1_S 138-149, IQ2_XXS
+    /// 131-143 against 156-169). Below that level, where the unpacking takes more registers, two
+    /// rows were as often slower as faster (IQ3_S 7.2 against 6.7 ns per block and token with 24
+    /// tokens, IQ1_S 5.0 against 6.5).
+    pub(super) fn lookup_wide_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
+        match ty {
+            GgmlType::IQ2_XXS => wide_tile_for_type::<IQ2XXS>(isa),
+            GgmlType::IQ2_XS => wide_tile_for_type::<IQ2XS>(isa),
+            GgmlType::IQ3_XXS => wide_tile_for_type::<IQ3XXS>(isa),
+            GgmlType::IQ2_S => wide_tile_for_type::<IQ2S>(isa),
+            GgmlType::IQ3_S => wide_tile_for_type::<IQ3S>(isa),
+            GgmlType::IQ1_S => wide_tile_for_type::<IQ1S>(isa),
+            GgmlType::IQ1_M => wide_tile_for_type::<IQ1M>(isa),
             _ => None,
         }
     }

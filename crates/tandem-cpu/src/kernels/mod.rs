@@ -155,6 +155,10 @@ pub const TILE_ROWS: [usize; 2] = [2, 4];
 /// Most weight rows a tile kernel takes.
 pub const MAX_TILE_ROWS: usize = 4;
 
+/// Weight rows per call of a wide multi-row kernel (for more than [`MAX_NY`] tokens); it also
+/// takes 4.
+pub const WIDE_TILE_ROWS: usize = 2;
+
 /// A dot-product kernel for one weight type.
 #[derive(Clone, Copy)]
 pub struct Kernel {
@@ -168,6 +172,9 @@ pub struct Kernel {
     /// A single-row kernel of the same level for up to [`MAX_WIDE`] rows (each weight block
     /// unpacked once for all of them), bit-identical to `f`.
     wide: Option<KernelFn>,
+    /// A multi-row kernel of the same level for more than [`MAX_NY`] (up to [`MAX_WIDE`]) tokens,
+    /// taking each of [`WIDE_TILE_ROWS`] weight rows, bit-identical to `wide`.
+    wide_tile: Option<TileFn>,
     /// The single-row kernel asks for the weight bytes ahead of what it reads itself (for one token).
     prefetches: bool,
 }
@@ -224,8 +231,7 @@ impl Kernel {
 
 impl Kernel {
     /// Most activation rows [`Kernel::run`] takes: [`MAX_WIDE`] where the kernel has a wide
-    /// variant (the IQ1/IQ2/IQ3 types below the `avx512vbmi` level; IQ1_S, IQ1_M, IQ2_S and IQ3_S
-    /// at it), else [`MAX_NY`].
+    /// variant (the IQ1/IQ2/IQ3 types), else [`MAX_NY`].
     #[inline]
     pub fn max_tokens(&self) -> usize {
         if self.wide.is_some() {
@@ -249,12 +255,13 @@ impl Kernel {
         self.tile.is_some()
     }
 
-    /// The weight rows per call (one of [`TILE_ROWS`]) for `ny` tokens, where this kernel has a
-    /// multi-row (tile) kernel that beats the single-row one there: none for one token (decode).
+    /// The weight rows per call (one of [`TILE_ROWS`], or [`WIDE_TILE_ROWS`] beyond [`MAX_NY`]
+    /// tokens) for `ny` tokens, where this kernel has a multi-row (tile) kernel that beats the
+    /// single-row one there: none for one token (decode).
     #[inline]
     pub fn tile_rows(&self, ny: usize) -> Option<usize> {
         if ny > MAX_NY {
-            return None;
+            return self.wide_tile.map(|_| WIDE_TILE_ROWS);
         }
         // Measured on Zen 4 (Q4_K/Q6_K, `tile_throughput`): zmm with 4 rows wins 10-25% from 6
         // tokens on; below, 2 rows are even (VNNI) or 3-5% behind (AVX-512). AVX2 (16 ymm, the
@@ -289,9 +296,16 @@ impl Kernel {
         let yb = row_size(vec_dot_type(self.ty), n).unwrap_or(usize::MAX);
         let nr = w.len().checked_div(wb).unwrap_or(usize::MAX);
         let ny = ys.len().checked_div(yb).unwrap_or(usize::MAX);
+        let wide = ny > MAX_NY && self.wide_tile.is_some();
         assert!(
-            (1..=MAX_NY).contains(&ny)
-                && (if self.tile.is_some() { TILE_ROWS.contains(&nr) } else { nr >= 1 })
+            (1..=self.max_tokens()).contains(&ny)
+                && (if wide {
+                    [2, 4].contains(&nr)
+                } else if self.tile.is_some() {
+                    TILE_ROWS.contains(&nr)
+                } else {
+                    nr >= 1
+                })
                 && w.len() == nr * wb
                 && ys.len() == ny * yb
                 && out.len() == nr * ny,
@@ -313,10 +327,12 @@ impl Kernel {
     /// and `w.len() == nr * row_size(ty, n)` with `nr` in [`TILE_ROWS`] (any `nr >= 1` without a tile kernel).
     #[inline]
     pub unsafe fn run_tile_unchecked(&self, n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
-        match self.tile {
-            // SAFETY: the caller checked the lengths; `kernel` only hands out code the machine supports.
-            Some(f) => unsafe { f(n, w, ys, ny, out) },
-            None => {
+        match (self.tile, self.wide_tile) {
+            // SAFETY (both): the caller checked the lengths; `kernel` only hands out code the
+            // machine supports.
+            (_, Some(f)) if ny > MAX_NY => unsafe { f(n, w, ys, ny, out) },
+            (Some(f), _) if ny <= MAX_NY => unsafe { f(n, w, ys, ny, out) },
+            _ => {
                 let nr = out.len() / ny;
                 let wb = w.len() / nr.max(1);
                 for (r, o) in out.chunks_exact_mut(ny).enumerate() {
@@ -342,10 +358,11 @@ pub fn kernel(ty: GgmlType, isa: Isa) -> Option<Kernel> {
         if let Some(f) = kq.or_else(|| legacy::lookup(ty, level)) {
             let tile = kquants::lookup_tile(ty, level).or_else(|| legacy::lookup_tile(ty, level));
             let wide = kquants::lookup_wide(ty, level);
-            return Some(Kernel { ty, isa: level, f: Some(f), tile, wide, prefetches: kq.is_some() });
+            let wide_tile = wide.and(kquants::lookup_wide_tile(ty, level));
+            return Some(Kernel { ty, isa: level, f: Some(f), tile, wide, wide_tile, prefetches: kq.is_some() });
         }
     }
-    Some(Kernel { ty, isa: Isa::Scalar, f: None, tile: None, wide: None, prefetches: false })
+    Some(Kernel { ty, isa: Isa::Scalar, f: None, tile: None, wide: None, wide_tile: None, prefetches: false })
 }
 
 /// The kernel [`Isa::detected`] selects for `ty`, cached per type.

@@ -147,14 +147,22 @@ pub(crate) unsafe fn dot_wide_avx2<T: KQuant>(n: usize, w: *const u8, ys: *const
     let nb = n / tandem_quant::QK_K;
     let row = nb * Q8K_BYTES;
     let ny = ny.min(MAX_WIDE);
-    let mut acc = [_mm256_setzero_ps(); MAX_WIDE];
+    if nb == 0 {
+        // SAFETY: `out` has ny elements.
+        unsafe { std::ptr::write_bytes(out, 0, ny) };
+        return;
+    }
+    // Token j's sum at `acc[j]`, written by block 0 (so nothing is zeroed beforehand: zeroing the
+    // whole array was a memset of 2-4 KiB per call).
+    let mut store = [const { std::mem::MaybeUninit::<__m256>::uninit() }; MAX_WIDE];
+    let acc = store.as_mut_ptr() as *mut __m256;
     for i in 0..nb {
         // SAFETY: block `i` of the weight row and of each of the ny activation rows is in bounds.
         unsafe {
             let Unpacked { w: wb, f } = T::unpack(w.add(i * T::BYTES));
             let s = scales_256(f.sc);
             let (dv, dmv) = (_mm256_set1_ps(f.d), _mm256_set1_ps(f.dmin));
-            for (j, a) in acc[..ny].iter_mut().enumerate() {
+            for j in 0..ny {
                 let yy = ys.add(j * row + i * Q8K_BYTES);
                 let mut t = _mm256_setzero_si256();
                 for (k, (wk, sk)) in wb.iter().zip(&s).enumerate() {
@@ -162,13 +170,15 @@ pub(crate) unsafe fn dot_wide_avx2<T: KQuant>(n: usize, w: *const u8, ys: *const
                     t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(*wk, q), *sk));
                 }
                 let v = block_term256::<T>(t, ld(yy.add(Q8K_BSUMS)), f.m, dv, dmv);
-                *a = _mm256_fmadd_ps(v, _mm256_set1_ps(yd(yy)), *a);
+                let a = acc.add(j);
+                let prev = if i == 0 { _mm256_setzero_ps() } else { *a };
+                *a = _mm256_fmadd_ps(v, _mm256_set1_ps(yd(yy)), prev);
             }
         }
     }
-    for (j, a) in acc[..ny].iter().enumerate() {
-        // SAFETY: `out` has ny elements.
-        unsafe { *out.add(j) = hsum256(*a) };
+    for j in 0..ny {
+        // SAFETY: `out` has ny elements; block 0 wrote every accumulator.
+        unsafe { *out.add(j) = hsum256(*acc.add(j)) };
     }
 }
 
@@ -400,24 +410,34 @@ macro_rules! dot_wide_512 {
             let nb = n / tandem_quant::QK_K;
             let row = nb * Q8K_BYTES;
             let ny = ny.min(MAX_WIDE);
-            let mut acc = [_mm512_setzero_ps(); MAX_WIDE];
+            if nb == 0 {
+                // SAFETY: `out` has ny elements.
+                unsafe { std::ptr::write_bytes(out, 0, ny) };
+                return;
+            }
+            // Token j's sum at `acc[j]`, written by block 0 (so nothing is zeroed beforehand:
+            // zeroing the whole array was a memset of 4 KiB per call).
+            let mut store = [const { std::mem::MaybeUninit::<__m512>::uninit() }; MAX_WIDE];
+            let acc = store.as_mut_ptr() as *mut __m512;
             for i in 0..nb {
                 // SAFETY: block `i` of the weight row and of each of the ny activation rows is in bounds.
                 unsafe {
                     let (wz, f) = T::$unpack(w.add(i * T::BYTES));
                     let s = $scales(f.sc);
                     let (dv, dmv) = (_mm512_set1_ps(f.d), _mm512_set1_ps(f.dmin));
-                    for (j, a) in acc[..ny].iter_mut().enumerate() {
+                    for j in 0..ny {
                         let y = ys.add(j * row + i * Q8K_BYTES);
                         let t = $row(&wz, &s, y);
                         let v = block_term512::<T>(t, ld(y.add(Q8K_BSUMS)), f.m, dv, dmv);
-                        *a = _mm512_fmadd_ps(v, _mm512_set1_ps(yd(y)), *a);
+                        let a = acc.add(j);
+                        let prev = if i == 0 { _mm512_setzero_ps() } else { *a };
+                        *a = _mm512_fmadd_ps(v, _mm512_set1_ps(yd(y)), prev);
                     }
                 }
             }
-            for (j, a) in acc[..ny].iter().enumerate() {
-                // SAFETY: `out` has ny elements.
-                unsafe { *out.add(j) = _mm512_reduce_add_ps(*a) };
+            for j in 0..ny {
+                // SAFETY: `out` has ny elements; block 0 wrote every accumulator.
+                unsafe { *out.add(j) = _mm512_reduce_add_ps(*acc.add(j)) };
             }
         }
     };
@@ -444,6 +464,89 @@ dot_wide_512!(
     /// [`dot_avx512vbmi_vnni`] for up to [`MAX_WIDE`] tokens.
     dot_wide_avx512vbmi_vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bitalg,avx2,fma,f16c",
     scales_packed, row_vnni, unpack_vbmi
+);
+
+/// Multi-row wide zmm kernels: `NR` weight rows (`wstride` bytes apart) against up to
+/// [`MAX_WIDE`] tokens, each weight block unpacked once for all of them and each activation block
+/// loaded once for all `NR` rows (its loads, unaligned and from L2 beyond a few tokens, are most
+/// of a token's cost in the single-row wide kernel). Every (row, token) result goes through
+/// exactly the operations of the single-row kernels, so it is bit-identical to them.
+macro_rules! wide_tile_512 {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $scales:ident, $rowq:ident, $unpack:ident) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// `w` holds `NR` rows of `n / 256` blocks of `T`, `wstride` bytes apart; `ys` holds `ny`
+        /// (at most [`MAX_WIDE`]) rows of `n / 256` Q8_K blocks; `out` has `NR * ny` elements
+        /// (`out[r * ny + j]`); the machine has the features named.
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn $name<T: KQuant, const NR: usize>(
+            n: usize,
+            w: *const u8,
+            wstride: usize,
+            ys: *const u8,
+            ny: usize,
+            out: *mut f32,
+        ) {
+            let nb = n / tandem_quant::QK_K;
+            let row = nb * Q8K_BYTES;
+            let ny = ny.min(MAX_WIDE);
+            if nb == 0 {
+                // SAFETY: `out` has NR * ny elements.
+                unsafe { std::ptr::write_bytes(out, 0, NR * ny) };
+                return;
+            }
+            // The sum of row r and token j at `acc[r * MAX_WIDE + j]`, written by block 0 (so
+            // nothing is zeroed beforehand: zeroing the whole array was a memset of 8-16 KiB per call).
+            let mut store = [[const { std::mem::MaybeUninit::<__m512>::uninit() }; MAX_WIDE]; NR];
+            let acc = store.as_mut_ptr() as *mut __m512;
+            for i in 0..nb {
+                // SAFETY: block `i` of each of the NR weight rows and ny activation rows is in bounds.
+                unsafe {
+                    let zero = Factors { sc: _mm256_setzero_si256(), m: _mm256_setzero_si256(), d: 0.0, dmin: 0.0 };
+                    let mut u = [([_mm512_setzero_si512(); 4], zero); NR];
+                    let mut s = [[_mm512_setzero_si512(); _]; NR];
+                    for r in 0..NR {
+                        u[r] = T::$unpack(w.add(r * wstride + i * T::BYTES));
+                        s[r] = $scales(u[r].1.sc);
+                    }
+                    for j in 0..ny {
+                        let y = ys.add(j * row + i * Q8K_BYTES);
+                        let q = load_q(y);
+                        let bs = ld(y.add(Q8K_BSUMS));
+                        let ydv = _mm512_set1_ps(yd(y));
+                        for r in 0..NR {
+                            let (wz, f) = &u[r];
+                            let (dv, dmv) = (_mm512_set1_ps(f.d), _mm512_set1_ps(f.dmin));
+                            let t = $rowq(wz, &s[r], &q);
+                            let v = block_term512::<T>(t, bs, f.m, dv, dmv);
+                            let a = acc.add(r * MAX_WIDE + j);
+                            let prev = if i == 0 { _mm512_setzero_ps() } else { *a };
+                            *a = _mm512_fmadd_ps(v, ydv, prev);
+                        }
+                    }
+                }
+            }
+            for r in 0..NR {
+                for j in 0..ny {
+                    // SAFETY: `out` has NR * ny elements; block 0 wrote accumulator (r, j).
+                    unsafe { *out.add(r * ny + j) = _mm512_reduce_add_ps(*acc.add(r * MAX_WIDE + j)) };
+                }
+            }
+        }
+    };
+}
+
+wide_tile_512!(
+    /// [`dot_wide_avx512vbmi_vnni`] for `NR` weight rows at once.
+    wide_tile_avx512vbmi_vnni,
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bitalg,avx2,fma,f16c",
+    scales_packed, row_vnni_q, unpack_vbmi
+);
+wide_tile_512!(
+    /// [`dot_wide_avx512vbmi`] for `NR` weight rows at once.
+    wide_tile_avx512vbmi, "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c", scales_512,
+    row_madd_q, unpack_vbmi
 );
 
 /// Multi-row zmm kernels: `NR` weight rows (`wstride` bytes apart) against `NY` activation rows.
