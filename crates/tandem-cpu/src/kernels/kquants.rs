@@ -77,9 +77,8 @@ pub(super) fn lookup_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::dot::{
-        dot_avx2, dot_avx512, dot_avx512vbmi, dot_avx512vbmi_vnni, dot_avx512vnni, dot_wide_avx2, dot_wide_avx512,
-        dot_wide_avx512vbmi, dot_wide_avx512vbmi_vnni, dot_wide_avx512vnni, tile_avx2, tile_avx512, tile_avx512vnni,
-        wide_tile_avx512vbmi, wide_tile_avx512vbmi_vnni,
+        dot_avx2, dot_avx512, dot_avx512vbmi, dot_avx512vbmi_vnni, dot_avx512vnni, dot_wide_avx2, tile_avx2,
+        tile_avx512, tile_avx512vnni, wide_avx512, wide_avx512vbmi, wide_avx512vbmi_vnni, wide_avx512vnni,
     };
     use super::iq::{IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS};
     use super::unpack::{KQuant, Q2K, Q3K, Q4K, Q5K, Q6K};
@@ -116,9 +115,10 @@ mod x86 {
     entry!(avx512vbmi, dot_avx512vbmi);
     entry!(avx512vbmi_vnni, dot_avx512vbmi_vnni);
 
-    /// A `KernelFn` for up to `MAX_WIDE` rows from a wide dot loop.
+    /// A `KernelFn` for up to `MAX_WIDE` rows from a wide dot loop (the zmm ones with one weight
+    /// row: `(n, w, wstride, ys, ny, out)`).
     macro_rules! wide_entry {
-        ($name:ident, $dot:ident) => {
+        ($name:ident, $dot:ident::<T>) => {
             /// # Safety
             /// As [`KernelFn`] with up to `MAX_WIDE` rows: lengths checked by the caller.
             unsafe fn $name<T: KQuant>(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
@@ -126,12 +126,20 @@ mod x86 {
                 unsafe { $dot::<T>(n, w.as_ptr(), ys.as_ptr(), ny.min(out.len()), out.as_mut_ptr()) }
             }
         };
+        ($name:ident, $dot:ident::<T, 1>) => {
+            /// # Safety
+            /// As [`KernelFn`] with up to `MAX_WIDE` rows: lengths checked by the caller.
+            unsafe fn $name<T: KQuant>(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
+                // SAFETY: forwarded from the caller (one weight row).
+                unsafe { $dot::<T, 1>(n, w.as_ptr(), 0, ys.as_ptr(), ny.min(out.len()), out.as_mut_ptr()) }
+            }
+        };
     }
-    wide_entry!(wide256, dot_wide_avx2);
-    wide_entry!(wide512, dot_wide_avx512);
-    wide_entry!(wide512vnni, dot_wide_avx512vnni);
-    wide_entry!(wide_vbmi, dot_wide_avx512vbmi);
-    wide_entry!(wide_vbmi_vnni, dot_wide_avx512vbmi_vnni);
+    wide_entry!(wide256, dot_wide_avx2::<T>);
+    wide_entry!(wide512, wide_avx512::<T, 1>);
+    wide_entry!(wide512vnni, wide_avx512vnni::<T, 1>);
+    wide_entry!(wide_vbmi, wide_avx512vbmi::<T, 1>);
+    wide_entry!(wide_vbmi_vnni, wide_avx512vbmi_vnni::<T, 1>);
 
     /// The wide kernel of a grid type at `isa`.
     fn wide_for_type<T: KQuant>(isa: Isa) -> Option<KernelFn> {
@@ -184,8 +192,8 @@ mod x86 {
             }
         };
     }
-    wide_tile_entry!(wide_tile_vbmi, wide_tile_avx512vbmi);
-    wide_tile_entry!(wide_tile_vbmi_vnni, wide_tile_avx512vbmi_vnni);
+    wide_tile_entry!(wide_tile_vbmi, wide_avx512vbmi);
+    wide_tile_entry!(wide_tile_vbmi_vnni, wide_avx512vbmi_vnni);
 
     fn wide_tile_for_type<T: KQuant>(isa: Isa) -> Option<TileFn> {
         match isa {

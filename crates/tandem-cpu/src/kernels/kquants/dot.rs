@@ -396,82 +396,15 @@ dot_512!(
     unpack_vbmi
 );
 
-/// Single-row zmm kernels for up to [`MAX_WIDE`] tokens, each weight block unpacked once for all
-/// of them (for the types whose unpacking costs more than a token's dot product), with the
-/// accumulators in memory: per token the operations of `dot_512!`, so bit-identical to it.
-macro_rules! dot_wide_512 {
-    ($(#[$doc:meta])* $name:ident, $features:literal, $scales:ident, $row:ident, $unpack:ident) => {
-        $(#[$doc])*
-        ///
-        /// # Safety
-        /// As [`dot_avx2`] with `ny` (at most [`MAX_WIDE`]) rows, and the machine has the features named.
-        #[target_feature(enable = $features)]
-        pub(crate) unsafe fn $name<T: KQuant>(n: usize, w: *const u8, ys: *const u8, ny: usize, out: *mut f32) {
-            let nb = n / tandem_quant::QK_K;
-            let row = nb * Q8K_BYTES;
-            let ny = ny.min(MAX_WIDE);
-            if nb == 0 {
-                // SAFETY: `out` has ny elements.
-                unsafe { std::ptr::write_bytes(out, 0, ny) };
-                return;
-            }
-            // Token j's sum at `acc[j]`, written by block 0 (so nothing is zeroed beforehand:
-            // zeroing the whole array was a memset of 4 KiB per call).
-            let mut store = [const { std::mem::MaybeUninit::<__m512>::uninit() }; MAX_WIDE];
-            let acc = store.as_mut_ptr() as *mut __m512;
-            for i in 0..nb {
-                // SAFETY: block `i` of the weight row and of each of the ny activation rows is in bounds.
-                unsafe {
-                    let (wz, f) = T::$unpack(w.add(i * T::BYTES));
-                    let s = $scales(f.sc);
-                    let (dv, dmv) = (_mm512_set1_ps(f.d), _mm512_set1_ps(f.dmin));
-                    for j in 0..ny {
-                        let y = ys.add(j * row + i * Q8K_BYTES);
-                        let t = $row(&wz, &s, y);
-                        let v = block_term512::<T>(t, ld(y.add(Q8K_BSUMS)), f.m, dv, dmv);
-                        let a = acc.add(j);
-                        let prev = if i == 0 { _mm512_setzero_ps() } else { *a };
-                        *a = _mm512_fmadd_ps(v, _mm512_set1_ps(yd(y)), prev);
-                    }
-                }
-            }
-            for j in 0..ny {
-                // SAFETY: `out` has ny elements; block 0 wrote every accumulator.
-                unsafe { *out.add(j) = _mm512_reduce_add_ps(*acc.add(j)) };
-            }
-        }
-    };
-}
-
-/// Most tokens a wide kernel (`dot_wide_512!`) takes.
+/// Most tokens a wide kernel (`wide_512!`) takes.
 pub(crate) const MAX_WIDE: usize = 64;
 
-dot_wide_512!(
-    /// [`dot_avx512`] for up to [`MAX_WIDE`] tokens.
-    dot_wide_avx512, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", scales_512, row_madd, unpack512
-);
-dot_wide_512!(
-    /// [`dot_avx512vnni`] for up to [`MAX_WIDE`] tokens.
-    dot_wide_avx512vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", scales_packed, row_vnni,
-    unpack512
-);
-dot_wide_512!(
-    /// [`dot_avx512vbmi`] for up to [`MAX_WIDE`] tokens.
-    dot_wide_avx512vbmi, "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c", scales_512,
-    row_madd, unpack_vbmi
-);
-dot_wide_512!(
-    /// [`dot_avx512vbmi_vnni`] for up to [`MAX_WIDE`] tokens.
-    dot_wide_avx512vbmi_vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bitalg,avx2,fma,f16c",
-    scales_packed, row_vnni, unpack_vbmi
-);
-
-/// Multi-row wide zmm kernels: `NR` weight rows (`wstride` bytes apart) against up to
-/// [`MAX_WIDE`] tokens, each weight block unpacked once for all of them and each activation block
-/// loaded once for all `NR` rows (its loads, unaligned and from L2 beyond a few tokens, are most
-/// of a token's cost in the single-row wide kernel). Every (row, token) result goes through
-/// exactly the operations of the single-row kernels, so it is bit-identical to them.
-macro_rules! wide_tile_512 {
+/// Wide zmm kernels: `NR` weight rows (`wstride` bytes apart; one row, or several where each
+/// activation block loaded once for all of them pays) against up to [`MAX_WIDE`] tokens, each
+/// weight block unpacked once for all of them (for the types whose unpacking costs more than a
+/// token's dot product), the accumulators in memory. Every (row, token) result goes through
+/// exactly the operations of `dot_512!`, so it is bit-identical to it.
+macro_rules! wide_512 {
     ($(#[$doc:meta])* $name:ident, $features:literal, $scales:ident, $rowq:ident, $unpack:ident) => {
         $(#[$doc])*
         ///
@@ -537,16 +470,25 @@ macro_rules! wide_tile_512 {
     };
 }
 
-wide_tile_512!(
-    /// [`dot_wide_avx512vbmi_vnni`] for `NR` weight rows at once.
-    wide_tile_avx512vbmi_vnni,
+wide_512!(
+    /// [`dot_avx512`] for up to [`MAX_WIDE`] tokens.
+    wide_avx512, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", scales_512, row_madd_q, unpack512
+);
+wide_512!(
+    /// [`dot_avx512vnni`] for up to [`MAX_WIDE`] tokens.
+    wide_avx512vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", scales_packed, row_vnni_q,
+    unpack512
+);
+wide_512!(
+    /// [`dot_avx512vbmi`] for up to [`MAX_WIDE`] tokens.
+    wide_avx512vbmi, "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c", scales_512,
+    row_madd_q, unpack_vbmi
+);
+wide_512!(
+    /// [`dot_avx512vbmi_vnni`] for up to [`MAX_WIDE`] tokens.
+    wide_avx512vbmi_vnni,
     "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bitalg,avx2,fma,f16c",
     scales_packed, row_vnni_q, unpack_vbmi
-);
-wide_tile_512!(
-    /// [`dot_wide_avx512vbmi`] for `NR` weight rows at once.
-    wide_tile_avx512vbmi, "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c", scales_512,
-    row_madd_q, unpack_vbmi
 );
 
 /// Multi-row zmm kernels: `NR` weight rows (`wstride` bytes apart) against `NY` activation rows.
