@@ -34,6 +34,6 @@ pub use memory::{
     compute_bytes, kv_cells, kv_layer_bytes, parse_cache_type, KvConfig, Roles, ATTN_KV_CHUNK, KV_CACHE_TYPES, KV_PAD,
 };
 pub use model::{Attention, Hparams, ModelInfo, TensorEntry};
-pub use planner::{has_gpu_kernel, ngl_devices, plan, PlanRequest, DEFAULT_FIT_MARGIN};
+pub use planner::{ngl_devices, plan, PlanRequest, DEFAULT_FIT_MARGIN};
 pub use report::{ByCategory, DeviceReport, HostReport, KvReport, Plan, TensorPlacement};
 pub use rules::{Matcher, Rule};

@@ -353,7 +353,7 @@ fn apply_rules(
 
 /// Whether the CUDA runtime multiplies matrices of type `ty` (`tandem_cuda::MATVEC_TYPES`); it
 /// keeps a matrix of any other type on the CPU wherever the plan puts it.
-pub fn has_gpu_kernel(ty: GgmlType) -> bool {
+fn has_gpu_kernel(ty: GgmlType) -> bool {
     tandem_cuda::MATVEC_TYPES.contains(&ty)
 }
 
