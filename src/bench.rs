@@ -678,10 +678,11 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         model.n_vocab()
     ))?;
     out.line(&format!("active weights per decoded token: {} ({active} bytes)", human_bytes(active)))?;
+    let (hint, light) = (tandem_cpu::Prefetch::detected(), tandem_cpu::Prefetch::detected_light());
+    let light = if light == hint { String::new() } else { format!(", {light} for packed Q8_0") };
     out.line(&format!(
-        "CPU kernels: {}, weight prefetch {} (TANDEM_CPU_ISA, TANDEM_PREFETCH)",
+        "CPU kernels: {}, weight prefetch {hint}{light} (TANDEM_CPU_ISA, TANDEM_PREFETCH)",
         tandem_cpu::Isa::detected(),
-        tandem_cpu::Prefetch::detected()
     ))?;
 
     let bandwidth = if bw_bytes > 0 { measure_bandwidth(&plan.threads, bw_bytes, &pb) } else { BTreeMap::new() };

@@ -27,12 +27,16 @@ macro_rules! by_ny {
 
 /// [`by_ny!`] for the single-token kernels that prefetch the weights they stream: also passes the
 /// processor's prefetch hint (`crate::prefetch::PF_*`) as the constant before `NY`, read once per
-/// call instead of at every prefetch. Batches (`NY > 1`) do not prefetch and get `PF_OFF`.
+/// call instead of at every prefetch. Batches (`NY > 1`) do not prefetch and get `PF_OFF`. With
+/// `hint = EXPR,` first, the hint is `EXPR` instead of `crate::prefetch::hint_index()`.
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_ny_pf {
     ($ny:expr, $f:ident[$($g:tt),*]($($a:expr),*)) => {
+        by_ny_pf!(hint = crate::prefetch::hint_index(), $ny, $f[$($g),*]($($a),*))
+    };
+    (hint = $hint:expr, $ny:expr, $f:ident[$($g:tt),*]($($a:expr),*)) => {
         if $ny == 1 {
-            match crate::prefetch::hint_index() {
+            match $hint {
                 crate::prefetch::PF_NTA => $f::<$($g,)* { crate::prefetch::PF_NTA }, 1>($($a),*),
                 crate::prefetch::PF_T0 => $f::<$($g,)* { crate::prefetch::PF_T0 }, 1>($($a),*),
                 crate::prefetch::PF_T1 => $f::<$($g,)* { crate::prefetch::PF_T1 }, 1>($($a),*),

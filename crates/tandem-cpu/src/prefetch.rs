@@ -9,7 +9,14 @@
 //!   2 threads, alternating: 30-32 t/s with `nta`, 23-31 with none, 40-46 with `t0`, 45-51 with
 //!   `t1`; without `--repack` 15 t/s with `nta` against 27-28 with `t1`.
 //!
-//! `TANDEM_PREFETCH` (`nta`, `t0`, `t1`, `off`) overrides the choice; it is read once.
+//! * AMD CPU family 25 (Zen 4; Zen 3 shares the family and was not measured): `nta`, except for the packed Q8_0 kernel, which does the least
+//!   work per byte of all and streams faster with `t1` there: decode of the Q8_0 bench model,
+//!   the hint switched token by token in one process, 10-14% faster with 2 threads and 12% with
+//!   1; the Q4_K_M model's kernels were 7-10% faster with 1 thread on `nta` and within 2% either
+//!   way with 2 (docs/PERFORMANCE.md).
+//!
+//! `TANDEM_PREFETCH` (`nta`, `t0`, `t1`, `off`) overrides the choice for every kernel; it is read
+//! once.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -47,14 +54,22 @@ impl Prefetch {
     /// The hint for this processor: `TANDEM_PREFETCH` when it names one, else `nta` on AMD and
     /// `t1` elsewhere. Read once; an unknown `TANDEM_PREFETCH` is reported on stderr and ignored.
     pub fn detected() -> Prefetch {
-        let m = MODE.load(Ordering::Relaxed);
-        match Prefetch::ALL.get(m as usize) {
-            Some(&p) => p,
-            None => {
-                let p = choose();
-                MODE.store(p as u8, Ordering::Relaxed);
-                p
-            }
+        Prefetch::ALL[(state() & 0xF) as usize]
+    }
+
+    /// The hint of the packed Q8_0 kernel, the single-token kernel with the least work per byte:
+    /// `t1` on AMD family 25 (Zen 4) unless `TANDEM_PREFETCH` is set, else [`Prefetch::detected`].
+    pub fn detected_light() -> Prefetch {
+        Prefetch::ALL[(state() >> 4) as usize]
+    }
+
+    /// The default hints (most kernels, the packed Q8_0 kernel) for a processor of this vendor
+    /// and CPU family.
+    fn defaults(amd: bool, family: u32) -> (Prefetch, Prefetch) {
+        match (amd, family) {
+            (true, 25) => (Prefetch::Nta, Prefetch::T1),
+            (true, _) => (Prefetch::Nta, Prefetch::Nta),
+            (false, _) => (Prefetch::T1, Prefetch::T1),
         }
     }
 }
@@ -79,37 +94,75 @@ pub(crate) const PF_OFF: u8 = Prefetch::Off as u8;
 #[cfg(target_arch = "x86_64")]
 #[inline]
 pub(crate) fn hint_index() -> u8 {
+    state() & 0xF
+}
+
+/// [`Prefetch::detected_light`] as its discriminant (one of the `PF_*`).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn light_hint_index() -> u8 {
+    state() >> 4
+}
+
+/// Sets the hint every kernel uses from now on (a `PF_*`); returns the hints it replaces, for
+/// [`restore_hints`]. For tests that run the kernels compiled for each hint.
+#[cfg(test)]
+pub(crate) fn set_hint(h: u8) -> u8 {
+    let old = state();
+    MODE.store(h | (h << 4), Ordering::Relaxed);
+    old
+}
+
+/// Puts back the hints [`set_hint`] returned.
+#[cfg(test)]
+pub(crate) fn restore_hints(old: u8) {
+    MODE.store(old, Ordering::Relaxed);
+}
+
+/// The two hints, [`Prefetch::detected`] in the low four bits and [`Prefetch::detected_light`] in
+/// the high four (one atomic, so no thread sees one without the other), or `UNSET` before the
+/// first use.
+static MODE: AtomicU8 = AtomicU8::new(UNSET);
+const UNSET: u8 = u8::MAX;
+
+#[inline]
+fn state() -> u8 {
     match MODE.load(Ordering::Relaxed) {
-        UNSET => Prefetch::detected() as u8,
+        UNSET => {
+            let (p, l) = choose();
+            let m = p as u8 | ((l as u8) << 4);
+            MODE.store(m, Ordering::Relaxed);
+            m
+        }
         m => m,
     }
 }
 
-/// Sets the hint every kernel uses from now on (a `PF_*`); returns the one it replaces. For tests
-/// that run the kernels compiled for each hint.
-#[cfg(test)]
-pub(crate) fn set_hint(h: u8) -> u8 {
-    let old = Prefetch::detected() as u8;
-    MODE.store(h, Ordering::Relaxed);
-    old
-}
-
-/// [`Prefetch::detected`] as its discriminant, or `UNSET` before the first call.
-static MODE: AtomicU8 = AtomicU8::new(UNSET);
-const UNSET: u8 = u8::MAX;
-
-fn choose() -> Prefetch {
+fn choose() -> (Prefetch, Prefetch) {
     if let Ok(s) = std::env::var("TANDEM_PREFETCH") {
         match Prefetch::parse(&s) {
-            Some(p) => return p,
+            Some(p) => return (p, p),
             None => eprintln!("tandem: TANDEM_PREFETCH={s:?} is not one of nta, t0, t1, off; ignored"),
         }
     }
-    if vendor() == *b"AuthenticAMD" {
-        Prefetch::Nta
-    } else {
-        Prefetch::T1
+    Prefetch::defaults(vendor() == *b"AuthenticAMD", family())
+}
+
+/// The processor's CPU family (CPUID leaf 1: the base family, plus the extended family when the
+/// base is 15), 0 where there is no CPUID.
+fn family() -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let eax = std::arch::x86_64::__cpuid(1).eax;
+        let base = (eax >> 8) & 0xF;
+        if base == 0xF {
+            base + ((eax >> 20) & 0xFF)
+        } else {
+            base
+        }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    0
 }
 
 /// The processor's vendor string.
@@ -178,18 +231,29 @@ mod tests {
         }
         assert_eq!(Prefetch::parse("t2"), None);
         assert_eq!(Prefetch::parse(""), None);
-        let p = Prefetch::detected();
-        assert_eq!(Prefetch::detected(), p, "read once");
+        let (p, l) = (Prefetch::detected(), Prefetch::detected_light());
+        assert_eq!((Prefetch::detected(), Prefetch::detected_light()), (p, l), "read once");
         #[cfg(target_arch = "x86_64")]
         {
             // Every hint (and a null address: a prefetch never faults).
             let data = vec![1u8; 4096];
             for h in [0, 1, 2, 3] {
-                MODE.store(h, Ordering::Relaxed);
+                let old = set_hint(h);
+                assert_eq!((hint_index(), light_hint_index()), (h, h));
                 prefetch_stream(data.as_ptr(), data.len());
                 prefetch_stream(std::ptr::null(), 256);
+                restore_hints(old);
             }
-            MODE.store(p as u8, Ordering::Relaxed);
+            assert_eq!((Prefetch::detected(), Prefetch::detected_light()), (p, l));
         }
+    }
+
+    #[test]
+    fn the_light_hint_differs_only_on_zen_4() {
+        use Prefetch::*;
+        assert_eq!(Prefetch::defaults(true, 25), (Nta, T1), "Zen 4 (and Zen 3)");
+        assert_eq!(Prefetch::defaults(true, 26), (Nta, Nta), "Zen 5");
+        assert_eq!(Prefetch::defaults(true, 23), (Nta, Nta), "Zen 2");
+        assert_eq!(Prefetch::defaults(false, 6), (T1, T1), "Intel");
     }
 }

@@ -189,8 +189,10 @@ mod x86 {
         out: *mut f32,
         ostride: usize,
     ) {
+        // Q8_0 (`OFF` 128) streams with the hint for the kernels with the least work per byte.
+        let hint = if OFF == 128 { crate::prefetch::light_hint_index() } else { crate::prefetch::hint_index() };
         // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny_pf!(ny, group[OFF](nb, w, a, out, ostride)) }
+        unsafe { by_ny_pf!(hint = hint, ny, group[OFF](nb, w, a, out, ostride)) }
     }
 
     /// # Safety

@@ -528,7 +528,7 @@ mod tests {
                         for &h in hints {
                             let old = crate::prefetch::set_hint(h);
                             run(k, ty, p.bytes(), n, &ys, ny, &mut b, 20);
-                            crate::prefetch::set_hint(old);
+                            crate::prefetch::restore_hints(old);
                             assert_eq!(
                                 bits(&a),
                                 bits(&b),
