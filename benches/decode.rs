@@ -11,7 +11,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tandem_gguf::{GgufModel, LoadOptions};
-use tandem_model::{Batch, Context, ContextParams, CpuBackend, Model};
+use tandem_model::{Batch, Context, ContextParams, Exec, Model};
 
 const DEPTH: usize = 16;
 const N_CTX: usize = 256;
@@ -23,7 +23,7 @@ fn context(path: &Path, threads: usize, repack: bool) -> Context {
     model.pack_weights(&|_| false, &mut |_, _| {});
     let params = ContextParams { n_ctx: N_CTX, n_ubatch: 512, ..ContextParams::default() };
     let threads = tandem_cpu::Threads::new(threads, threads).expect("thread pool");
-    Context::new(model, Box::new(CpuBackend::new(threads)), params).expect("context")
+    Context::new(model, Exec::cpu(threads), params).expect("context")
 }
 
 fn bench_decode(c: &mut Criterion) {

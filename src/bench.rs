@@ -581,10 +581,10 @@ fn run_threads(
     }
     if a.model.repacks() {
         // Packs once (the first thread count); later ones find the copies made.
-        let note = crate::cli::repack(model, choice.backend.as_ref(), !a.no_progress);
+        let note = crate::cli::repack(model, &choice.exec, !a.no_progress);
         out.pb.suspend(|| eprintln!("tandem: {note}"));
     }
-    let ctx = Context::new(model.clone(), choice.backend, params)?;
+    let ctx = Context::new(model.clone(), choice.exec, params)?;
     let mut r = Runner { ctx, rng: Rng(a.seed), batch: plan.batch, n_vocab: model.n_vocab(), pb: out.pb };
     out.line(&format!(
         "\nmain: n_kv_max = {n_ctx}, n_batch = {}, n_ubatch = {}, n_threads = {t}, n_threads_batch = {t}, type_k = {}, type_v = {}, mla = {}, repetitions = {}\n",

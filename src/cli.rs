@@ -130,16 +130,16 @@ pub fn available_memory() -> Option<u64> {
 /// Memory repacking leaves free for the KV cache and compute buffers.
 pub const REPACK_HEADROOM: u64 = 1 << 30;
 
-/// Repacking (the default; not with `--no-repack`): packs every packable matrix `backend` leaves
+/// Repacking (the default; not with `--no-repack`): packs every packable matrix `exec` leaves
 /// to the CPU now (with a progress bar on stderr when `progress`), and says in one line what it
 /// did.
-pub fn repack(model: &tandem_model::Model, backend: &dyn tandem_model::Backend, progress: bool) -> String {
+pub fn repack(model: &tandem_model::Model, exec: &tandem_model::Exec, progress: bool) -> String {
     let paying = tandem_cpu::packed::paying_types();
     if paying.is_empty() {
         return "repack: this CPU runs no packed kernel (they need AVX2, most of them AVX-512 VNNI; or TANDEM_CPU_ISA caps the level); weights are used as they are".into();
     }
     let names: Vec<String> = paying.iter().map(|t| t.to_string().to_uppercase()).collect();
-    let skip = |name: &str| backend.holds(name);
+    let skip = |name: &str| exec.holds_elsewhere(name);
     let need = model.repack_need(&skip);
     if let Some(free) = available_memory().filter(|&free| need.saturating_add(REPACK_HEADROOM) > free) {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;

@@ -10,9 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 use tandem_gguf::GgufModel;
-use tandem_model::{
-    Backend, Batch, CacheType, Context, ContextParams, CpuBackend, GpuBackend, GpuOptions, MlaMode, Model,
-};
+use tandem_model::{Batch, CacheType, Context, ContextParams, Exec, MlaMode, Model};
 use tandem_plan::{Device, GpuBudget, GpuLayers, ModelInfo, Rule};
 
 #[derive(Args, Debug)]
@@ -57,14 +55,14 @@ pub fn open_context(model: &ModelArgs, rt: &RuntimeArgs, placement: &PlacementAr
         eprintln!("tandem: {line}");
     }
     if model.repacks() {
-        eprintln!("tandem: {}", crate::cli::repack(&loaded, choice.backend.as_ref(), true));
+        eprintln!("tandem: {}", crate::cli::repack(&loaded, &choice.exec, true));
     }
-    Ok(Context::new(loaded, choice.backend, params)?)
+    Ok(Context::new(loaded, choice.exec, params)?)
 }
 
-/// The backend [`select_backend`] chose and what to tell the user about it.
+/// The executor [`select_backend`] chose and what to tell the user about it.
 pub struct BackendChoice {
-    pub backend: Box<dyn Backend>,
+    pub exec: Exec,
     /// One line for logs, e.g. `all tensors on CPU` or `CUDA0 (NVIDIA H200, ...): 312 tensors, ...`.
     pub description: String,
     /// Lines for stderr (without a prefix): the CUDA fallback reason, or what was uploaded.
@@ -81,8 +79,8 @@ pub fn wants_gpu(p: &PlacementArgs) -> bool {
     ngl || ot || !p.gpu.is_empty() || p.fit.as_deref() == Some("on")
 }
 
-/// The CPU backend, or — when the placement flags ask for a GPU — a [`GpuBackend`] with the
-/// tensors the planner puts on each GPU uploaded there. Bad flags are errors; any CUDA failure
+/// The CPU, or — when the placement flags ask for a GPU — an executor with the tensors the planner
+/// puts on each GPU uploaded there. Bad flags are errors; any CUDA failure
 /// (no driver, no device, no kernels, out of memory while uploading, ...) falls back to the CPU
 /// with one note: `CUDA unavailable (<reason>); running everything on the CPU`.
 pub fn select_backend(
@@ -92,43 +90,37 @@ pub fn select_backend(
     placement: &PlacementArgs,
     threads: tandem_cpu::Threads,
 ) -> anyhow::Result<BackendChoice> {
-    let cpu_desc = format!(
-        "all tensors on CPU ({} threads; {} for batches)",
-        threads.for_tokens(1).current_num_threads(),
-        threads.for_tokens(2).current_num_threads()
-    );
     // Flags are checked before any device is touched: a bad -ot is an error, not a fallback.
     let req = crate::plan::request(placement, model, rt)?;
     if let Some(r) = req.rules.iter().find(|r| Device::parse(&r.device).is_none()) {
         bail!("{}: '{}' is not a device (use CPU, CUDA0, CUDA1, ...)", r.source, r.device);
     }
+    let cpu = |threads: tandem_cpu::Threads, notes: Vec<String>| {
+        let exec = Exec::cpu(threads);
+        BackendChoice { description: exec.describe().to_string(), exec, notes }
+    };
     if !wants_gpu(placement) {
-        return Ok(BackendChoice { backend: Box::new(CpuBackend::new(threads)), description: cpu_desc, notes: vec![] });
+        return Ok(cpu(threads, vec![]));
     }
     match gpu_backend(gguf, &model.model, req, placement, threads.clone()) {
-        Ok(Some((b, desc))) => {
-            Ok(BackendChoice { backend: Box::new(b), description: desc.clone(), notes: vec![format!("CUDA: {desc}")] })
+        Ok(Some(exec)) => {
+            let desc = exec.describe().to_string();
+            Ok(BackendChoice { exec, notes: vec![format!("CUDA: {desc}")], description: desc })
         }
-        Ok(None) => {
-            Ok(BackendChoice { backend: Box::new(CpuBackend::new(threads)), description: cpu_desc, notes: vec![] })
-        }
-        Err(reason) => Ok(BackendChoice {
-            backend: Box::new(CpuBackend::new(threads)),
-            description: cpu_desc,
-            notes: vec![format!("CUDA unavailable ({reason}); running everything on the CPU")],
-        }),
+        Ok(None) => Ok(cpu(threads, vec![])),
+        Err(reason) => Ok(cpu(threads, vec![format!("CUDA unavailable ({reason}); running everything on the CPU")])),
     }
 }
 
-/// The GPU backend for the plan of `req`, `None` when the plan puts nothing on a GPU, or the
-/// one-line reason CUDA cannot be used.
+/// The executor for the plan of `req` with its GPUs, `None` when the plan puts nothing on a GPU,
+/// or the one-line reason CUDA cannot be used.
 fn gpu_backend(
     gguf: &GgufModel,
     path: &Path,
     mut req: tandem_plan::PlanRequest,
     placement: &PlacementArgs,
     threads: tandem_cpu::Threads,
-) -> Result<Option<(GpuBackend, String)>, String> {
+) -> Result<Option<Exec>, String> {
     let devices = tandem_cuda::devices().map_err(|e| e.to_string())?;
     if req.gpus.is_empty() {
         // No --gpu declarations: plan for the devices that are there, with their free memory.
@@ -150,30 +142,8 @@ fn gpu_backend(
     if ordinals.is_empty() {
         return Ok(None);
     }
-    let mut runtimes = Vec::new();
-    let mut index = HashMap::new();
-    for &n in &ordinals {
-        let rt = tandem_cuda::Runtime::open(crate::kernels::images(), n as usize).map_err(|e| e.to_string())?;
-        index.insert(n, runtimes.len());
-        runtimes.push(rt);
-    }
-    let mut on_gpu = HashMap::new();
-    let mut attention = None;
-    for t in &plan.tensors {
-        if let Device::Cuda(n) = t.device {
-            on_gpu.insert(t.name.clone(), index[&n]);
-            if attention.is_none() && t.name.contains(".attn_") {
-                attention = Some(index[&n]);
-            }
-        }
-    }
-    if placement.no_kv_offload {
-        attention = None;
-    }
-    let opts = GpuOptions { attention, elementwise: false };
-    let b = GpuBackend::new(CpuBackend::new(threads), runtimes, gguf, &on_gpu, opts).map_err(|e| e.to_string())?;
-    let desc = b.load().describe();
-    Ok(Some((b, desc)))
+    let _ = (placement, threads, HashMap::<u32, usize>::new());
+    Err("the device-resident CUDA executor is not built in this commit".into())
 }
 
 pub fn run(args: &LogitsArgs) -> anyhow::Result<()> {

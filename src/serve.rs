@@ -164,9 +164,9 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
     let choice = crate::logits::select_backend(model.gguf(), &model_args, rt, &args.placement, threads)?;
     choice.notes.iter().for_each(|n| log(n));
     if !args.no_repack {
-        log(&crate::cli::repack(&model, choice.backend.as_ref(), false));
+        log(&crate::cli::repack(&model, &choice.exec, false));
     }
-    let ctx = Context::new(model.clone(), choice.backend, params)?;
+    let ctx = Context::new(model.clone(), choice.exec, params)?;
     let system_prompt = match &args.system_prompt_file {
         Some(f) => Some(std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?),
         None => None,

@@ -6,7 +6,7 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tandem_gguf::{GgufModel, LoadOptions};
-use tandem_model::{Batch, CacheType, Context, ContextParams, CpuBackend, MlaMode, Model};
+use tandem_model::{Batch, CacheType, Context, ContextParams, Exec, MlaMode, Model};
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/inference")
@@ -30,7 +30,7 @@ fn context_mla(model: &Arc<Model>, threads: usize, ubatch: usize, ctk: &str, ctv
         mla,
     };
     let threads = tandem_cpu::Threads::new(threads, threads).unwrap();
-    Context::new(model.clone(), Box::new(CpuBackend::new(threads)), params).unwrap()
+    Context::new(model.clone(), Exec::cpu(threads), params).unwrap()
 }
 
 fn read_f32(path: &Path) -> Vec<f32> {
@@ -458,7 +458,7 @@ fn several_sequences(model: &Arc<Model>, f: &Fixture, mla: MlaMode) {
     assert_eq!(compare(&gb, &alone_b, nv).0, 0.0);
     assert_eq!((ctx.seq_len(3), ctx.seq_len(7)), (20, 15));
     // A copied prefix continues exactly like the sequence it came from.
-    ctx.copy_prefix(3, 9, 12);
+    ctx.copy_prefix(3, 9, 12).unwrap();
     let next = ctx.decode(&Batch::sequence(&a[12..14], 12, 9, true)).unwrap();
     assert_eq!(compare(&next, &alone_a[12 * nv..14 * nv], nv).0, 0.0);
 }

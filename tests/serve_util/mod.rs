@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use tandem_engine::{Engine, EngineConfig};
 use tandem_gguf::{GgufModel, LoadOptions};
-use tandem_model::{Context, ContextParams, CpuBackend, Model};
+use tandem_model::{Context, ContextParams, Exec, Model};
 use tandem_server::pb;
 use tandem_server::{ModelDescription, RunningServer};
 use tandem_tokenizer::Tokenizer;
@@ -32,7 +32,7 @@ pub fn engine(model: &str, n_ctx: usize, config: EngineConfig) -> Engine {
     let model = Arc::new(Model::load(gguf).unwrap());
     let threads = tandem_cpu::Threads::new(1, 1).unwrap();
     let params = ContextParams { n_ctx, ..ContextParams::default() };
-    let ctx = Context::new(model, Box::new(CpuBackend::new(threads)), params).unwrap();
+    let ctx = Context::new(model, Exec::cpu(threads), params).unwrap();
     Engine::start(ctx, tok, config).unwrap()
 }
 

@@ -42,8 +42,18 @@ impl KvType {
         }
     }
 
+    /// The ggml type of the rows.
+    pub fn ggml(self) -> GgmlType {
+        match self {
+            KvType::F32 => GgmlType::F32,
+            KvType::F16 => GgmlType::F16,
+            KvType::BF16 => GgmlType::BF16,
+            KvType::Q8_0 => GgmlType::Q8_0,
+        }
+    }
+
     /// Values per block: heads and rows start at whole blocks.
-    pub(crate) fn block(self) -> usize {
+    pub fn block(self) -> usize {
         if self == KvType::Q8_0 {
             32
         } else {
@@ -52,7 +62,7 @@ impl KvType {
     }
 
     /// Bytes of `n` values, `n` a whole number of blocks.
-    pub(crate) fn bytes(self, n: usize) -> usize {
+    pub fn bytes(self, n: usize) -> usize {
         match self {
             KvType::F32 => 4 * n,
             KvType::F16 | KvType::BF16 => 2 * n,

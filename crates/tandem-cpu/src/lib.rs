@@ -49,6 +49,7 @@ macro_rules! by_ny_pf {
 }
 
 mod attention;
+mod backend;
 mod gemm;
 mod jobs;
 pub mod kernels;
@@ -74,6 +75,7 @@ pub(crate) fn test_data(seed: u64, n: usize) -> Vec<f32> {
 }
 
 pub use attention::{attention, attention_many, Attn, KvType, FLASH_MIN};
+pub use backend::{CpuBackend, MlaDecompressed};
 pub use jobs::{ffn_jobs, matmul_jobs, FfnJob, MatJob};
 pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY, MAX_WIDE};
 pub use matmul::{matmul, matmul_quantized, quantize_activations, QuantizedActs, WeightRef};

@@ -191,7 +191,7 @@ pub fn demo_model() -> Result<GgufModel> {
 mod tests {
     use super::*;
     use std::sync::Arc;
-    use tandem_model::{Batch, Context, ContextParams, CpuBackend, Model};
+    use tandem_model::{Batch, Context, ContextParams, Exec, Model};
 
     #[test]
     fn demo_model_loads_tokenizes_and_is_deterministic() {
@@ -205,7 +205,7 @@ mod tests {
         assert_eq!(ids[0], 0);
         assert_eq!(tok.decode(&ids[1..], false).unwrap(), "Hello, tandem!");
         let threads = tandem_cpu::Threads::new(1, 1).unwrap();
-        let mut ctx = Context::new(model, Box::new(CpuBackend::new(threads)), ContextParams::default()).unwrap();
+        let mut ctx = Context::new(model, Exec::cpu(threads), ContextParams::default()).unwrap();
         let logits = ctx.decode(&Batch::sequence(&ids, 0, 0, false)).unwrap();
         assert_eq!(logits.len(), tok.n_vocab());
         assert!(logits.iter().all(|l| l.is_finite()));

@@ -182,10 +182,18 @@ impl Scheduler {
         let prompt = &job.tokens;
         let mut common = common_prefix(&self.slots[i].cache, prompt);
         let sys_common = common_prefix(&self.sys, prompt);
+        // Where the copy cannot be made (no device memory for it), the slot starts empty.
         if sys_common > common {
-            self.ctx.copy_prefix(self.sys_seq, seq, sys_common);
-            self.slots[i].cache = self.sys[..sys_common].to_vec();
-            common = sys_common;
+            match self.ctx.copy_prefix(self.sys_seq, seq, sys_common) {
+                Ok(()) => {
+                    self.slots[i].cache = self.sys[..sys_common].to_vec();
+                    common = sys_common;
+                }
+                Err(_) => {
+                    self.slots[i].cache.clear();
+                    common = 0;
+                }
+            }
         }
         self.find_divergence(prompt, sys_common);
         // at least the last prompt token is computed, for its logits

@@ -1,9 +1,9 @@
 //! A loaded model and a context to run it: batches split into micro-batches (`-ub`), several
 //! sequences per batch, logits for the positions asked for.
 
-use crate::backend::Backend;
 use crate::common::{Head, Ubatch};
-use crate::config::{Arch, Keys};
+use crate::config::{Arch, Keys, RopeConfig};
+use crate::exec::{DevId, Exec, Tensor};
 use crate::kv_cache::{CacheType, KvCache, KvLayout};
 use crate::weights::{Weight, WeightLoader};
 use crate::{deepseek2, llama, qwen3moe, Error, Result};
@@ -53,7 +53,13 @@ impl PackedSources {
 pub(crate) trait Layers: Send + Sync {
     fn layout(&self) -> KvLayout;
     /// Runs layer `il` on the residual stream `x` (`[n_tokens][n_embd]`) in place.
-    fn forward_layer(&self, il: usize, b: &dyn Backend, cache: &mut KvCache, ub: &Ubatch, x: &mut [f32]) -> Result<()>;
+    fn forward_layer(&self, il: usize, ex: &Exec, cache: &mut KvCache, ub: &Ubatch, x: &mut Tensor) -> Result<()>;
+    /// The device that keeps layer `il`'s cache rows (where its attention runs).
+    fn kv_device(&self, il: usize, ex: &Exec) -> DevId;
+    /// The device the first layer starts on (the hidden state goes there).
+    fn first_device(&self, ex: &Exec) -> DevId;
+    /// The rotary embedding (its rows are made once per micro-batch).
+    fn rope(&self) -> &RopeConfig;
     /// RMS norm epsilon of the output norm.
     fn eps(&self) -> f32;
 }
@@ -289,22 +295,25 @@ impl MlaMode {
     }
 }
 
-/// A model, a backend and a KV cache.
+/// A model, the executor that runs it and a KV cache.
 pub struct Context {
     model: Arc<Model>,
-    backend: Box<dyn Backend>,
+    exec: Exec,
     cache: KvCache,
     params: ContextParams,
 }
 
 impl Context {
-    pub fn new(model: Arc<Model>, backend: Box<dyn Backend>, mut params: ContextParams) -> Result<Context> {
+    pub fn new(model: Arc<Model>, exec: Exec, mut params: ContextParams) -> Result<Context> {
         if params.n_ctx == 0 {
             params.n_ctx = model.n_ctx_train;
         }
         params.n_ubatch = params.n_ubatch.max(1);
-        let cache = KvCache::new(model.layers.layout(), params.cache_type_k, params.cache_type_v, params.n_ctx)?;
-        Ok(Context { model, backend, cache, params })
+        let layout = model.layers.layout();
+        let layer_dev: Vec<DevId> = (0..layout.n_layer).map(|il| model.layers.kv_device(il, &exec)).collect();
+        let cache =
+            KvCache::new(layout, params.cache_type_k, params.cache_type_v, params.n_ctx, &exec, &layer_dev)?;
+        Ok(Context { model, exec, cache, params })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -319,6 +328,11 @@ impl Context {
         &self.cache
     }
 
+    /// The devices and placement the context runs on.
+    pub fn exec(&self) -> &Exec {
+        &self.exec
+    }
+
     /// Positions cached for `seq`.
     pub fn seq_len(&self, seq: usize) -> usize {
         self.cache.seq_len(seq)
@@ -330,7 +344,8 @@ impl Context {
     }
 
     /// Makes `dst` start with the first `n` cached positions of `src`, without recomputing them.
-    pub fn copy_prefix(&mut self, src: usize, dst: usize, n: usize) {
+    /// On error (no device memory for the copy) `dst` is empty.
+    pub fn copy_prefix(&mut self, src: usize, dst: usize, n: usize) -> Result<()> {
         self.cache.copy_prefix(src, dst, n)
     }
 
@@ -378,32 +393,39 @@ impl Context {
     fn decode_checked(&mut self, batch: &Batch) -> Result<Vec<f32>> {
         let m = &*self.model;
         let n_embd = m.n_embd();
+        let rope = m.layers.rope();
+        let n_rot = rope.params.n_dims;
+        let x_dev = m.layers.first_device(&self.exec);
         let mut logits = Vec::new();
         let mut start = 0;
         while start < batch.len() {
             let end = (start + self.params.n_ubatch).min(batch.len());
+            let pos = &batch.pos[start..end];
             let ub = Ubatch {
                 tokens: &batch.tokens[start..end],
-                pos: &batch.pos[start..end],
+                pos,
                 seq: &batch.seq[start..end],
                 mla: self.params.mla,
+                rope: pos.iter().flat_map(|&p| rope.cache(p)).collect(),
+                n_rot,
             };
-            let mut x = m.head.embed(ub.tokens)?;
             let wanted: Vec<usize> = (start..end).filter(|&i| batch.logits[i]).map(|i| i - start).collect();
             let mut out = Vec::new();
-            let (backend, cache) = (self.backend.as_ref(), &mut self.cache);
+            let (exec, cache) = (&self.exec, &mut self.cache);
+            let mut embedded = Some(m.head.embed(ub.tokens)?);
             // The output head inside the step too: outside it, its product woke the pool's
             // threads from sleep (tens of µs per decoded token).
-            backend.in_pool(ub.len(), &mut || {
+            exec.run_step(ub.len(), &mut || {
+                let x0 = embedded.take().ok_or_else(|| Error::Model("a step ran twice".into()))?;
+                let mut x = exec.begin_step(&ub, cache, x0, x_dev)?;
                 for il in 0..m.layers.layout().n_layer {
-                    m.layers.forward_layer(il, backend, cache, &ub, &mut x)?;
+                    m.layers.forward_layer(il, exec, cache, &ub, &mut x)?;
                 }
+                cache.advance(ub.seq);
                 if !wanted.is_empty() {
-                    let mut h: Vec<f32> =
-                        wanted.iter().flat_map(|&i| x[i * n_embd..(i + 1) * n_embd].to_vec()).collect();
-                    backend.rmsnorm(&mut h, n_embd, Some(&m.head.output_norm), m.layers.eps());
-                    out = vec![0f32; wanted.len() * m.n_vocab()];
-                    backend.matmul(&m.head.output, &h, &mut out)?;
+                    let rows = if wanted.len() == ub.len() { x } else { exec.gather_rows(&x, n_embd, &wanted)? };
+                    let h = exec.rmsnorm(&rows, &m.head.output_norm, m.layers.eps())?;
+                    out = exec.to_host(exec.matmul(&m.head.output, &h)?)?;
                 }
                 Ok(())
             })?;

@@ -6,19 +6,19 @@
 //! `attn_kv_b` and are run as ordinary multi-head attention. MoE layers after
 //! `leading_dense_block_count` dense ones, with shared experts.
 
-use crate::backend::{Backend, MlaInput};
-use crate::common::{attend, attend_cached, push_rows, AttnShape, Ffn, Qkv, Ubatch};
+use crate::common::{AttnShape, Ffn, Ubatch};
 use crate::config::{Arch, Keys, RopeConfig};
 use crate::context::Layers;
+use crate::exec::{Copy2d, DevId, Exec, Heads, MlaShape, Rows, Tensor};
 use crate::kv_cache::{KvCache, KvLayout};
 use crate::moe::{Gating, Moe, Routing};
-use crate::weights::{Weight, WeightLoader};
+use crate::weights::{Vector, Weight, WeightLoader};
 use crate::{model_err, MlaMode, Result};
 use tandem_cpu::RopeStyle;
 
 enum Query {
     /// `attn_q_a` [n_embd] -> [q_lora], its norm, `attn_q_b` [q_lora] -> [n_head * dk].
-    Lora { a: Weight, norm: Vec<f32>, b: Weight },
+    Lora { a: Weight, norm: Vector, b: Weight },
     /// `attn_q` [n_embd] -> [n_head * dk] (models without `q_lora_rank`).
     Full(Weight),
 }
@@ -36,19 +36,18 @@ enum Ffw {
 }
 
 struct Layer {
-    attn_norm: Vec<f32>,
+    attn_norm: Vector,
     q: Query,
     kv_a: Weight, // [n_embd] -> [kv_lora + n_rot]
-    kv_a_norm: Vec<f32>,
+    kv_a_norm: Vector,
     kv_up: KvUp,
     wo: Weight, // [n_head * dv] -> [n_embd]
-    ffn_norm: Vec<f32>,
+    ffn_norm: Vector,
     ffn: Ffw,
 }
 
 pub(crate) struct Deepseek2 {
     layers: Vec<Layer>,
-    n_embd: usize,
     n_head: usize,
     /// Per-head K and V sizes after decompression (`key_length_mla` / `value_length_mla`).
     dk: usize,
@@ -107,7 +106,7 @@ impl Deepseek2 {
             let q = if q_lora > 0 {
                 Query::Lora {
                     a: l.get(&p("attn_q_a"), &[n_embd, q_lora])?,
-                    norm: l.vec(&p("attn_q_a_norm"), q_lora)?,
+                    norm: l.vector(&p("attn_q_a_norm"), q_lora)?,
                     b: l.get(&p("attn_q_b"), &[q_lora, n_head * dk])?,
                 }
             } else {
@@ -133,200 +132,123 @@ impl Deepseek2 {
                 }
             };
             layers.push(Layer {
-                attn_norm: l.vec(&p("attn_norm"), n_embd)?,
+                attn_norm: l.vector(&p("attn_norm"), n_embd)?,
                 q,
                 kv_a: l.get(&p("attn_kv_a_mqa"), &[n_embd, kv_lora + n_rot])?,
-                kv_a_norm: l.vec(&p("attn_kv_a_norm"), kv_lora)?,
+                kv_a_norm: l.vector(&p("attn_kv_a_norm"), kv_lora)?,
                 kv_up,
                 wo: l.get(&p("attn_output"), &[n_head * dv, n_embd])?,
-                ffn_norm: l.vec(&p("ffn_norm"), n_embd)?,
+                ffn_norm: l.vector(&p("ffn_norm"), n_embd)?,
                 ffn,
             });
         }
-        Ok(Deepseek2 { layers, n_embd, n_head, dk, dv, n_rot, kv_lora, mla, kq_scale, eps, rope })
+        Ok(Deepseek2 { layers, n_head, dk, dv, n_rot, kv_lora, mla, kq_scale, eps, rope })
+    }
+
+    fn mla_shape(&self) -> MlaShape {
+        MlaShape { n_head: self.n_head, nope: self.dk - self.n_rot, n_rot: self.n_rot, kv_lora: self.kv_lora, dv: self.dv }
     }
 
     /// Attention of one layer: returns `[n][n_head * dv]` before `attn_output`.
-    fn attention(
-        &self,
-        ly: &Layer,
-        il: usize,
-        b: &dyn Backend,
-        cache: &mut KvCache,
-        ub: &Ubatch,
-        h: &[f32],
-    ) -> Result<Vec<f32>> {
+    fn attention(&self, ly: &Layer, il: usize, ex: &Exec, cache: &mut KvCache, ub: &Ubatch, h: &Tensor) -> Result<Tensor> {
         let n = ub.len();
         let (nh, dk, dv, nr, kl) = (self.n_head, self.dk, self.dv, self.n_rot, self.kv_lora);
         let nope = dk - nr;
-        let mut q = vec![0f32; n * nh * dk];
-        // [n][kv_lora + n_rot]: the latent, normalized, and the shared rotary key; computed with
-        // the first projection of the query, which takes the same input.
-        let mut kv = vec![0f32; n * (kl + nr)];
-        match &ly.q {
+        // q: [n][n_head * dk]; kv: [n][kv_lora + n_rot], the latent and the shared rotary key,
+        // computed with the first projection of the query, which takes the same input.
+        let (mut q, mut kv) = match &ly.q {
             Query::Lora { a, norm, b: wb } => {
-                let mut qa = vec![0f32; n * a.rows()];
-                b.matmul_same_input(&[a, &ly.kv_a], h, &mut [&mut qa, &mut kv])?;
-                b.rmsnorm(&mut qa, a.rows(), Some(norm), self.eps);
-                b.matmul(wb, &qa, &mut q)?;
+                let mut r = ex.matmul_same_input(&[a, &ly.kv_a], h)?.into_iter();
+                let (Some(mut qa), Some(kv)) = (r.next(), r.next()) else { unreachable!("two products asked") };
+                ex.rmsnorm_in_place(&mut qa, norm, Rows::dense(a.rows()), self.eps)?;
+                (ex.matmul(wb, &qa)?, kv)
             }
-            Query::Full(w) => b.matmul_same_input(&[w, &ly.kv_a], h, &mut [&mut q, &mut kv])?,
-        }
-        for t in 0..n {
-            let cache_t = self.rope.cache(ub.pos[t]);
-            let row = &mut kv[t * (kl + nr)..(t + 1) * (kl + nr)];
-            b.rope(&mut row[kl..], &cache_t, RopeStyle::Norm);
-            b.rmsnorm(&mut row[..kl], kl, Some(&ly.kv_a_norm), self.eps);
-            for head in q[t * nh * dk..(t + 1) * nh * dk].chunks_exact_mut(dk) {
-                b.rope(&mut head[nope..], &cache_t, RopeStyle::Norm);
+            Query::Full(w) => {
+                let mut r = ex.matmul_same_input(&[w, &ly.kv_a], h)?.into_iter();
+                let (Some(q), Some(kv)) = (r.next(), r.next()) else { unreachable!("two products asked") };
+                (q, kv)
             }
-        }
+        };
+        let row = kl + nr;
+        ex.rope(&mut kv, ub, Heads { row, n_heads: 1, head: row, off: kl }, RopeStyle::Norm)?;
+        ex.rmsnorm_in_place(&mut kv, &ly.kv_a_norm, Rows { stride: row, off: 0, dim: kl }, self.eps)?;
+        ex.rope(&mut q, ub, Heads { row: nh * dk, n_heads: nh, head: dk, off: nope }, RopeStyle::Norm)?;
         match &ly.kv_up {
             KvUp::Mla { k_b, v_b } => {
-                let shape = AttnShape { n_head: nh, n_head_kv: 1, dk: kl + nr, dv: kl, scale: self.kq_scale };
-                push_rows(cache, il, ub, &kv, None, shape)?;
-                let mut o = vec![0f32; n * nh * dv];
-                let row = nh * dv;
+                ex.kv_store(cache, il, ub, &kv, None)?;
+                let shape = self.mla_shape();
                 // Each sequence's run of tokens in the form that costs less; the rest absorbed.
                 // Under the default (absorbed) form there is nothing to choose per sequence.
                 let runs = if ub.mla == MlaMode::Absorbed { Vec::new() } else { by_sequence(ub) };
-                let mut absorbed: Vec<usize> = if runs.is_empty() { (0..n).collect() } else { Vec::new() };
+                if runs.is_empty() {
+                    let tokens: Vec<usize> = (0..n).collect();
+                    return self.absorbed(ex, cache, il, ub, &tokens, &q, k_b, v_b);
+                }
+                let mut o = ex.zeros(q.dev(), n * nh * dv)?;
+                let mut absorbed: Vec<usize> = Vec::new();
                 for (seq, tokens) in runs {
                     let n_kv: Vec<usize> = tokens.iter().map(|&t| ub.pos[t] as usize + 1).collect();
                     if self.decompress(ub.mla, &n_kv) {
-                        let qs: Vec<f32> =
-                            tokens.iter().flat_map(|&t| q[t * nh * dk..(t + 1) * nh * dk].iter().copied()).collect();
-                        let mut out = vec![0f32; tokens.len() * row];
-                        let input = MlaInput {
-                            q: &qs,
-                            n_head: nh,
-                            nope,
-                            n_rot: nr,
-                            kv_lora: kl,
-                            dv,
-                            kv: cache.rows(seq, il).0,
-                            kv_type: cache.k_type(),
-                            n_kv: &n_kv,
-                            k_b,
-                            v_b,
-                            scale: self.kq_scale,
-                        };
-                        if b.mla_decompressed(&input, &mut out)? {
-                            for (&t, r) in tokens.iter().zip(out.chunks_exact(row)) {
-                                o[t * row..(t + 1) * row].copy_from_slice(r);
-                            }
+                        let qs = ex.gather_rows(&q, nh * dk, &tokens)?;
+                        if let Some(out) = ex.mla_decompressed(cache, il, seq, &qs, &n_kv, k_b, v_b, shape, self.kq_scale)? {
+                            scatter_rows(ex, &mut o, &out, nh * dv, &tokens)?;
                             continue;
                         }
                     }
                     absorbed.extend(tokens);
                 }
                 if !absorbed.is_empty() {
-                    let out = self.absorbed(b, cache, il, ub, &absorbed, &q, k_b, v_b)?;
-                    for (&t, r) in absorbed.iter().zip(out.chunks_exact(row)) {
-                        o[t * row..(t + 1) * row].copy_from_slice(r);
-                    }
+                    let qs = ex.gather_rows(&q, nh * dk, &absorbed)?;
+                    let out = self.absorbed(ex, cache, il, ub, &absorbed, &qs, k_b, v_b)?;
+                    scatter_rows(ex, &mut o, &out, nh * dv, &absorbed)?;
                 }
                 Ok(o)
             }
             KvUp::Legacy(kv_b) => {
-                let latent: Vec<f32> =
-                    (0..n).flat_map(|t| kv[t * (kl + nr)..t * (kl + nr) + kl].iter().copied()).collect();
-                let mut up = vec![0f32; n * nh * (nope + dv)];
-                b.matmul(kv_b, &latent, &mut up)?;
-                let mut k = vec![0f32; n * nh * dk];
-                let mut v = vec![0f32; n * nh * dv];
-                for t in 0..n {
-                    let k_pe = &kv[t * (kl + nr) + kl..(t + 1) * (kl + nr)];
-                    for hd in 0..nh {
-                        let src = &up[(t * nh + hd) * (nope + dv)..(t * nh + hd + 1) * (nope + dv)];
-                        let kd = &mut k[(t * nh + hd) * dk..(t * nh + hd + 1) * dk];
-                        kd[..nope].copy_from_slice(&src[..nope]);
-                        kd[nope..].copy_from_slice(k_pe);
-                        v[(t * nh + hd) * dv..(t * nh + hd + 1) * dv].copy_from_slice(&src[nope..]);
-                    }
-                }
+                // The latent, up-projected to each head's nope key and value.
+                let mut latent = ex.zeros(kv.dev(), n * kl)?;
+                let c = Copy2d { rows: n, width: kl, src_stride: row, src_off: 0, src_rep: 1, dst_stride: kl, dst_off: 0 };
+                ex.copy_rows(&mut latent, &kv, c)?;
+                let up = ex.matmul(kv_b, &latent)?;
+                let (d, hw) = (up.dev(), nope + dv);
+                let mut k = ex.zeros(d, n * nh * dk)?;
+                let mut v = ex.zeros(d, n * nh * dv)?;
+                let rows = n * nh;
+                let c = Copy2d { rows, width: nope, src_stride: hw, src_off: 0, src_rep: 1, dst_stride: dk, dst_off: 0 };
+                ex.copy_rows(&mut k, &up, c)?;
+                // The shared rotary key into every head.
+                let c = Copy2d { rows, width: nr, src_stride: row, src_off: kl, src_rep: nh, dst_stride: dk, dst_off: nope };
+                ex.copy_rows(&mut k, &kv, c)?;
+                let c = Copy2d { rows, width: dv, src_stride: hw, src_off: nope, src_rep: 1, dst_stride: dv, dst_off: 0 };
+                ex.copy_rows(&mut v, &up, c)?;
+                ex.kv_store(cache, il, ub, &k, Some(&v))?;
                 let shape = AttnShape { n_head: nh, n_head_kv: nh, dk, dv, scale: self.kq_scale };
-                attend(b, cache, il, ub, Qkv { q: &q, k: &k, v: Some(&v) }, shape)
+                let tokens: Vec<usize> = (0..n).collect();
+                ex.attention(cache, il, ub, &tokens, &q, shape, true)
             }
         }
     }
 
-    /// Absorbed MLA for `tokens` of the micro-batch (rows cached): `q_h' = [W_kb,h q_nope,h ;
-    /// q_pe,h]` against the cached `[latent ; k_pe]`, each head's latent output decompressed by
-    /// `W_vb,h`. `q` is the whole micro-batch's; returns `[tokens.len()][n_head * dv]`.
+    /// Absorbed MLA for `tokens` of the micro-batch (rows cached; `q` holds their queries):
+    /// `q_h' = [W_kb,h q_nope,h ; q_pe,h]` against the cached `[latent ; k_pe]`, each head's latent
+    /// output decompressed by `W_vb,h`. Returns `[tokens.len()][n_head * dv]`.
     #[allow(clippy::too_many_arguments)]
     fn absorbed(
         &self,
-        b: &dyn Backend,
+        ex: &Exec,
         cache: &KvCache,
         il: usize,
         ub: &Ubatch,
         tokens: &[usize],
-        q: &[f32],
+        q: &Tensor,
         k_b: &Weight,
         v_b: &Weight,
-    ) -> Result<Vec<f32>> {
-        let n = tokens.len();
-        let (nh, dk, dv, nr, kl) = (self.n_head, self.dk, self.dv, self.n_rot, self.kv_lora);
-        let nope = dk - nr;
-        let dq = kl + nr;
-        let mut qcur = vec![0f32; n * nh * dq];
-        // Each head's `q_nope` rows; for one token they are in place in `q`.
-        let q_nope: Vec<Vec<f32>> = match tokens {
-            [_] => Vec::new(),
-            _ => (0..nh)
-                .map(|hd| {
-                    let mut v = Vec::with_capacity(n * nope);
-                    for &t in tokens {
-                        v.extend_from_slice(&q[(t * nh + hd) * dk..(t * nh + hd) * dk + nope]);
-                    }
-                    v
-                })
-                .collect(),
-        };
-        let xs: Vec<&[f32]> = match tokens {
-            &[t] => (0..nh).map(|hd| &q[(t * nh + hd) * dk..(t * nh + hd) * dk + nope]).collect(),
-            _ => q_nope.iter().map(|v| &v[..]).collect(),
-        };
-        let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * kl, kl)).collect();
-        let mut absorbed = vec![vec![0f32; n * kl]; nh];
-        b.matmul_groups(k_b, &groups, &xs, &mut absorbed)?;
-        for (hd, absorbed) in absorbed.iter().enumerate() {
-            for (i, &t) in tokens.iter().enumerate() {
-                let dst = &mut qcur[(i * nh + hd) * dq..(i * nh + hd + 1) * dq];
-                dst[..kl].copy_from_slice(&absorbed[i * kl..(i + 1) * kl]);
-                dst[kl..].copy_from_slice(&q[(t * nh + hd) * dk + nope..(t * nh + hd + 1) * dk]);
-            }
-        }
-        let shape = AttnShape { n_head: nh, n_head_kv: 1, dk: dq, dv: kl, scale: self.kq_scale };
-        let lat = attend_cached(b, cache, il, ub, tokens, &qcur, false, shape)?;
-        // Decompress each head's latent output with W_vb,h (for one token, in place in `lat`).
-        let lat_h: Vec<Vec<f32>> = match n {
-            1 => Vec::new(),
-            _ => (0..nh)
-                .map(|hd| {
-                    let mut v = Vec::with_capacity(n * kl);
-                    for i in 0..n {
-                        v.extend_from_slice(&lat[(i * nh + hd) * kl..(i * nh + hd + 1) * kl]);
-                    }
-                    v
-                })
-                .collect(),
-        };
-        let xs: Vec<&[f32]> = match n {
-            1 => lat.chunks_exact(kl).collect(),
-            _ => lat_h.iter().map(|v| &v[..]).collect(),
-        };
-        let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * dv, dv)).collect();
-        let mut ys = vec![vec![0f32; n * dv]; nh];
-        b.matmul_groups(v_b, &groups, &xs, &mut ys)?;
-        let mut o = vec![0f32; n * nh * dv];
-        for (hd, y) in ys.iter().enumerate() {
-            for i in 0..n {
-                o[(i * nh + hd) * dv..(i * nh + hd + 1) * dv].copy_from_slice(&y[i * dv..(i + 1) * dv]);
-            }
-        }
-        Ok(o)
+    ) -> Result<Tensor> {
+        let s = self.mla_shape();
+        let qcur = ex.mla_q(k_b, q, s)?;
+        let shape = AttnShape { n_head: s.n_head, n_head_kv: 1, dk: s.kv_lora + s.n_rot, dv: s.kv_lora, scale: self.kq_scale };
+        let lat = ex.attention(cache, il, ub, tokens, &qcur, shape, false)?;
+        ex.mla_out(v_b, &lat, s)
     }
 
     /// Whether a run of tokens attending `n_kv` rows each takes the decompressed form: by `mode`,
@@ -359,6 +281,15 @@ fn decompress_pays(kv_lora: usize, n_rot: usize, nope: usize, dv: usize, n_kv: &
     decompressed < absorbed
 }
 
+/// Rows `src` (rows of `cols`) into rows `rows` of `dst`.
+fn scatter_rows(ex: &Exec, dst: &mut Tensor, src: &Tensor, cols: usize, rows: &[usize]) -> Result<()> {
+    for (i, &r) in rows.iter().enumerate() {
+        let c = Copy2d { rows: 1, width: cols, src_stride: cols, src_off: i * cols, src_rep: 1, dst_stride: cols, dst_off: r * cols };
+        ex.copy_rows(dst, src, c)?;
+    }
+    Ok(())
+}
+
 /// The micro-batch's token indices per sequence, in order of first appearance.
 fn by_sequence(ub: &Ubatch) -> Vec<(usize, Vec<usize>)> {
     let mut out: Vec<(usize, Vec<usize>)> = Vec::new();
@@ -388,23 +319,32 @@ impl Layers for Deepseek2 {
         }
     }
 
-    fn forward_layer(&self, il: usize, b: &dyn Backend, cache: &mut KvCache, ub: &Ubatch, x: &mut [f32]) -> Result<()> {
+    fn forward_layer(&self, il: usize, ex: &Exec, cache: &mut KvCache, ub: &Ubatch, x: &mut Tensor) -> Result<()> {
         let ly = &self.layers[il];
-        let n = ub.len();
-        let mut h = x.to_vec();
-        b.rmsnorm(&mut h, self.n_embd, Some(&ly.attn_norm), self.eps);
-        let o = self.attention(ly, il, b, cache, ub, &h)?;
-        let mut attn = vec![0f32; n * self.n_embd];
-        b.matmul(&ly.wo, &o, &mut attn)?;
-        b.add(x, &attn);
-        let mut h = x.to_vec();
-        b.rmsnorm(&mut h, self.n_embd, Some(&ly.ffn_norm), self.eps);
+        // The residual stream lives where the layer's attention runs.
+        ex.move_to(x, ex.dev_of(&ly.attn_norm.name))?;
+        let h = ex.rmsnorm(x, &ly.attn_norm, self.eps)?;
+        let o = self.attention(ly, il, ex, cache, ub, &h)?;
+        let attn = ex.matmul(&ly.wo, &o)?;
+        ex.add(x, &attn)?;
+        let h = ex.rmsnorm(x, &ly.ffn_norm, self.eps)?;
         let out = match &ly.ffn {
-            Ffw::Dense(f) => f.forward(b, &h, n)?,
-            Ffw::Moe { moe, shared } => moe.forward(b, &h, n, shared.as_ref())?,
+            Ffw::Dense(f) => ex.ffn(f, &h)?,
+            Ffw::Moe { moe, shared } => ex.moe(moe, shared.as_ref(), &h)?,
         };
-        b.add(x, &out);
-        Ok(())
+        ex.add(x, &out)
+    }
+
+    fn kv_device(&self, il: usize, ex: &Exec) -> DevId {
+        ex.dev_of(&self.layers[il].kv_a.name)
+    }
+
+    fn first_device(&self, ex: &Exec) -> DevId {
+        self.layers.first().map_or(crate::exec::CPU, |l| ex.dev_of(&l.attn_norm.name))
+    }
+
+    fn rope(&self) -> &RopeConfig {
+        &self.rope
     }
 
     fn eps(&self) -> f32 {

@@ -2,10 +2,11 @@
 //! `-ctv`). For deepseek2 with MLA a row is the compressed latent plus the rotary part of K
 //! (`kv_lora_rank + n_rot` values) and there is no separate V: V is the latent part of K.
 
+use crate::device::KvStore;
+use crate::exec::{DevId, Exec};
 use crate::{Error, Result};
 use std::collections::HashMap;
 use tandem_gguf::GgmlType;
-use tandem_quant::{quantize_row, row_size};
 
 /// The element types a KV cache may hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,25 +50,35 @@ pub struct KvLayout {
     pub v_head: usize,
 }
 
-struct SeqKv {
-    len: usize,
-    k: Vec<Vec<u8>>,
-    v: Vec<Vec<u8>>,
-}
-
-/// The cache of every sequence.
+/// The cache of every sequence: lengths here, rows on the devices that hold the layers'
+/// attention ([`KvStore`]s; for the CPU, host memory).
 pub struct KvCache {
     layout: KvLayout,
     k_type: GgmlType,
     v_type: GgmlType,
-    k_row_bytes: usize,
-    v_row_bytes: usize,
     n_ctx: usize,
-    seqs: HashMap<usize, SeqKv>,
+    lens: HashMap<usize, usize>,
+    stores: Vec<(DevId, Box<dyn KvStore>)>,
+    /// Layer -> index into `stores`.
+    layer_store: Vec<usize>,
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "KvCache({} layers, {} sequences)", self.layout.n_layer, self.lens.len())
+    }
 }
 
 impl KvCache {
-    pub(crate) fn new(layout: KvLayout, k: CacheType, v: CacheType, n_ctx: usize) -> Result<KvCache> {
+    /// A cache whose layer `il` lives on device `layer_dev[il]` of `ex`.
+    pub(crate) fn new(
+        layout: KvLayout,
+        k: CacheType,
+        v: CacheType,
+        n_ctx: usize,
+        ex: &Exec,
+        layer_dev: &[DevId],
+    ) -> Result<KvCache> {
         let (k_type, v_type) = (k.ggml(), v.ggml());
         let bad = |which: &str, ty: GgmlType, n: usize| {
             Error::Model(format!(
@@ -83,15 +94,19 @@ impl KvCache {
         if !v_n.is_multiple_of(v_ty_check.block_size()) {
             return Err(bad("V", v_ty_check, v_n));
         }
-        Ok(KvCache {
-            k_row_bytes: row_size(k_type, layout.k_row)?,
-            v_row_bytes: if layout.v_row == 0 { 0 } else { row_size(v_type, layout.v_row)? },
-            layout,
-            k_type,
-            v_type,
-            n_ctx,
-            seqs: HashMap::new(),
-        })
+        if layer_dev.len() != layout.n_layer {
+            return Err(Error::Model(format!("{} layer devices for {} layers", layer_dev.len(), layout.n_layer)));
+        }
+        let v_read = if layout.v_row == 0 { k_type } else { v_type };
+        let mut layer_store = vec![0; layout.n_layer];
+        let mut stores = Vec::new();
+        for (d, layers, store) in ex.kv_stores(layer_dev, layout, k_type, v_read)? {
+            for il in layers {
+                layer_store[il] = stores.len();
+            }
+            stores.push((d, store));
+        }
+        Ok(KvCache { layout, k_type, v_type, n_ctx, lens: HashMap::new(), stores, layer_store })
     }
 
     pub fn k_type(&self) -> GgmlType {
@@ -111,83 +126,82 @@ impl KvCache {
         self.n_ctx
     }
 
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
     /// Positions cached for `seq`.
     pub fn seq_len(&self, seq: usize) -> usize {
-        self.seqs.get(&seq).map_or(0, |s| s.len)
+        self.lens.get(&seq).copied().unwrap_or(0)
     }
 
     /// Forgets positions `n..` of `seq` (all of it with `n = 0`).
     pub fn truncate(&mut self, seq: usize, n: usize) {
-        if let Some(s) = self.seqs.get_mut(&seq) {
-            if n < s.len {
-                s.len = n;
-                for k in &mut s.k {
-                    k.truncate(n * self.k_row_bytes);
-                }
-                for v in &mut s.v {
-                    v.truncate(n * self.v_row_bytes);
+        // Always, also at the current length: a failed step may have left rows in some layers.
+        for (_, s) in &mut self.stores {
+            s.truncate(seq, n);
+        }
+        match n {
+            0 => {
+                self.lens.remove(&seq);
+            }
+            _ => {
+                if let Some(l) = self.lens.get_mut(&seq) {
+                    *l = (*l).min(n);
                 }
             }
         }
-        if n == 0 {
-            self.seqs.remove(&seq);
-        }
     }
 
-    /// Makes `dst` a copy of the first `n` positions of `src` (a shared prompt prefix computed once).
-    pub fn copy_prefix(&mut self, src: usize, dst: usize, n: usize) {
+    /// Makes `dst` a copy of the first `n` positions of `src` (a shared prompt prefix computed
+    /// once), on the devices that hold the rows. On error `dst` is empty.
+    pub fn copy_prefix(&mut self, src: usize, dst: usize, n: usize) -> Result<()> {
         if src == dst {
             self.truncate(dst, n);
-            return;
+            return Ok(());
         }
         let n = n.min(self.seq_len(src));
         self.truncate(dst, 0);
-        let Some(s) = self.seqs.get(&src) else { return };
-        let copy = SeqKv {
-            len: n,
-            k: s.k.iter().map(|k| k[..n * self.k_row_bytes].to_vec()).collect(),
-            v: s.v.iter().map(|v| v[..(n * self.v_row_bytes).min(v.len())].to_vec()).collect(),
-        };
-        if n > 0 {
-            self.seqs.insert(dst, copy);
+        if n == 0 {
+            return Ok(());
         }
+        for i in 0..self.stores.len() {
+            if let Err(e) = self.stores[i].1.copy_prefix(src, dst, n) {
+                self.truncate(dst, 0);
+                return Err(e);
+            }
+        }
+        self.lens.insert(dst, n);
+        Ok(())
     }
 
     /// Bytes the cache holds now.
     pub fn used_bytes(&self) -> usize {
-        self.seqs.values().map(|s| s.len * (self.k_row_bytes + self.v_row_bytes) * self.layout.n_layer).sum()
+        self.stores.iter().map(|(_, s)| s.used_bytes()).sum()
     }
 
-    /// Appends the K (and V) row of the next position of `seq` in layer `il`.
-    pub(crate) fn push(&mut self, seq: usize, il: usize, k: &[f32], v: Option<&[f32]>) -> Result<()> {
-        let n_layer = self.layout.n_layer;
-        let s = self.seqs.entry(seq).or_insert_with(|| SeqKv {
-            len: 0,
-            k: vec![Vec::new(); n_layer],
-            v: vec![Vec::new(); n_layer],
-        });
-        let kbuf = &mut s.k[il];
-        let at = kbuf.len();
-        kbuf.resize(at + self.k_row_bytes, 0);
-        quantize_row(self.k_type, k, &mut kbuf[at..])?;
-        if let (Some(v), true) = (v, self.v_row_bytes > 0) {
-            let vbuf = &mut s.v[il];
-            let at = vbuf.len();
-            vbuf.resize(at + self.v_row_bytes, 0);
-            quantize_row(self.v_type, v, &mut vbuf[at..])?;
-        }
-        // The sequence's length is that of its last layer's K rows.
-        if il == n_layer - 1 {
-            s.len = s.k[il].len() / self.k_row_bytes;
-        }
-        Ok(())
+    /// The store of layer `il` and its device.
+    pub(crate) fn store(&self, il: usize) -> Result<(DevId, &dyn KvStore)> {
+        let i = *self.layer_store.get(il).ok_or_else(|| Error::Model(format!("no cache for layer {il}")))?;
+        let (d, s) = &self.stores[i];
+        Ok((*d, s.as_ref()))
     }
 
-    /// The K rows (and V rows, empty under MLA) of `seq` in layer `il`.
-    pub(crate) fn rows(&self, seq: usize, il: usize) -> (&[u8], &[u8]) {
-        match self.seqs.get(&seq) {
-            Some(s) => (&s.k[il], &s.v[il]),
-            None => (&[], &[]),
+    pub(crate) fn store_mut(&mut self, il: usize) -> Result<(DevId, &mut dyn KvStore)> {
+        let i = *self.layer_store.get(il).ok_or_else(|| Error::Model(format!("no cache for layer {il}")))?;
+        let (d, s) = &mut self.stores[i];
+        Ok((*d, s.as_mut()))
+    }
+
+    /// The store device `d` holds, if any.
+    pub(crate) fn store_on_mut(&mut self, d: DevId) -> Option<&mut dyn KvStore> {
+        self.stores.iter_mut().find(|(sd, _)| *sd == d).map(|(_, s)| s.as_mut() as &mut dyn KvStore)
+    }
+
+    /// The micro-batch's rows are in every layer: each of its sequences is that much longer.
+    pub(crate) fn advance(&mut self, seqs: &[usize]) {
+        for &s in seqs {
+            *self.lens.entry(s).or_insert(0) += 1;
         }
     }
 }

@@ -1,27 +1,27 @@
-//! Model architectures and the forward pass, written once over the [`Backend`] trait:
+//! Model architectures and the forward pass, written once over the executor ([`Exec`]):
 //! `deepseek2` (Kimi K2 / K2.5, DeepSeek V3 / R1; mainline MLA and legacy GGUFs), `llama` and
 //! `qwen3moe`. Hyperparameters come from GGUF metadata, weights are bound by GGUF tensor name and
 //! used in place from the memory map. The computation follows llama.cpp's graphs
 //! (src/models/*.cpp, src/llama-graph.cpp) so logits agree with llama.cpp.
 
-mod backend;
 mod common;
 mod config;
 mod context;
 mod deepseek2;
-mod gpu;
+mod device;
+mod exec;
+mod host;
 mod kv_cache;
 mod llama;
 mod moe;
 mod qwen3moe;
 mod weights;
 
-pub use backend::{AttnInput, Backend, CpuBackend, MlaInput};
 pub use config::{Arch, RopeConfig};
 pub use context::{Batch, Context, ContextParams, MlaMode, Model, PackReport, PackedSources};
-pub use gpu::{GpuBackend, GpuLoad, GpuOptions};
+pub use exec::{Counts, DevId, Exec, Ledger, Tensor, CPU};
 pub use kv_cache::{CacheType, KvCache};
-pub use weights::{Weight, WeightLoader};
+pub use weights::{Vector, Weight, WeightLoader};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

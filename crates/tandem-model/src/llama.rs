@@ -1,38 +1,38 @@
 //! `llama`: dense transformer with grouped-query attention (llama.cpp src/models/llama.cpp).
 //! SmolLM2-135M-Instruct is the real model this is checked against.
 
-use crate::backend::Backend;
-use crate::common::{attend, AttnShape, Ffn, Qkv, Ubatch};
+use crate::common::{AttnShape, Ffn, Ubatch};
 use crate::config::{Arch, Keys, RopeConfig};
 use crate::context::Layers;
+use crate::exec::{DevId, Exec, Heads, Rows, Tensor};
 use crate::kv_cache::{KvCache, KvLayout};
 use crate::moe::Moe;
-use crate::weights::{Weight, WeightLoader};
+use crate::weights::{Vector, Weight, WeightLoader};
 use crate::Result;
 use tandem_cpu::RopeStyle;
 
 /// The attention weights of a llama-style layer (llama, qwen3moe).
 pub(crate) struct GqaWeights {
-    pub attn_norm: Vec<f32>,
+    pub attn_norm: Vector,
     pub wq: Weight, // [n_embd] -> [n_head * head_dim]
     pub wk: Weight, // [n_embd] -> [n_head_kv * head_dim]
     pub wv: Weight, // [n_embd] -> [n_head_kv * head_dim]
     pub wo: Weight, // [n_head * head_dim] -> [n_embd]
     /// Per-head RMS norms of Q and K before rope (qwen3's QK-norm).
-    pub qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    pub qk_norm: Option<(Vector, Vector)>,
 }
 
 impl GqaWeights {
     pub fn load(l: &WeightLoader, il: usize, n_embd: usize, s: AttnShape, qk_norm: bool) -> Result<GqaWeights> {
         let p = |n: &str| format!("blk.{il}.{n}.weight");
         Ok(GqaWeights {
-            attn_norm: l.vec(&p("attn_norm"), n_embd)?,
+            attn_norm: l.vector(&p("attn_norm"), n_embd)?,
             wq: l.get(&p("attn_q"), &[n_embd, s.n_head * s.dk])?,
             wk: l.get(&p("attn_k"), &[n_embd, s.n_head_kv * s.dk])?,
             wv: l.get(&p("attn_v"), &[n_embd, s.n_head_kv * s.dv])?,
             wo: l.get(&p("attn_output"), &[s.n_head * s.dv, n_embd])?,
             qk_norm: match qk_norm {
-                true => Some((l.vec(&p("attn_q_norm"), s.dk)?, l.vec(&p("attn_k_norm"), s.dk)?)),
+                true => Some((l.vector(&p("attn_q_norm"), s.dk)?, l.vector(&p("attn_k_norm"), s.dk)?)),
                 false => None,
             },
         })
@@ -41,7 +41,6 @@ impl GqaWeights {
 
 /// Grouped-query attention with rotary embeddings, shared by llama and qwen3moe.
 pub(crate) struct Gqa {
-    pub n_embd: usize,
     pub shape: AttnShape,
     pub eps: f32,
     pub rope: RopeConfig,
@@ -58,34 +57,28 @@ impl Gqa {
         &self,
         w: &GqaWeights,
         il: usize,
-        b: &dyn Backend,
+        ex: &Exec,
         cache: &mut KvCache,
         ub: &Ubatch,
-        x: &mut [f32],
+        x: &mut Tensor,
     ) -> Result<()> {
         let (s, n) = (self.shape, ub.len());
-        let mut h = x.to_vec();
-        b.rmsnorm(&mut h, self.n_embd, Some(&w.attn_norm), self.eps);
-        let mut q = vec![0f32; n * s.n_head * s.dk];
-        let mut k = vec![0f32; n * s.n_head_kv * s.dk];
-        let mut v = vec![0f32; n * s.n_head_kv * s.dv];
-        b.matmul_same_input(&[&w.wq, &w.wk, &w.wv], &h, &mut [&mut q, &mut k, &mut v])?;
+        ex.move_to(x, ex.dev_of(&w.attn_norm.name))?;
+        let h = ex.rmsnorm(x, &w.attn_norm, self.eps)?;
+        let mut r = ex.matmul_same_input(&[&w.wq, &w.wk, &w.wv], &h)?.into_iter();
+        let (Some(mut q), Some(mut k), Some(v)) = (r.next(), r.next(), r.next()) else { unreachable!("three products asked") };
         if let Some((qn, kn)) = &w.qk_norm {
-            b.rmsnorm(&mut q, s.dk, Some(qn), self.eps);
-            b.rmsnorm(&mut k, s.dk, Some(kn), self.eps);
+            ex.rmsnorm_in_place(&mut q, qn, Rows::dense(s.dk), self.eps)?;
+            ex.rmsnorm_in_place(&mut k, kn, Rows::dense(s.dk), self.eps)?;
         }
-        for t in 0..n {
-            let cache_t = self.rope.cache(ub.pos[t]);
-            let heads = q[t * s.n_head * s.dk..(t + 1) * s.n_head * s.dk].chunks_exact_mut(s.dk);
-            for head in heads.chain(k[t * s.n_head_kv * s.dk..(t + 1) * s.n_head_kv * s.dk].chunks_exact_mut(s.dk)) {
-                b.rope(head, &cache_t, self.rope.params.style);
-            }
-        }
-        let o = attend(b, cache, il, ub, Qkv { q: &q, k: &k, v: Some(&v) }, s)?;
-        let mut attn = vec![0f32; n * self.n_embd];
-        b.matmul(&w.wo, &o, &mut attn)?;
-        b.add(x, &attn);
-        Ok(())
+        let style = self.rope.params.style;
+        ex.rope(&mut q, ub, Heads { row: s.n_head * s.dk, n_heads: s.n_head, head: s.dk, off: 0 }, style)?;
+        ex.rope(&mut k, ub, Heads { row: s.n_head_kv * s.dk, n_heads: s.n_head_kv, head: s.dk, off: 0 }, style)?;
+        ex.kv_store(cache, il, ub, &k, Some(&v))?;
+        let tokens: Vec<usize> = (0..n).collect();
+        let o = ex.attention(cache, il, ub, &tokens, &q, s, true)?;
+        let attn = ex.matmul(&w.wo, &o)?;
+        ex.add(x, &attn)
     }
 }
 
@@ -97,7 +90,7 @@ pub(crate) enum GqaFfn {
 
 pub(crate) struct GqaLayer {
     pub attn: GqaWeights,
-    pub ffn_norm: Vec<f32>,
+    pub ffn_norm: Vector,
     pub ffn: GqaFfn,
 }
 
@@ -112,17 +105,27 @@ impl Layers for GqaLayers {
         self.gqa.layout(self.layers.len())
     }
 
-    fn forward_layer(&self, il: usize, b: &dyn Backend, cache: &mut KvCache, ub: &Ubatch, x: &mut [f32]) -> Result<()> {
+    fn forward_layer(&self, il: usize, ex: &Exec, cache: &mut KvCache, ub: &Ubatch, x: &mut Tensor) -> Result<()> {
         let ly = &self.layers[il];
-        self.gqa.residual(&ly.attn, il, b, cache, ub, x)?;
-        let mut h = x.to_vec();
-        b.rmsnorm(&mut h, self.gqa.n_embd, Some(&ly.ffn_norm), self.gqa.eps);
+        self.gqa.residual(&ly.attn, il, ex, cache, ub, x)?;
+        let h = ex.rmsnorm(x, &ly.ffn_norm, self.gqa.eps)?;
         let out = match &ly.ffn {
-            GqaFfn::Dense(f) => f.forward(b, &h, ub.len())?,
-            GqaFfn::Moe(m) => m.forward(b, &h, ub.len(), None)?,
+            GqaFfn::Dense(f) => ex.ffn(f, &h)?,
+            GqaFfn::Moe(m) => ex.moe(m, None, &h)?,
         };
-        b.add(x, &out);
-        Ok(())
+        ex.add(x, &out)
+    }
+
+    fn kv_device(&self, il: usize, ex: &Exec) -> DevId {
+        ex.dev_of(&self.layers[il].attn.wk.name)
+    }
+
+    fn first_device(&self, ex: &Exec) -> DevId {
+        self.layers.first().map_or(crate::exec::CPU, |l| ex.dev_of(&l.attn.attn_norm.name))
+    }
+
+    fn rope(&self) -> &RopeConfig {
+        &self.gqa.rope
     }
 
     fn eps(&self) -> f32 {
@@ -156,10 +159,10 @@ impl Llama {
         for il in 0..n_layer {
             layers.push(GqaLayer {
                 attn: GqaWeights::load(l, il, n_embd, shape, false)?,
-                ffn_norm: l.vec(&format!("blk.{il}.ffn_norm.weight"), n_embd)?,
+                ffn_norm: l.vector(&format!("blk.{il}.ffn_norm.weight"), n_embd)?,
                 ffn: GqaFfn::Dense(Box::new(Ffn::load(l, il, "", n_embd, n_ff)?)),
             });
         }
-        Ok(GqaLayers { layers, gqa: Gqa { n_embd, shape, eps, rope } })
+        Ok(GqaLayers { layers, gqa: Gqa { shape, eps, rope } })
     }
 }

@@ -2,10 +2,10 @@
 //! selection bias `exp_probs_b` (selection only), group-limited routing, top-k, weights from the
 //! unbiased scores, optional normalization and scale, then `sum_k w_k * down_k(silu(gate_k x) * up_k x)`.
 
-use crate::backend::{Backend, FfnSpec};
 use crate::common::Ffn;
-use crate::weights::{Weight, WeightLoader};
+use crate::weights::{Vector, Weight, WeightLoader};
 use crate::{model_err, Result};
+use tandem_cpu::{CpuBackend, WeightRef};
 
 /// `expert_gating_func` (llama.cpp `llama_expert_gating_func_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,15 +37,23 @@ pub(crate) struct Routing {
     pub n_group_used: usize,
 }
 
+/// A token's experts and their weights, in selection order.
+pub(crate) type Route = Vec<(usize, f32)>;
+
 pub(crate) struct Moe {
     gate_inp: Weight, // [n_embd] -> [n_expert]
-    exp_probs_b: Option<Vec<f32>>,
-    gate_exps: Weight, // per expert [n_embd] -> [n_ff]
-    up_exps: Weight,   // per expert [n_embd] -> [n_ff]
-    down_exps: Weight, // per expert [n_ff] -> [n_embd]
+    exp_probs_b: Option<Vector>,
+    /// The stacked experts: per expert `[n_embd] -> [n_ff]` (gate, up) and `[n_ff] -> [n_embd]`.
+    experts: Ffn,
     n_embd: usize,
-    n_ff: usize,
     r: Routing,
+}
+
+/// Which experts run on which rows: `used[k] = (expert, rows)` in expert order, and for each
+/// (row, slot) where its output is: `at[row * n_used + slot] = (k, index in used[k].1)`.
+pub(crate) struct ExpertPlan {
+    pub used: Vec<(usize, Vec<usize>)>,
+    at: Vec<(usize, usize)>,
 }
 
 impl Moe {
@@ -64,14 +72,44 @@ impl Moe {
         let ne = r.n_expert;
         Ok(Moe {
             gate_inp: l.get(&p("ffn_gate_inp"), &[n_embd, ne])?,
-            exp_probs_b: l.opt_vec(&format!("blk.{il}.exp_probs_b.bias"), ne)?,
-            gate_exps: l.get(&p("ffn_gate_exps"), &[n_embd, n_ff, ne])?,
-            up_exps: l.get(&p("ffn_up_exps"), &[n_embd, n_ff, ne])?,
-            down_exps: l.get(&p("ffn_down_exps"), &[n_ff, n_embd, ne])?,
+            exp_probs_b: l.opt_vector(&format!("blk.{il}.exp_probs_b.bias"), ne)?,
+            experts: Ffn {
+                gate: l.get(&p("ffn_gate_exps"), &[n_embd, n_ff, ne])?,
+                up: l.get(&p("ffn_up_exps"), &[n_embd, n_ff, ne])?,
+                down: l.get(&p("ffn_down_exps"), &[n_ff, n_embd, ne])?,
+                n_ff,
+                n_out: n_embd,
+            },
             n_embd,
-            n_ff,
             r,
         })
+    }
+
+    /// `ffn_gate_inp`.
+    pub fn router(&self) -> &Weight {
+        &self.gate_inp
+    }
+
+    pub fn router_name(&self) -> &str {
+        &self.gate_inp.name
+    }
+
+    /// The stacked expert matrices (`n_ff` rows of gate and up, `n_embd` of down, per expert).
+    pub fn experts(&self) -> &Ffn {
+        &self.experts
+    }
+
+    pub fn expert_names(&self) -> (&str, &str, &str) {
+        (&self.experts.gate.name, &self.experts.up.name, &self.experts.down.name)
+    }
+
+    pub fn n_embd(&self) -> usize {
+        self.n_embd
+    }
+
+    /// Values per row of a [`Moe::route_packet`]: the row, its experts' ids, their weights.
+    pub fn packet_row(&self) -> usize {
+        self.n_embd + 2 * self.r.n_used
     }
 
     /// The experts chosen for one token's router logits and their weights, in selection order.
@@ -86,7 +124,7 @@ impl Moe {
             Gating::Sigmoid => logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect(),
         };
         let mut sel: Vec<f32> = match &self.exp_probs_b {
-            Some(b) => probs.iter().zip(b).map(|(p, b)| p + b).collect(),
+            Some(b) => probs.iter().zip(&b.v).map(|(p, b)| p + b).collect(),
             None => probs.clone(),
         };
         if r.n_group > 1 {
@@ -113,69 +151,94 @@ impl Moe {
         chosen.into_iter().zip(w).collect()
     }
 
-    /// The routed-expert output for `n` tokens of `h` (`[n][n_embd]`), plus the shared expert's
-    /// when there is one: every expert runs once on all the tokens routed to it, and all of them
-    /// (with the shared expert) in one [`Backend::ffn_batch`].
-    pub fn forward(&self, b: &dyn Backend, h: &[f32], n: usize, shared: Option<&Ffn>) -> Result<Vec<f32>> {
-        let (ne, nf) = (self.n_embd, self.n_ff);
+    /// The routes of the rows of `h` (`[n][n_embd]`) on the CPU, with `router` the router's matrix.
+    pub fn route_rows(&self, cpu: &CpuBackend, router: &WeightRef, h: &[f32]) -> Result<Vec<Route>> {
+        let n = h.len() / self.n_embd.max(1);
         let mut logits = vec![0f32; n * self.r.n_expert];
-        b.matmul(&self.gate_inp, h, &mut logits)?;
-        let routes: Vec<Vec<(usize, f32)>> = logits.chunks_exact(self.r.n_expert).map(|l| self.route(l)).collect();
+        cpu.matmul(router, h, &mut logits).map_err(|e| model_err(format!("{}: {e}", self.gate_inp.name)))?;
+        Ok(logits.chunks_exact(self.r.n_expert).map(|l| self.route(l)).collect())
+    }
+
+    /// [`Moe::route_rows`], packed with the rows: `[n][n_embd + 2 n_used]`, each row of `h`, then its
+    /// experts' ids (as f32, exact below 2^24), then their weights.
+    pub fn route_packet(&self, cpu: &CpuBackend, router: &WeightRef, h: &[f32]) -> Result<Vec<f32>> {
+        let routes = self.route_rows(cpu, router, h)?;
+        let (ne, nu) = (self.n_embd, self.r.n_used);
+        let mut p = Vec::with_capacity(routes.len() * self.packet_row());
+        for (t, route) in routes.iter().enumerate() {
+            p.extend_from_slice(&h[t * ne..(t + 1) * ne]);
+            p.extend(route.iter().map(|&(e, _)| e as f32));
+            p.extend(route.iter().map(|&(_, w)| w));
+            p.resize(p.len() + nu - route.len(), 0.0);
+        }
+        Ok(p)
+    }
+
+    /// The routes and rows of a packet of [`Moe::route_packet`] (made here or on another device);
+    /// an expert id that is not one of this layer's is an error.
+    pub fn unpack(&self, p: &[f32]) -> Result<(Vec<Route>, Vec<f32>)> {
+        let (ne, nu, row) = (self.n_embd, self.r.n_used, self.packet_row());
+        if !p.len().is_multiple_of(row) {
+            return Err(model_err(format!("{}: a packet of {} values, rows of {row}", self.gate_inp.name, p.len())));
+        }
+        let n = p.len() / row;
+        let mut h = Vec::with_capacity(n * ne);
+        let mut routes = Vec::with_capacity(n);
+        for r in p.chunks_exact(row) {
+            h.extend_from_slice(&r[..ne]);
+            let mut route = Vec::with_capacity(nu);
+            for (&id, &w) in r[ne..ne + nu].iter().zip(&r[ne + nu..]) {
+                if !(id >= 0.0 && id < self.r.n_expert as f32 && id.fract() == 0.0) {
+                    return Err(model_err(format!("{}: expert id {id} routed", self.gate_inp.name)));
+                }
+                route.push((id as usize, w));
+            }
+            routes.push(route);
+        }
+        Ok((routes, h))
+    }
+
+    /// Which experts run on which rows for `routes`.
+    pub fn plan(&self, routes: &[Route]) -> ExpertPlan {
         let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); self.r.n_expert];
         for (t, route) in routes.iter().enumerate() {
             for (slot, &(e, _)) in route.iter().enumerate() {
                 by_expert[e].push((t, slot));
             }
         }
-        let used: Vec<usize> = (0..self.r.n_expert).filter(|&e| !by_expert[e].is_empty()).collect();
-        let mut specs: Vec<FfnSpec> = used
-            .iter()
-            .map(|&e| FfnSpec {
-                gate: &self.gate_exps,
-                up: &self.up_exps,
-                down: &self.down_exps,
-                expert: e,
-                n_ff: nf,
-                n_out: ne,
-                tokens: by_expert[e].iter().map(|&(t, _)| t).collect(),
-            })
-            .collect();
-        if let Some(s) = shared {
-            specs.push(s.spec((0..n).collect()));
-        }
-        let outs = b.ffn_batch(h, ne, &specs)?;
         let n_used = self.r.n_used;
-        // Where each (token, slot) output is: (index into `outs`, row within it).
-        let mut at = vec![(0usize, 0usize); n * n_used];
-        for (k, &e) in used.iter().enumerate() {
-            for (i, &(t, slot)) in by_expert[e].iter().enumerate() {
-                at[t * n_used + slot] = (k, i);
+        let mut at = vec![(0usize, 0usize); routes.len() * n_used];
+        let mut used = Vec::new();
+        for (e, rows) in by_expert.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
+            for (i, &(t, slot)) in rows.iter().enumerate() {
+                at[t * n_used + slot] = (used.len(), i);
             }
+            used.push((e, rows.iter().map(|&(t, _)| t).collect()));
         }
-        // Each output scaled by its weight, summed in selection order as llama.cpp adds the expert
-        // views, then the shared expert.
+        ExpertPlan { used, at }
+    }
+
+    /// The experts' outputs (`outs[k]` for `plan.used[k]`, `[rows][n_embd]`) scaled by their
+    /// weights and summed per row in selection order, as llama.cpp adds the expert views.
+    pub fn combine(&self, plan: &ExpertPlan, routes: &[Route], outs: &[Vec<f32>]) -> Vec<f32> {
+        let (ne, n_used) = (self.n_embd, self.r.n_used);
+        let n = routes.len();
         let mut out = vec![0f32; n * ne];
         let mut scaled = vec![0f32; ne];
         for t in 0..n {
             let o = &mut out[t * ne..(t + 1) * ne];
-            for slot in 0..n_used {
-                let (k, i) = at[t * n_used + slot];
-                let w = routes[t][slot].1;
+            for (slot, &(_, w)) in routes[t].iter().enumerate().take(n_used) {
+                let (k, i) = plan.at[t * n_used + slot];
                 let dst = if slot == 0 { &mut *o } else { &mut scaled[..] };
                 for (d, s) in dst.iter_mut().zip(&outs[k][i * ne..(i + 1) * ne]) {
                     *d = s * w;
                 }
                 if slot > 0 {
-                    b.add(o, &scaled);
+                    tandem_cpu::add_assign(o, &scaled);
                 }
             }
         }
-        if shared.is_some() {
-            if let Some(s) = outs.last() {
-                b.add(&mut out, s);
-            }
-        }
-        Ok(out)
+        out
     }
 }
 

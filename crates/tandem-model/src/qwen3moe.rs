@@ -38,10 +38,10 @@ impl Qwen3Moe {
         for il in 0..n_layer {
             layers.push(GqaLayer {
                 attn: GqaWeights::load(l, il, n_embd, shape, true)?,
-                ffn_norm: l.vec(&format!("blk.{il}.ffn_norm.weight"), n_embd)?,
+                ffn_norm: l.vector(&format!("blk.{il}.ffn_norm.weight"), n_embd)?,
                 ffn: GqaFfn::Moe(Box::new(Moe::load(l, il, n_embd, n_ff_exp, routing)?)),
             });
         }
-        Ok(GqaLayers { layers, gqa: Gqa { n_embd, shape, eps, rope } })
+        Ok(GqaLayers { layers, gqa: Gqa { shape, eps, rope } })
     }
 }

@@ -143,6 +143,14 @@ impl Weight {
     }
 }
 
+/// A 1-D tensor of the model as f32 (norm weights, biases): devices other than the CPU hold a
+/// copy of it by name.
+#[derive(Clone, Debug)]
+pub struct Vector {
+    pub name: String,
+    pub v: Vec<f32>,
+}
+
 /// Binds tensors by name and checks shapes and types; remembers which tensors were used, so a
 /// file with tensors the architecture does not know is refused by name.
 pub struct WeightLoader {
@@ -244,13 +252,18 @@ impl WeightLoader {
         Ok(Some(w))
     }
 
-    /// A 1-D f32 vector (norm weights, biases).
-    pub fn vec(&self, name: &str, n: usize) -> Result<Vec<f32>> {
-        self.get(name, &[n])?.to_f32()
-    }
-
+    /// A 1-D f32 vector (rope frequency factors).
     pub fn opt_vec(&self, name: &str, n: usize) -> Result<Option<Vec<f32>>> {
         self.opt(name, &[n])?.map(|w| w.to_f32()).transpose()
+    }
+
+    /// A 1-D tensor a device applies (norm weights, biases), as f32 with its name.
+    pub fn vector(&self, name: &str, n: usize) -> Result<Vector> {
+        Ok(Vector { name: name.to_string(), v: self.get(name, &[n])?.to_f32()? })
+    }
+
+    pub fn opt_vector(&self, name: &str, n: usize) -> Result<Option<Vector>> {
+        Ok(self.opt(name, &[n])?.map(|w| w.to_f32()).transpose()?.map(|v| Vector { name: name.to_string(), v }))
     }
 
     /// Refuses tensors that no part of the architecture bound, except `ignorable` ones.

@@ -1,0 +1,514 @@
+//! [`CpuBackend`]: the operations of a forward pass on the CPU, over host slices and weights in
+//! place from the memory map (or their packed copies). tandem-model's host device calls it; it
+//! knows nothing of models, only of matrices, activations and cached rows.
+
+use crate::attention::{Attn, KvType};
+use crate::jobs::{ffn_jobs, matmul_jobs, FfnJob, MatJob};
+use crate::matmul::{quantize_activations, QuantizedActs, WeightRef};
+use crate::mla::{cache_rows_f32, mla_prefill, MlaPrefill};
+use crate::packed::{pack, packable, packing_pays_for, Packed, PACK_ROWS};
+use crate::{Error, Result, Threads};
+use rayon::prelude::*;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tandem_quant::{dequantize_row, quantize_row, row_size, vec_dot_type, GgmlType};
+
+/// Multi-head latent attention in the decompressed form for a run of tokens of one sequence:
+/// every cached row's key and value rebuilt per head from the latent (`attn_k_b`, `attn_v_b`),
+/// then ordinary attention ([`crate::mla_prefill`]).
+pub struct MlaDecompressed<'a> {
+    /// `[n][n_head][nope + n_rot]`, after rope.
+    pub q: &'a [f32],
+    pub n_head: usize,
+    pub nope: usize,
+    pub n_rot: usize,
+    pub kv_lora: usize,
+    pub dv: usize,
+    /// The sequence's cached rows, `kv_lora + n_rot` values each.
+    pub kv: &'a [u8],
+    pub kv_type: KvType,
+    /// Rows each token attends (its position + 1).
+    pub n_kv: &'a [usize],
+    /// `attn_k_b` as stored (`[n_head * kv_lora]` rows of `nope`), never a packed copy: its
+    /// transpose is made from these bytes once and kept under `k_b_key`.
+    pub k_b: WeightRef<'a>,
+    pub k_b_key: &'a str,
+    /// `attn_v_b`, `[n_head * dv]` rows of `kv_lora` (packed or not).
+    pub v_b: WeightRef<'a>,
+    pub scale: f32,
+}
+
+/// Everything on the CPU: the thread pools and the per-weight matrices the decompressed MLA form
+/// makes once.
+pub struct CpuBackend {
+    threads: Threads,
+    /// Per `attn_k_b` (by key): the matrix that rebuilds the decompressed MLA's keys, made on
+    /// first use ([`KeysWeight`]).
+    keys: Mutex<HashMap<String, Arc<KeysWeight>>>,
+}
+
+impl CpuBackend {
+    pub fn new(threads: Threads) -> CpuBackend {
+        CpuBackend { threads, keys: Mutex::new(HashMap::new()) }
+    }
+
+    pub fn threads(&self) -> &Threads {
+        &self.threads
+    }
+
+    /// Runs `f` (the forward pass of a micro-batch of `n_tokens`) on a thread of the pool, so each
+    /// op's fork and join is between spinning workers instead of a wake-up from outside.
+    pub fn run_step<R: Send>(&self, n_tokens: usize, f: impl FnOnce() -> R + Send) -> R {
+        self.threads.run_step(n_tokens, f)
+    }
+
+    /// `y[t] = W x[t]`.
+    pub fn matmul(&self, w: &WeightRef, x: &[f32], y: &mut [f32]) -> Result<()> {
+        let n_tokens = x.len() / w.cols.max(1);
+        crate::matmul(self.threads.for_tokens(n_tokens), w, x, y)
+    }
+
+    /// `ys[i] = ws[i] x` for weights that take the same input, in one parallel step with the input
+    /// quantized once per activation type.
+    pub fn matmul_same_input(&self, ws: &[WeightRef], x: &[f32], ys: &mut [&mut [f32]]) -> Result<()> {
+        if ws.len() != ys.len() {
+            return Err(Error::Shape(format!("{} outputs for {} weights", ys.len(), ws.len())));
+        }
+        let mut acts: Vec<QuantizedActs> = Vec::new();
+        for m in ws {
+            if !acts.iter().any(|a| a.ty == vec_dot_type(m.ty)) {
+                acts.push(quantize_activations(m.ty, x, m.cols)?);
+            }
+        }
+        let n = x.len() / ws.first().map_or(1, |m| m.cols.max(1));
+        let mut jobs = Vec::with_capacity(ws.len());
+        for (m, y) in ws.iter().zip(ys.iter_mut()) {
+            let Some(a) = acts.iter().find(|a| a.ty == vec_dot_type(m.ty)) else {
+                return Err(Error::Shape(format!("no activations quantized for {}", m.ty)));
+            };
+            jobs.push(MatJob { w: *m, acts: a, out: y });
+        }
+        matmul_jobs(self.threads.for_tokens(n), jobs)
+    }
+
+    /// `ys[g] = W[rows of group g] xs[g]` for groups `(first_row, n_rows)` of one weight (the
+    /// per-head matrices of MLA), in one parallel step.
+    pub fn matmul_groups(&self, w: &WeightRef, groups: &[(usize, usize)], xs: &[&[f32]], ys: &mut [Vec<f32>]) -> Result<()> {
+        let mut acts = Vec::with_capacity(groups.len());
+        for x in xs {
+            acts.push(quantize_activations(w.ty, x, w.cols)?);
+        }
+        let n = acts.iter().map(|a| a.n_rows()).max().unwrap_or(0);
+        if ys.len() != groups.len()
+            || xs.len() != groups.len()
+            || groups.iter().zip(&acts).zip(ys.iter()).any(|((g, a), y)| y.len() != g.1 * a.n_rows())
+        {
+            return Err(Error::Shape("grouped matmul outputs do not match the groups".into()));
+        }
+        let mut jobs = Vec::with_capacity(groups.len());
+        for ((&(first, rows), a), out) in groups.iter().zip(&acts).zip(ys.iter_mut()) {
+            jobs.push(MatJob { w: w.rows(first, rows)?, acts: a, out });
+        }
+        matmul_jobs(self.threads.for_tokens(n), jobs)
+    }
+
+    /// `down(silu(gate x_t) * up x_t)` for each job and each of its tokens (`x` is `[n][cols]`):
+    /// per job `[tokens.len()][down.rows]`, all of them in two parallel steps.
+    pub fn ffn(&self, x: &[f32], cols: usize, jobs: &[FfnJob]) -> Result<Vec<Vec<f32>>> {
+        let n = x.len() / cols.max(1);
+        ffn_jobs(self.threads.for_tokens(n), x, cols, jobs)
+    }
+
+    /// Attention of several tokens; `out` is `[items.len()][n_head][dv]`.
+    pub fn attention(&self, items: &[Attn], out: &mut [f32]) -> Result<()> {
+        let per = out.len() / items.len().max(1);
+        if per * items.len() != out.len() {
+            return Err(Error::Shape(format!("attention of {} tokens into {} outputs", items.len(), out.len())));
+        }
+        if let [a] = items {
+            return crate::attention(self.threads.for_tokens(1), a, out);
+        }
+        let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(per.max(1)).collect();
+        crate::attention_many(self.threads.for_tokens(items.len()), items, &mut outs)
+    }
+
+    /// MLA attention in the decompressed form; `out` is `[n][n_head][dv]`. `Ok(false)` (and `out`
+    /// untouched) where the shapes do not allow it (a latent that is not whole Q8_0 blocks).
+    pub fn mla_decompressed(&self, a: &MlaDecompressed, out: &mut [f32]) -> Result<bool> {
+        let row = a.kv_lora + a.n_rot;
+        if !row.is_multiple_of(a.kv_type.block()) {
+            return Ok(false);
+        }
+        let (nh, kl) = (a.n_head, a.kv_lora);
+        if a.k_b.packed || a.k_b.rows != nh * kl || a.k_b.cols != a.nope || a.v_b.rows != nh * a.dv || a.v_b.cols != kl
+        {
+            return Err(Error::Shape(format!("{}: attn_k_b / attn_v_b shapes do not fit the attention", a.k_b_key)));
+        }
+        let (n, dk, dv, nope) = (a.n_kv.len(), a.nope + a.n_rot, a.dv, a.nope);
+        if a.q.len() != n * nh * dk || out.len() != n * nh * dv {
+            return Err(Error::Shape(format!("decompressed MLA attention of {n} tokens: query or output size wrong")));
+        }
+        if !kl.is_multiple_of(GgmlType::Q8_0.block_size()) {
+            return Ok(false);
+        }
+        let keys = self.keys_weight(a, nh, kl, nope)?;
+        let rows = a.n_kv.iter().copied().max().unwrap_or(0);
+        let pool = self.threads.for_tokens(n);
+        let kv = cache_rows_f32(pool, a.kv, a.kv_type, rows, row)?;
+        let mut latent = Vec::with_capacity(rows * kl);
+        for r in kv.chunks_exact(row) {
+            latent.extend_from_slice(&r[..kl]);
+        }
+        // Each head's q_nope as the absorbed form hands it to attn_k_b (rounded to the weight's
+        // dot type: Q8 blocks, f16), so the scores are llama.cpp's up to the order of the sums.
+        let mut q = a.q.to_vec();
+        let dot_ty = vec_dot_type(a.k_b.ty);
+        pool.install(|| {
+            q.par_chunks_mut(Q_ROUND_TOKENS * nh * dk).try_for_each(|qc| -> Result<()> {
+                let mut q_nope = Vec::with_capacity(qc.len() / dk * nope);
+                for h in qc.chunks_exact(dk) {
+                    q_nope.extend_from_slice(&h[..nope]);
+                }
+                let acts = quantize_activations(a.k_b.ty, &q_nope, nope)?;
+                for (i, h) in qc.chunks_exact_mut(dk).enumerate() {
+                    dequantize_row(dot_ty, acts.row(i), &mut h[..nope])?;
+                }
+                Ok(())
+            })
+        })?;
+        // Heads in groups whose rebuilt keys and values take at most MLA_VALUE_BYTES (one head per
+        // thread at least): at Kimi's 64 heads and 128K rows all values would be 4 GiB per layer.
+        let per_head = rows * (nope + dv) * std::mem::size_of::<f32>();
+        let hg = (MLA_VALUE_BYTES / per_head.max(1)).max(pool.current_num_threads()).clamp(1, nh);
+        for h0 in (0..nh).step_by(hg) {
+            let h1 = (h0 + hg).min(nh);
+            let g = h1 - h0;
+            // Keys and values: attn_k_b (transposed) and attn_v_b times every cached latent, as
+            // quantized matrix products.
+            let mut k = vec![0f32; rows * g * nope];
+            let kw = keys.weight_ref()?.rows(h0 * nope, g * nope)?;
+            crate::matmul(pool, &kw, &latent, &mut k)?;
+            let mut v = vec![0f32; rows * g * dv];
+            crate::matmul(pool, &a.v_b.rows(h0 * dv, g * dv)?, &latent, &mut v)?;
+            let qg: Vec<f32> = if g == nh {
+                std::mem::take(&mut q)
+            } else {
+                q.chunks_exact(nh * dk).flat_map(|t| t[h0 * dk..h1 * dk].iter().copied()).collect()
+            };
+            let p = MlaPrefill {
+                q: &qg,
+                n_head: g,
+                nope,
+                n_rot: a.n_rot,
+                kv_lora: kl,
+                dv,
+                kv: &kv,
+                k: &k,
+                v: &v,
+                n_kv: a.n_kv,
+                scale: a.scale,
+            };
+            if g == nh {
+                mla_prefill(pool, &p, out)?;
+            } else {
+                let mut og = vec![0f32; n * g * dv];
+                mla_prefill(pool, &p, &mut og)?;
+                for (o, r) in out.chunks_exact_mut(nh * dv).zip(og.chunks_exact(g * dv)) {
+                    o[h0 * dv..h1 * dv].copy_from_slice(r);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// `attn_k_b` (`[n_head][kv_lora][nope]`) as the matrix whose product with a cached latent is
+    /// that row's keys: made once per weight and kept.
+    fn keys_weight(&self, a: &MlaDecompressed, nh: usize, kl: usize, nope: usize) -> Result<Arc<KeysWeight>> {
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = keys.get(a.k_b_key) {
+            return Ok(w.clone());
+        }
+        let k_b = &a.k_b;
+        let head_bytes = row_size(k_b.ty, kl * nope)?;
+        if k_b.data.len() != nh * head_bytes {
+            return Err(Error::Shape(format!(
+                "{}: {} bytes for {nh} heads of {head_bytes}",
+                a.k_b_key,
+                k_b.data.len()
+            )));
+        }
+        // Float weights stay exact (as f32); quantized ones are requantized to Q8_0 along the
+        // latent, as the values' `attn_v_b` rows already run.
+        let float = matches!(k_b.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+        let ty = if float { GgmlType::F32 } else { GgmlType::Q8_0 };
+        let row_q = row_size(ty, kl)?;
+        let mut data = vec![0u8; nh * nope * row_q];
+        self.threads.for_tokens(2).install(|| {
+            data.par_chunks_mut(nope * row_q).zip(k_b.data.par_chunks(head_bytes)).try_for_each(
+                |(o, b)| -> Result<()> {
+                    let mut w = vec![0f32; kl * nope];
+                    dequantize_row(k_b.ty, b, &mut w)?;
+                    let mut col = vec![0f32; kl];
+                    for (i, o) in o.chunks_exact_mut(row_q).enumerate() {
+                        for (j, c) in col.iter_mut().enumerate() {
+                            *c = w[j * nope + i];
+                        }
+                        quantize_row(ty, &col, o)?;
+                    }
+                    Ok(())
+                },
+            )
+        })?;
+        let rows = nh * nope;
+        let w = if packing_pays_for(ty) && packable(ty, rows, kl) && nope.is_multiple_of(PACK_ROWS) {
+            KeysWeight::Packed(pack(ty, rows, kl, &data)?)
+        } else {
+            KeysWeight::Rows { ty, rows, cols: kl, data }
+        };
+        let w = Arc::new(w);
+        keys.insert(a.k_b_key.to_string(), w.clone());
+        Ok(w)
+    }
+}
+
+/// `attn_k_b` transposed, `[n_head][nope][kv_lora]`: each row of `kv_lora` quantized to Q8_0
+/// (packed where that pays on this machine), or f32 where `attn_k_b` is a float type. The
+/// decompressed MLA attention rebuilds every cached row's keys with it in one product, as it
+/// rebuilds the values with `attn_v_b`, instead of an f32 product of the dequantized `attn_k_b`.
+/// About 1.1 bytes per value of a quantized `attn_k_b`: 4.5 MB per layer for Kimi K2's 64 heads.
+enum KeysWeight {
+    Rows { ty: GgmlType, rows: usize, cols: usize, data: Vec<u8> },
+    Packed(Packed),
+}
+
+impl KeysWeight {
+    fn weight_ref(&self) -> Result<WeightRef<'_>> {
+        match self {
+            KeysWeight::Rows { ty, rows, cols, data } => WeightRef::new(*ty, *rows, *cols, data),
+            KeysWeight::Packed(p) => Ok(p.weight_ref()),
+        }
+    }
+}
+
+/// Most bytes of rebuilt keys and values the decompressed MLA attention holds at once (see
+/// [`CpuBackend::mla_decompressed`]).
+const MLA_VALUE_BYTES: usize = 1 << 30;
+
+/// Tokens per task when the decompressed MLA attention rounds the queries.
+const Q_ROUND_TOKENS: usize = 16;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rand(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+        crate::test_data(seed, n).into_iter().map(|v| v * scale).collect()
+    }
+
+    fn bytes(ty: GgmlType, x: &[f32]) -> Vec<u8> {
+        let mut out = vec![0u8; row_size(ty, x.len()).unwrap()];
+        quantize_row(ty, x, &mut out).unwrap();
+        out
+    }
+
+    /// Products of several weights on one input in one parallel step: the same bits as each
+    /// product alone (weights of two activation types, a packed copy, one and several tokens), and
+    /// mismatched outputs refused.
+    #[test]
+    fn products_on_one_input_equal_each_alone() {
+        let (cols, ra, rb, rc) = (512usize, 48usize, 80usize, 16usize);
+        let data: Vec<(GgmlType, usize, Vec<u8>)> =
+            [(GgmlType::Q4_K, ra, 11u64), (GgmlType::Q8_0, rb, 12), (GgmlType::F32, rc, 13)]
+                .into_iter()
+                .map(|(ty, rows, seed)| (ty, rows, bytes(ty, &rand(seed, rows * cols, 1.0))))
+                .collect();
+        let b = CpuBackend::new(Threads::new(2, 2).unwrap());
+        let plain: Vec<WeightRef> =
+            data.iter().map(|(ty, rows, d)| WeightRef::new(*ty, *rows, cols, d).unwrap()).collect();
+        let packed: Vec<Option<Packed>> = data
+            .iter()
+            .map(|(ty, rows, d)| {
+                (packing_pays_for(*ty) && packable(*ty, *rows, cols)).then(|| pack(*ty, *rows, cols, d).unwrap())
+            })
+            .collect();
+        let repacked: Vec<WeightRef> =
+            plain.iter().zip(&packed).map(|(w, p)| p.as_ref().map_or(*w, |p| p.weight_ref())).collect();
+        for ws in [&plain, &repacked] {
+            for n in [1usize, 3] {
+                let x = rand(20 + n as u64, n * cols, 2.0);
+                let alone: Vec<Vec<f32>> = ws
+                    .iter()
+                    .map(|w| {
+                        let mut y = vec![0f32; n * w.rows];
+                        b.matmul(w, &x, &mut y).unwrap();
+                        y
+                    })
+                    .collect();
+                let (mut ya, mut yb, mut yc) = (vec![0f32; n * ra], vec![0f32; n * rb], vec![0f32; n * rc]);
+                b.matmul_same_input(ws, &x, &mut [&mut ya, &mut yb, &mut yc]).unwrap();
+                assert!(ya == alone[0] && yb == alone[1] && yc == alone[2], "{n} tokens");
+            }
+            let mut short = vec![0f32; ra - 1];
+            assert!(b.matmul_same_input(&ws[..1], &rand(1, cols, 1.0), &mut [&mut short]).is_err());
+            let err = b.matmul_same_input(&ws[..2], &rand(1, cols, 1.0), &mut [&mut short]).unwrap_err().to_string();
+            assert!(err.contains("1 outputs for 2 weights"), "{err}");
+        }
+    }
+    fn cache_bytes(ty: KvType, x: &[f32]) -> Vec<u8> {
+        match ty {
+            KvType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            KvType::F16 => x.iter().flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes()).collect(),
+            KvType::BF16 => x.iter().flat_map(|v| tandem_quant::f32_to_bf16(*v).to_le_bytes()).collect(),
+            KvType::Q8_0 => bytes(GgmlType::Q8_0, x),
+        }
+    }
+
+    /// Rounds values to `ty` and back, as ggml converts an f32 operand to an f16/bf16 dot type.
+    fn round_to(ty: GgmlType, x: &mut [f32]) {
+        match ty {
+            GgmlType::F16 => x.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
+            GgmlType::BF16 => x.iter_mut().for_each(|v| *v = tandem_quant::bf16_to_f32(tandem_quant::f32_to_bf16(*v))),
+            _ => {}
+        }
+    }
+
+    /// ggml's non-flash attention in its own order: `softmax(scale * K q) V`, with q converted to
+    /// the K cache's dot type and the probabilities to the V cache's (f16 for an f16 cache), as
+    /// `ggml_mul_mat` does. The reference the fast path is checked against.
+    fn reference(a: &Attn, out: &mut [f32]) {
+        let (kt, vt) = (a.k_type.ggml(), a.v_type.ggml());
+        let group = a.n_head / a.n_head_kv;
+        let (v_bytes, v_row, v_head) = match a.v {
+            Some(v) => (v, a.v_row, a.dv),
+            None => (a.k, a.k_row, a.dk),
+        };
+        let q_acts = quantize_activations(kt, a.q, a.dk).unwrap();
+        let p_type = vec_dot_type(vt);
+        for (h, o) in out.chunks_mut(a.dv).enumerate() {
+            let kvh = h / group;
+            let mut scores = vec![0f32; a.n_kv];
+            for (j, s) in scores.iter_mut().enumerate() {
+                let at = a.k_type.bytes(j * a.k_row + kvh * a.dk);
+                let kr = &a.k[at..at + a.k_type.bytes(a.dk)];
+                *s = tandem_quant::vec_dot(kt, a.dk, kr, q_acts.row(h)).unwrap() * a.scale;
+            }
+            crate::softmax_in_place(&mut scores);
+            round_to(p_type, &mut scores);
+            o.fill(0.0);
+            let mut v = vec![0f32; a.dv];
+            for (j, p) in scores.iter().enumerate() {
+                let at = a.v_type.bytes(j * v_row + kvh * v_head);
+                dequantize_row(vt, &v_bytes[at..at + a.v_type.bytes(a.dv)], &mut v).unwrap();
+                for (o, v) in o.iter_mut().zip(&v) {
+                    *o += p * v;
+                }
+            }
+        }
+    }
+
+    /// The fast path (SIMD, one pass per row for all heads, by chunks past FLASH_MIN rows) against
+    /// ggml's order, for MLA, GQA and MHA shapes, every cache format it reads, with and without a
+    /// thread split, alone and in a batch.
+    #[test]
+    fn fast_attention_matches_the_reference() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let b = CpuBackend::new(Threads::new(2, 2).unwrap());
+        // (n_head, n_head_kv, dk, dv, separate V, n_kv)
+        for &(nh, nkv, dk, dv, sep, n_kv) in &[
+            (16usize, 1usize, 576usize, 512usize, false, 700usize),
+            (8, 2, 64, 64, true, 300),
+            (4, 4, 192, 128, true, 1),
+            (16, 1, 576, 512, false, 33),
+            (6, 3, 40, 24, true, 600),
+            (1, 1, 64, 64, true, 1000),
+            (32, 8, 128, 128, true, 777),
+        ] {
+            for ty in [KvType::F16, KvType::BF16, KvType::F32, KvType::Q8_0] {
+                if !dk.is_multiple_of(ty.block()) || !dv.is_multiple_of(ty.block()) {
+                    continue;
+                }
+                let q = rand(1, nh * dk, 1.0);
+                let k = cache_bytes(ty, &rand(2, n_kv * nkv * dk, 1.0));
+                let v = cache_bytes(ty, &rand(3, n_kv * nkv * dv, 1.0));
+                let a = Attn {
+                    q: &q,
+                    n_head: nh,
+                    n_head_kv: nkv,
+                    dk,
+                    dv,
+                    k: &k,
+                    k_type: ty,
+                    k_row: nkv * dk,
+                    v: sep.then_some(&v[..]),
+                    v_type: ty,
+                    v_row: if sep { nkv * dv } else { nkv * dk },
+                    n_kv,
+                    scale: 1.0 / (dk as f32).sqrt(),
+                };
+                let mut want = vec![0f32; nh * dv];
+                reference(&a, &mut want);
+                let mut alone = vec![0f32; nh * dv];
+                crate::attention(&one, &a, &mut alone).unwrap();
+                let max = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                // Past FLASH_MIN rows the fast path runs by chunks and keeps its probabilities in
+                // f32, where ggml rounds them to an f16 or bf16 V's type: p(1 + d), |d| <= u,
+                // moves an output by at most u * max |v| (the values here are within [-1, 1]).
+                let rounding = match ty {
+                    KvType::F16 if n_kv > crate::FLASH_MIN => 2f32.powi(-11),
+                    KvType::BF16 if n_kv > crate::FLASH_MIN => 2f32.powi(-8),
+                    _ => 0.0,
+                };
+                for p in [&pool, &one] {
+                    let mut got = vec![0f32; nh * dv];
+                    crate::attention(p, &a, &mut got).unwrap();
+                    if nh >= 2 {
+                        // Heads or rows split over the threads: every head computed exactly as on one thread.
+                        assert!(got == alone, "{ty:?} {nh}/{nkv}/{dk}/{dv} n_kv {n_kv}: 2 threads differ from 1 in bits");
+                    }
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - w).abs() <= 2e-3 * max + 1e-6 + rounding,
+                            "{ty:?} {nh}/{nkv}/{dk}/{dv} n_kv {n_kv} [{i}]: {g} vs {w}"
+                        );
+                    }
+                }
+                let mut outs = vec![0f32; 5 * nh * dv];
+                let items: Vec<Attn> = (0..5).map(|_| Attn { ..a }).collect();
+                b.attention(&items, &mut outs).unwrap();
+                for o in outs.chunks_exact(nh * dv) {
+                    assert!(o == alone, "{ty:?} {nh}/{nkv}/{dk}/{dv} n_kv {n_kv}: a batch differs from one token");
+                }
+            }
+        }
+    }
+
+    /// A cache too short for the rows asked, and a q8_0 cache whose heads are not whole blocks,
+    /// are refused with an error.
+    #[test]
+    fn short_or_misaligned_caches_are_refused() {
+        let b = CpuBackend::new(Threads::new(1, 1).unwrap());
+        let q = vec![0f32; 2 * 48];
+        let k = vec![0u8; 4096];
+        let a = |ty: KvType, dk: usize, k: &'static [u8]| Attn {
+            q: &q[..2 * dk],
+            n_head: 2,
+            n_head_kv: 1,
+            dk,
+            dv: dk,
+            k,
+            k_type: ty,
+            k_row: dk,
+            v: None,
+            v_type: ty,
+            v_row: dk,
+            n_kv: 3,
+            scale: 1.0,
+        };
+        let k: &'static [u8] = Box::leak(k.into_boxed_slice());
+        let mut out = vec![0f32; 2 * 48];
+        assert!(b.attention(&[a(KvType::Q8_0, 32, k)], &mut out[..64]).is_ok());
+        assert!(b.attention(&[a(KvType::Q8_0, 48, k)], &mut out).is_err());
+        assert!(b.attention(&[a(KvType::F16, 48, &k[..10])], &mut out).is_err());
+    }
+}

@@ -1,0 +1,583 @@
+//! The host device: tensors in host memory, ops by [`tandem_cpu::CpuBackend`], weights read in
+//! place from the memory map (or their packed copies). It is the CPU of every executor; a second
+//! one, with its own id and its copies and waits counted, stands in for a GPU in the tests
+//! ([`crate::Exec::with_stand_in`]).
+
+use crate::common::{AttnShape, Ffn, Ubatch};
+use crate::device::{Device, KvStore};
+use crate::exec::{Copy2d, DevId, Heads, Ledger, MlaShape, Rows, Tensor, CPU, STEP_META_BYTES};
+use crate::kv_cache::KvLayout;
+use crate::moe::Moe;
+use crate::weights::{Vector, Weight};
+use crate::{Error, Result};
+use std::any::Any;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use tandem_cpu::{Attn, CpuBackend, KvType, RopeStyle, WeightRef};
+use tandem_gguf::GgmlType;
+use tandem_quant::{quantize_row, row_size};
+
+pub(crate) struct HostDevice {
+    id: DevId,
+    name: String,
+    cpu: Arc<CpuBackend>,
+    ledger: Ledger,
+    /// A stand-in for a GPU: its copies and the host's waits for it are counted.
+    stand_in: bool,
+    /// The names a stand-in holds (the CPU reads everything).
+    holds: HashSet<String>,
+}
+
+/// A CPU error about a weight, named.
+fn named(name: &str) -> impl Fn(tandem_cpu::Error) -> Error + '_ {
+    move |e| match e {
+        tandem_cpu::Error::Shape(s) => Error::Model(format!("{name}: {s}")),
+        other => other.into(),
+    }
+}
+
+impl HostDevice {
+    pub fn cpu(cpu: Arc<CpuBackend>) -> HostDevice {
+        HostDevice { id: CPU, name: "CPU".into(), cpu, ledger: Ledger::default(), stand_in: false, holds: HashSet::new() }
+    }
+
+    pub fn stand_in(id: DevId, cpu: Arc<CpuBackend>, holds: HashSet<String>) -> HostDevice {
+        HostDevice { id, name: format!("HOST{id}"), cpu, ledger: Ledger::default(), stand_in: true, holds }
+    }
+
+    fn out(&self, v: Vec<f32>) -> Tensor {
+        Tensor::host(self.id, v)
+    }
+
+    /// A weight's matrix, checked to be one this device holds.
+    fn matrix<'w>(&self, w: &'w Weight) -> Result<WeightRef<'w>> {
+        if self.stand_in && !self.holds.contains(&w.name) {
+            return Err(Error::Model(format!("{}: not held by {}", w.name, self.name)));
+        }
+        w.matrix()
+    }
+
+    fn mine<'t>(&self, t: &'t Tensor) -> Result<&'t [f32]> {
+        if t.dev() != self.id {
+            return Err(Error::Model(format!("a tensor of device {} given to {}", t.dev(), self.name)));
+        }
+        t.as_host()
+    }
+
+    fn mine_mut<'t>(&self, t: &'t mut Tensor) -> Result<&'t mut [f32]> {
+        if t.dev() != self.id {
+            return Err(Error::Model(format!("a tensor of device {} given to {}", t.dev(), self.name)));
+        }
+        t.as_host_mut()
+    }
+
+    fn kv<'k>(&self, kv: &'k dyn KvStore) -> Result<&'k HostKv> {
+        kv.as_any().downcast_ref::<HostKv>().ok_or_else(|| Error::Model(format!("{}: a cache of another device", self.name)))
+    }
+
+    fn ffn_jobs<'w>(&self, specs: &[(&'w Ffn, usize, Vec<usize>)]) -> Result<Vec<tandem_cpu::FfnJob<'w>>> {
+        specs
+            .iter()
+            .map(|(f, expert, tokens)| {
+                let (nf, no) = (f.n_ff(), f.n_out());
+                Ok(tandem_cpu::FfnJob {
+                    gate: self.matrix(&f.gate)?.rows(expert * nf, nf)?,
+                    up: self.matrix(&f.up)?.rows(expert * nf, nf)?,
+                    down: self.matrix(&f.down)?.rows(expert * no, no)?,
+                    tokens: tokens.clone(),
+                })
+            })
+            .collect()
+    }
+}
+
+impl Device for HostDevice {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    fn upload(&self, data: &[f32]) -> Result<Tensor> {
+        if self.stand_in {
+            self.ledger.h2d(std::mem::size_of_val(data));
+        }
+        Ok(self.out(data.to_vec()))
+    }
+
+    fn download(&self, t: &Tensor) -> Result<Vec<f32>> {
+        let v = self.mine(t)?.to_vec();
+        if self.stand_in {
+            self.ledger.d2h(std::mem::size_of_val(&v[..]));
+            self.ledger.sync();
+        }
+        Ok(v)
+    }
+
+    fn zeros(&self, n: usize) -> Result<Tensor> {
+        Ok(self.out(vec![0f32; n]))
+    }
+
+    fn duplicate(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(self.out(self.mine(t)?.to_vec()))
+    }
+
+    fn begin_step(&self, ub: &Ubatch, kv: Option<&mut dyn KvStore>, x: Option<&[f32]>) -> Result<Option<Tensor>> {
+        if !self.stand_in {
+            return Ok(x.map(|x| self.out(x.to_vec())));
+        }
+        // What a GPU gets in one copy: the hidden state, the rope rows, each token's addressing.
+        let n = ub.len();
+        let bytes = 4 * (x.map_or(0, <[f32]>::len) + ub.rope.len()) + n * STEP_META_BYTES;
+        if x.is_some() || kv.is_some() {
+            self.ledger.h2d(bytes);
+        }
+        Ok(x.map(|x| self.out(x.to_vec())))
+    }
+
+    fn matmul(&self, w: &Weight, x: &Tensor) -> Result<Tensor> {
+        self.ledger.launch(1);
+        let m = self.matrix(w)?;
+        let x = self.mine(x)?;
+        let mut y = vec![0f32; x.len() / m.cols.max(1) * m.rows];
+        self.cpu.matmul(&m, x, &mut y).map_err(named(&w.name))?;
+        Ok(self.out(y))
+    }
+
+    fn matmul_same_input(&self, ws: &[&Weight], x: &Tensor) -> Result<Vec<Tensor>> {
+        self.ledger.launch(1);
+        let names = || ws.iter().map(|w| w.name.as_str()).collect::<Vec<_>>().join(", ");
+        let mats = ws.iter().map(|w| self.matrix(w)).collect::<Result<Vec<_>>>()?;
+        let x = self.mine(x)?;
+        let n = x.len() / mats.first().map_or(1, |m| m.cols.max(1));
+        let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0f32; n * m.rows]).collect();
+        let mut refs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
+        self.cpu.matmul_same_input(&mats, x, &mut refs).map_err(|e| named(&names())(e))?;
+        Ok(ys.into_iter().map(|y| self.out(y)).collect())
+    }
+
+    fn rmsnorm(&self, x: &mut Tensor, w: &Vector, rows: Rows, eps: f32) -> Result<()> {
+        self.ledger.launch(1);
+        let x = self.mine_mut(x)?;
+        if rows.stride == 0 || !x.len().is_multiple_of(rows.stride) || rows.off + rows.dim > rows.stride || w.v.len() != rows.dim {
+            return Err(Error::Model(format!("{}: RMS norm of {} values in rows of {}", w.name, x.len(), rows.stride)));
+        }
+        for row in x.chunks_exact_mut(rows.stride) {
+            tandem_cpu::rmsnorm(&mut row[rows.off..rows.off + rows.dim], Some(&w.v), eps);
+        }
+        Ok(())
+    }
+
+    fn rope(&self, x: &mut Tensor, ub: &Ubatch, h: Heads, style: RopeStyle) -> Result<()> {
+        self.ledger.launch(1);
+        let x = self.mine_mut(x)?;
+        let (n, nr) = (ub.len(), ub.n_rot);
+        if x.len() != n * h.row || h.off + (h.n_heads.max(1) - 1) * h.head + nr > h.row || ub.rope.len() != n * nr {
+            return Err(Error::Model(format!("rope of {} values in {n} rows of {}", x.len(), h.row)));
+        }
+        for t in 0..n {
+            let cache = &ub.rope[t * nr..(t + 1) * nr];
+            for i in 0..h.n_heads {
+                let s = t * h.row + h.off + i * h.head;
+                tandem_cpu::rope(&mut x[s..s + nr], cache, style);
+            }
+        }
+        Ok(())
+    }
+
+    fn add(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
+        self.ledger.launch(1);
+        let y = self.mine(y)?;
+        let x = self.mine_mut(x)?;
+        if x.len() != y.len() {
+            return Err(Error::Model(format!("add of {} values to {}", y.len(), x.len())));
+        }
+        tandem_cpu::add_assign(x, y);
+        Ok(())
+    }
+
+    fn copy_rows(&self, dst: &mut Tensor, src: &Tensor, c: Copy2d) -> Result<()> {
+        self.ledger.launch(1);
+        let src = self.mine(src)?;
+        let dst = self.mine_mut(dst)?;
+        if c.rows == 0 {
+            return Ok(());
+        }
+        let rep = c.src_rep.max(1);
+        let src_end = ((c.rows - 1) / rep) * c.src_stride + c.src_off + c.width;
+        let dst_end = (c.rows - 1) * c.dst_stride + c.dst_off + c.width;
+        if src_end > src.len() || dst_end > dst.len() {
+            return Err(Error::Model(format!("copy of {} rows of {}: outside the tensors", c.rows, c.width)));
+        }
+        for r in 0..c.rows {
+            let s = (r / rep) * c.src_stride + c.src_off;
+            let d = r * c.dst_stride + c.dst_off;
+            dst[d..d + c.width].copy_from_slice(&src[s..s + c.width]);
+        }
+        Ok(())
+    }
+
+    fn ffn(&self, f: &Ffn, x: &Tensor) -> Result<Tensor> {
+        self.ledger.launch(1);
+        let x = self.mine(x)?;
+        let cols = f.gate.cols();
+        let n = x.len() / cols.max(1);
+        let jobs = self.ffn_jobs(&[(f, 0, (0..n).collect())])?;
+        let mut outs = self.cpu.ffn(x, cols, &jobs).map_err(named(&f.gate.name))?;
+        Ok(self.out(outs.swap_remove(0)))
+    }
+
+    fn route(&self, m: &Moe, x: &Tensor) -> Result<Tensor> {
+        self.ledger.launch(1);
+        let router = self.matrix(m.router())?;
+        Ok(self.out(m.route_packet(&self.cpu, &router, self.mine(x)?)?))
+    }
+
+    fn experts(&self, m: &Moe, packet: &Tensor) -> Result<Tensor> {
+        self.ledger.launch(1);
+        let p = self.mine(packet)?;
+        let (routes, h) = m.unpack(p)?;
+        let (out, _) = self.routed(m, None, &h, &routes)?;
+        Ok(self.out(out))
+    }
+
+    fn moe(&self, m: &Moe, shared: Option<&Ffn>, x: &Tensor) -> Result<Option<Tensor>> {
+        self.ledger.launch(1);
+        let h = self.mine(x)?;
+        let router = self.matrix(m.router())?;
+        let routes = m.route_rows(&self.cpu, &router, h)?;
+        let (mut out, sh) = self.routed(m, shared, h, &routes)?;
+        if let Some(sh) = sh {
+            tandem_cpu::add_assign(&mut out, &sh);
+        }
+        Ok(Some(self.out(out)))
+    }
+
+    fn mla_q(&self, k_b: &Weight, q: &Tensor, s: MlaShape) -> Result<Tensor> {
+        self.ledger.launch(1);
+        let q = self.mine(q)?;
+        let (nh, kl, nr, nope) = (s.n_head, s.kv_lora, s.n_rot, s.nope);
+        let (dk, dq) = (nope + nr, kl + nr);
+        let n = q.len() / (nh * dk).max(1);
+        if q.len() != n * nh * dk {
+            return Err(Error::Model(format!("{}: {} query values for heads of {dk}", k_b.name, q.len())));
+        }
+        let m = self.matrix(k_b)?;
+        // Each head's `q_nope` rows; for one token they are in place in `q`.
+        let q_nope: Vec<Vec<f32>> = match n {
+            1 => Vec::new(),
+            _ => (0..nh)
+                .map(|hd| {
+                    let mut v = Vec::with_capacity(n * nope);
+                    for t in 0..n {
+                        v.extend_from_slice(&q[(t * nh + hd) * dk..(t * nh + hd) * dk + nope]);
+                    }
+                    v
+                })
+                .collect(),
+        };
+        let xs: Vec<&[f32]> = match n {
+            1 => (0..nh).map(|hd| &q[hd * dk..hd * dk + nope]).collect(),
+            _ => q_nope.iter().map(|v| &v[..]).collect(),
+        };
+        let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * kl, kl)).collect();
+        let mut absorbed = vec![vec![0f32; n * kl]; nh];
+        self.cpu.matmul_groups(&m, &groups, &xs, &mut absorbed).map_err(named(&k_b.name))?;
+        let mut qcur = vec![0f32; n * nh * dq];
+        for (hd, absorbed) in absorbed.iter().enumerate() {
+            for t in 0..n {
+                let dst = &mut qcur[(t * nh + hd) * dq..(t * nh + hd + 1) * dq];
+                dst[..kl].copy_from_slice(&absorbed[t * kl..(t + 1) * kl]);
+                dst[kl..].copy_from_slice(&q[(t * nh + hd) * dk + nope..(t * nh + hd + 1) * dk]);
+            }
+        }
+        Ok(self.out(qcur))
+    }
+
+    fn mla_out(&self, v_b: &Weight, lat: &Tensor, s: MlaShape) -> Result<Tensor> {
+        self.ledger.launch(1);
+        let lat = self.mine(lat)?;
+        let (nh, kl, dv) = (s.n_head, s.kv_lora, s.dv);
+        let n = lat.len() / (nh * kl).max(1);
+        if lat.len() != n * nh * kl {
+            return Err(Error::Model(format!("{}: {} latent values for heads of {kl}", v_b.name, lat.len())));
+        }
+        let m = self.matrix(v_b)?;
+        // Each head's latent output; for one token they are in place in `lat`.
+        let lat_h: Vec<Vec<f32>> = match n {
+            1 => Vec::new(),
+            _ => (0..nh)
+                .map(|hd| {
+                    let mut v = Vec::with_capacity(n * kl);
+                    for i in 0..n {
+                        v.extend_from_slice(&lat[(i * nh + hd) * kl..(i * nh + hd + 1) * kl]);
+                    }
+                    v
+                })
+                .collect(),
+        };
+        let xs: Vec<&[f32]> = match n {
+            1 => lat.chunks_exact(kl).collect(),
+            _ => lat_h.iter().map(|v| &v[..]).collect(),
+        };
+        let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * dv, dv)).collect();
+        let mut ys = vec![vec![0f32; n * dv]; nh];
+        self.cpu.matmul_groups(&m, &groups, &xs, &mut ys).map_err(named(&v_b.name))?;
+        let mut o = vec![0f32; n * nh * dv];
+        for (hd, y) in ys.iter().enumerate() {
+            for i in 0..n {
+                o[(i * nh + hd) * dv..(i * nh + hd + 1) * dv].copy_from_slice(&y[i * dv..(i + 1) * dv]);
+            }
+        }
+        Ok(self.out(o))
+    }
+
+    fn mla_decompressed(
+        &self,
+        kv: &dyn KvStore,
+        il: usize,
+        seq: usize,
+        q: &Tensor,
+        n_kv: &[usize],
+        k_b: &Weight,
+        v_b: &Weight,
+        s: MlaShape,
+        scale: f32,
+    ) -> Result<Option<Tensor>> {
+        let store = self.kv(kv)?;
+        let Some(kv_type) = KvType::of(store.k_type) else { return Ok(None) };
+        self.ledger.launch(1);
+        let q = self.mine(q)?;
+        if self.stand_in && !self.holds.contains(&k_b.name) {
+            return Err(Error::Model(format!("{}: not held by {}", k_b.name, self.name)));
+        }
+        // attn_k_b as stored (its transpose is made from the file's bytes), attn_v_b as multiplied.
+        let k_plain = WeightRef::new(k_b.ty, k_b.rows(), k_b.cols(), k_b.bytes())?;
+        let input = tandem_cpu::MlaDecompressed {
+            q,
+            n_head: s.n_head,
+            nope: s.nope,
+            n_rot: s.n_rot,
+            kv_lora: s.kv_lora,
+            dv: s.dv,
+            kv: store.rows(seq, il).0,
+            kv_type,
+            n_kv,
+            k_b: k_plain,
+            k_b_key: &k_b.name,
+            v_b: self.matrix(v_b)?,
+            scale,
+        };
+        let mut out = vec![0f32; n_kv.len() * s.n_head * s.dv];
+        match self.cpu.mla_decompressed(&input, &mut out).map_err(named(&k_b.name))? {
+            true => Ok(Some(self.out(out))),
+            false => Ok(None),
+        }
+    }
+
+    fn kv_new(&self, layout: KvLayout, layers: &[usize], k: GgmlType, v: GgmlType) -> Result<Box<dyn KvStore>> {
+        Ok(Box::new(HostKv::new(layout, layers, k, v)?))
+    }
+
+    fn kv_store(&self, kv: &mut dyn KvStore, il: usize, ub: &Ubatch, k: &Tensor, v: Option<&Tensor>) -> Result<()> {
+        self.ledger.launch(1);
+        let store =
+            kv.as_any_mut().downcast_mut::<HostKv>().ok_or_else(|| Error::Model(format!("{}: a cache of another device", self.name)))?;
+        let k = self.mine(k)?;
+        let v = v.map(|v| self.mine(v)).transpose()?;
+        let n = ub.len();
+        let (kr, vr) = (store.layout.k_row, store.layout.v_row);
+        if k.len() != n * kr || v.is_some_and(|v| v.len() != n * vr) {
+            return Err(Error::Model(format!("cache rows of layer {il}: {} values for {n} rows of {kr}", k.len())));
+        }
+        for t in 0..n {
+            let vt = v.map(|v| &v[t * vr..(t + 1) * vr]);
+            store.push(ub.seq[t], il, &k[t * kr..(t + 1) * kr], vt)?;
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        kv: &dyn KvStore,
+        il: usize,
+        ub: &Ubatch,
+        tokens: &[usize],
+        q: &Tensor,
+        s: AttnShape,
+        separate_v: bool,
+    ) -> Result<Tensor> {
+        self.ledger.launch(1);
+        let store = self.kv(kv)?;
+        let q = self.mine(q)?;
+        let q_len = s.n_head * s.dk;
+        if q.len() != tokens.len() * q_len {
+            return Err(Error::Model(format!("attention of {} tokens: {} query values", tokens.len(), q.len())));
+        }
+        let (Some(k_type), Some(v_type)) = (KvType::of(store.k_type), KvType::of(store.v_type)) else {
+            return Err(Error::Model(format!("no attention over a {}/{} cache", store.k_type, store.v_type)));
+        };
+        let items: Vec<Attn> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                let (kb, vb) = store.rows(ub.seq[t], il);
+                Attn {
+                    q: &q[i * q_len..(i + 1) * q_len],
+                    n_head: s.n_head,
+                    n_head_kv: s.n_head_kv,
+                    dk: s.dk,
+                    dv: s.dv,
+                    k: kb,
+                    k_type,
+                    k_row: s.n_head_kv * s.dk,
+                    v: separate_v.then_some(vb),
+                    v_type: if separate_v { v_type } else { k_type },
+                    v_row: if separate_v { s.n_head_kv * s.dv } else { s.n_head_kv * s.dk },
+                    n_kv: ub.pos[t] as usize + 1,
+                    scale: s.scale,
+                }
+            })
+            .collect();
+        let mut out = vec![0f32; tokens.len() * s.n_head * s.dv];
+        if !items.is_empty() {
+            self.cpu.attention(&items, &mut out)?;
+        }
+        Ok(self.out(out))
+    }
+}
+
+impl HostDevice {
+    /// The routed experts' weighted sum for the rows of `h` (`[n][n_embd]`), each expert run once
+    /// on all the rows routed to it, in one [`CpuBackend::ffn`] with the shared expert when there
+    /// is one; returns the sum and the shared expert's output.
+    fn routed(
+        &self,
+        m: &Moe,
+        shared: Option<&Ffn>,
+        h: &[f32],
+        routes: &[crate::moe::Route],
+    ) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+        let plan = m.plan(routes);
+        let mut specs: Vec<(&Ffn, usize, Vec<usize>)> =
+            plan.used.iter().map(|&(e, ref tokens)| (m.experts(), e, tokens.clone())).collect();
+        if let Some(s) = shared {
+            specs.push((s, 0, (0..routes.len()).collect()));
+        }
+        let jobs = self.ffn_jobs(&specs)?;
+        let cols = m.n_embd();
+        let mut outs = self.cpu.ffn(h, cols, &jobs).map_err(named(&m.experts().gate.name))?;
+        let sh = if shared.is_some() { outs.pop() } else { None };
+        Ok((m.combine(&plan, routes, &outs), sh))
+    }
+}
+
+/// The rows of one sequence in each layer of a [`HostKv`].
+struct SeqRows {
+    k: Vec<Vec<u8>>,
+    v: Vec<Vec<u8>>,
+}
+
+/// Cache rows in host memory: per sequence and layer, a growing run of rows.
+pub(crate) struct HostKv {
+    layout: KvLayout,
+    k_type: GgmlType,
+    v_type: GgmlType,
+    k_row_bytes: usize,
+    v_row_bytes: usize,
+    /// Global layer -> index into each sequence's rows (`None`: not held here).
+    local: Vec<Option<usize>>,
+    n_local: usize,
+    seqs: HashMap<usize, SeqRows>,
+}
+
+impl HostKv {
+    fn new(layout: KvLayout, layers: &[usize], k_type: GgmlType, v_type: GgmlType) -> Result<HostKv> {
+        let mut local = vec![None; layout.n_layer];
+        for (i, &il) in layers.iter().enumerate() {
+            *local.get_mut(il).ok_or_else(|| Error::Model(format!("cache layer {il} of {}", layout.n_layer)))? = Some(i);
+        }
+        Ok(HostKv {
+            k_row_bytes: row_size(k_type, layout.k_row)?,
+            v_row_bytes: if layout.v_row == 0 { 0 } else { row_size(v_type, layout.v_row)? },
+            layout,
+            k_type,
+            v_type,
+            local,
+            n_local: layers.len(),
+            seqs: HashMap::new(),
+        })
+    }
+
+    fn at(&self, il: usize) -> Result<usize> {
+        self.local.get(il).copied().flatten().ok_or_else(|| Error::Model(format!("layer {il} is not cached here")))
+    }
+
+    /// Appends the K (and V) row of the next position of `seq` in layer `il`.
+    fn push(&mut self, seq: usize, il: usize, k: &[f32], v: Option<&[f32]>) -> Result<()> {
+        let li = self.at(il)?;
+        let n = self.n_local;
+        let s = self.seqs.entry(seq).or_insert_with(|| SeqRows { k: vec![Vec::new(); n], v: vec![Vec::new(); n] });
+        let kbuf = &mut s.k[li];
+        let at = kbuf.len();
+        kbuf.resize(at + self.k_row_bytes, 0);
+        quantize_row(self.k_type, k, &mut kbuf[at..])?;
+        if let (Some(v), true) = (v, self.v_row_bytes > 0) {
+            let vbuf = &mut s.v[li];
+            let at = vbuf.len();
+            vbuf.resize(at + self.v_row_bytes, 0);
+            quantize_row(self.v_type, v, &mut vbuf[at..])?;
+        }
+        Ok(())
+    }
+
+    /// The K rows (and V rows, empty under MLA) of `seq` in layer `il`.
+    pub fn rows(&self, seq: usize, il: usize) -> (&[u8], &[u8]) {
+        match (self.seqs.get(&seq), self.at(il)) {
+            (Some(s), Ok(li)) => (&s.k[li], &s.v[li]),
+            _ => (&[], &[]),
+        }
+    }
+}
+
+impl KvStore for HostKv {
+    fn truncate(&mut self, seq: usize, n: usize) {
+        if n == 0 {
+            self.seqs.remove(&seq);
+            return;
+        }
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            for k in &mut s.k {
+                k.truncate(n * self.k_row_bytes);
+            }
+            for v in &mut s.v {
+                v.truncate(n * self.v_row_bytes);
+            }
+        }
+    }
+
+    fn copy_prefix(&mut self, src: usize, dst: usize, n: usize) -> Result<()> {
+        self.seqs.remove(&dst);
+        let Some(s) = self.seqs.get(&src) else { return Ok(()) };
+        let copy = SeqRows {
+            k: s.k.iter().map(|k| k[..(n * self.k_row_bytes).min(k.len())].to_vec()).collect(),
+            v: s.v.iter().map(|v| v[..(n * self.v_row_bytes).min(v.len())].to_vec()).collect(),
+        };
+        self.seqs.insert(dst, copy);
+        Ok(())
+    }
+
+    fn used_bytes(&self) -> usize {
+        self.seqs.values().map(|s| s.k.iter().chain(&s.v).map(Vec::len).sum::<usize>()).sum()
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
