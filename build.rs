@@ -1,8 +1,13 @@
-//! Build script: with the `cuda` feature, compiles every `kernels/*.cu` with nvcc to a cubin per
-//! architecture of `TANDEM_CUDA_ARCHS` (default `90;120`) and to PTX for the oldest of them, and
-//! writes `$OUT_DIR/tandem_kernels.rs`, the list of images `src/kernels.rs` embeds. Without the
-//! feature, without nvcc, or when nvcc fails, the list is empty and the build still succeeds (a
-//! `cargo:warning` says why): CUDA never breaks a CPU build.
+//! Build script: with the `cuda` feature, compiles every `kernels/*.cu` with nvcc to PTX for the
+//! oldest architecture of `TANDEM_CUDA_ARCHS` (default `80;86;89;90;120`) and for compute_120 when
+//! 120 is among them, then assembles a cubin per architecture from that PTX, and writes
+//! `$OUT_DIR/tandem_kernels.rs`, the list of images `src/kernels.rs` embeds.
+//!
+//! The cubins are assembled by `PTXAS` when it is set (scripts/install-cuda-toolkit.sh: CUDA 12.8's
+//! ptxas from PyPI, whose cubins R570 drivers load), with the PTX's `.version` lowered to
+//! `TANDEM_PTX_VERSION` (default 8.7, CUDA 12.8's) so that the PTX images JIT on those drivers too;
+//! else by nvcc's own ptxas. Without the feature, without nvcc, or when a step fails, the list is
+//! empty and the build still succeeds (a `cargo:warning` says why): CUDA never breaks a CPU build.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -10,10 +15,13 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-/// Architectures compiled when `TANDEM_CUDA_ARCHS` is unset: Hopper and consumer/workstation Blackwell.
-const DEFAULT_ARCHS: &str = "90;120";
+/// Architectures compiled when `TANDEM_CUDA_ARCHS` is unset: A100, RTX 30xx / A40, RTX 40xx / L40S,
+/// H100 / H200, RTX 50xx / RTX PRO 6000.
+const DEFAULT_ARCHS: &str = "80;86;89;90;120";
+/// The PTX ISA version written into the PTX when `PTXAS` assembles the cubins (CUDA 12.8's).
+const DEFAULT_PTX_VERSION: &str = "8.7";
 /// Environment variables that change what this script does.
-const ENV_INPUTS: [&str; 4] = ["NVCC", "CUDA_HOME", "CUDA_PATH", "TANDEM_CUDA_ARCHS"];
+const ENV_INPUTS: [&str; 6] = ["NVCC", "CUDA_HOME", "CUDA_PATH", "TANDEM_CUDA_ARCHS", "PTXAS", "TANDEM_PTX_VERSION"];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
@@ -106,9 +114,7 @@ fn archs() -> Result<Vec<u32>, String> {
 fn find_nvcc() -> Result<PathBuf, String> {
     let candidate = if let Some(nvcc) = std::env::var_os("NVCC").filter(|v| !v.is_empty()) {
         PathBuf::from(nvcc)
-    } else if let Some(home) =
-        ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(std::env::var_os).find(|v| !v.is_empty())
-    {
+    } else if let Some(home) = ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(std::env::var_os).find(|v| !v.is_empty()) {
         PathBuf::from(home).join("bin").join("nvcc")
     } else {
         PathBuf::from("nvcc")
@@ -131,86 +137,168 @@ fn first_line(s: &str) -> &str {
     s.lines().find(|l| !l.trim().is_empty()).unwrap_or("no output").trim()
 }
 
-/// Compiles every (file, target) pair, spread over as many threads as cargo allows.
+/// The PTX targets: the oldest architecture, and compute_120 when 120 is asked for.
+fn ptx_targets(archs: &[u32]) -> Vec<u32> {
+    let mut v = vec![archs[0]];
+    if archs.contains(&120) && archs[0] != 120 {
+        v.push(120);
+    }
+    v
+}
+
+/// The PTX a cubin for `sm` is assembled from: the newest PTX target not above it.
+fn ptx_for(sm: u32, targets: &[u32]) -> u32 {
+    targets.iter().copied().filter(|&p| p <= sm).max().unwrap_or(targets[0])
+}
+
+/// Compiles every file to PTX, then assembles each cubin, spread over as many threads as cargo
+/// allows.
 fn build_kernels(kernel_dir: &Path, sources: &[PathBuf], out_dir: &Path) -> Result<Vec<Built>, String> {
     if sources.is_empty() {
         return Err(format!("no .cu files in {}", kernel_dir.display()));
     }
     let archs = archs()?;
     let nvcc = find_nvcc()?;
+    let ptxas = match std::env::var_os("PTXAS").filter(|v| !v.is_empty()) {
+        Some(p) => {
+            let p = PathBuf::from(p);
+            match Command::new(&p).arg("--version").output() {
+                Ok(o) if o.status.success() => Some(p),
+                _ => return Err(format!("PTXAS={} does not run", p.display())),
+            }
+        }
+        None => None,
+    };
+    let ptx_version = std::env::var("TANDEM_PTX_VERSION").unwrap_or_else(|_| DEFAULT_PTX_VERSION.to_string());
     let image_dir = out_dir.join("kernels");
     std::fs::create_dir_all(&image_dir).map_err(|e| format!("creating {}: {e}", image_dir.display()))?;
+    let targets = ptx_targets(&archs);
 
-    // Cubins for every architecture; PTX for the oldest, which a driver can JIT for every newer GPU
-    // (e.g. sm_100) that none of the cubins fits.
-    let ptx_sm = archs[0];
-    let mut jobs = Vec::new();
+    let mut ptx_jobs = Vec::new();
+    let mut cubin_jobs = Vec::new();
     for src in sources {
         let stem =
             src.file_stem().and_then(|s| s.to_str()).ok_or_else(|| format!("bad file name {}", src.display()))?;
+        for &p in &targets {
+            ptx_jobs.push(Built {
+                file: stem.to_string(),
+                kind: Kind::Ptx(p),
+                path: image_dir.join(format!("{stem}.compute_{p}.ptx")),
+            });
+        }
         for &sm in &archs {
-            jobs.push(Built {
+            cubin_jobs.push(Built {
                 file: stem.to_string(),
                 kind: Kind::Cubin(sm),
                 path: image_dir.join(format!("{stem}.sm_{sm}.cubin")),
             });
         }
-        jobs.push(Built {
-            file: stem.to_string(),
-            kind: Kind::Ptx(ptx_sm),
-            path: image_dir.join(format!("{stem}.compute_{ptx_sm}.ptx")),
+    }
+    let run_all = |jobs: &[Built], f: &(dyn Fn(&Built) -> Result<(), String> + Sync)| -> Result<(), String> {
+        let threads = std::env::var("NUM_JOBS")
+            .ok()
+            .and_then(|n| n.parse::<usize>().ok())
+            .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+            .unwrap_or(1)
+            .clamp(1, jobs.len().max(1));
+        let next = AtomicUsize::new(0);
+        let errors = Mutex::new(Vec::<String>::new());
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(job) = jobs.get(i) else { break };
+                    if let Err(e) = f(job) {
+                        errors.lock().unwrap_or_else(|p| p.into_inner()).push(e);
+                    }
+                });
+            }
         });
-    }
-
-    let threads = std::env::var("NUM_JOBS")
-        .ok()
-        .and_then(|n| n.parse::<usize>().ok())
-        .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
-        .unwrap_or(1)
-        .clamp(1, jobs.len());
-    let next = AtomicUsize::new(0);
-    let errors = Mutex::new(Vec::<String>::new());
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(job) = jobs.get(i) else { break };
+        let errors = errors.into_inner().unwrap_or_else(|p| p.into_inner());
+        if let Some(first) = errors.first() {
+            // Every line of the complaint as its own warning; cargo shows a warning's first line only.
+            for line in first.lines().skip(1).take(20) {
+                println!("cargo:warning=  {line}");
+            }
+            return Err(format!("{} of {} runs failed, first: {}", errors.len(), jobs.len(), first_line(first)));
+        }
+        Ok(())
+    };
+    run_all(&ptx_jobs, &|job| {
+        let Kind::Ptx(p) = job.kind else { return Ok(()) };
+        let src = kernel_dir.join(format!("{}.cu", job.file));
+        compile(&nvcc, kernel_dir, &src, &["-ptx".into(), format!("-arch=compute_{p}")], &job.path)?;
+        if ptxas.is_some() {
+            lower_ptx_version(&job.path, &ptx_version)?;
+        }
+        Ok(())
+    })?;
+    run_all(&cubin_jobs, &|job| {
+        let Kind::Cubin(sm) = job.kind else { return Ok(()) };
+        match &ptxas {
+            Some(ptxas) => {
+                let ptx = image_dir.join(format!("{}.compute_{}.ptx", job.file, ptx_for(sm, &targets)));
+                assemble(ptxas, &ptx, sm, &job.path)
+            }
+            None => {
                 let src = kernel_dir.join(format!("{}.cu", job.file));
-                if let Err(e) = compile(&nvcc, kernel_dir, &src, job) {
-                    errors.lock().unwrap_or_else(|p| p.into_inner()).push(e);
-                }
-            });
+                compile(&nvcc, kernel_dir, &src, &["-cubin".into(), format!("-arch=sm_{sm}")], &job.path)
+            }
         }
-    });
-    let errors = errors.into_inner().unwrap_or_else(|p| p.into_inner());
-    if let Some(first) = errors.first() {
-        // Every line of nvcc's complaint as its own warning; cargo shows a warning's first line only.
-        for line in first.lines().skip(1).take(20) {
-            println!("cargo:warning=  {line}");
-        }
-        return Err(format!("{} of {} nvcc runs failed, first: {}", errors.len(), jobs.len(), first_line(first)));
-    }
-    Ok(jobs)
+    })?;
+    Ok(ptx_jobs.into_iter().chain(cubin_jobs).collect())
 }
 
-/// One nvcc run.
-fn compile(nvcc: &Path, include: &Path, src: &Path, job: &Built) -> Result<(), String> {
-    let (mode, arch) = match job.kind {
-        Kind::Cubin(sm) => ("-cubin", format!("-arch=sm_{sm}")),
-        Kind::Ptx(sm) => ("-ptx", format!("-arch=compute_{sm}")),
+/// Rewrites the PTX's `.version` line to `version` when it is newer (nvcc 13 writes 9.0; the
+/// kernels use nothing newer than CUDA 12's PTX, which ptxas then checks).
+fn lower_ptx_version(path: &Path, version: &str) -> Result<(), String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    let parse = |v: &str| -> Option<(u32, u32)> {
+        let (a, b) = v.trim().split_once('.')?;
+        Some((a.parse().ok()?, b.parse().ok()?))
     };
+    let want = parse(version).ok_or_else(|| format!("TANDEM_PTX_VERSION={version} is not MAJOR.MINOR"))?;
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        match line.strip_prefix(".version ").and_then(parse) {
+            Some(have) if have > want => out.push_str(&format!(".version {}.{}", want.0, want.1)),
+            _ => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))
+}
+
+/// One ptxas run: PTX to a cubin for `sm_<sm>`.
+fn assemble(ptxas: &Path, ptx: &Path, sm: u32, out: &Path) -> Result<(), String> {
+    let o = Command::new(ptxas)
+        .args(["-O3", &format!("-arch=sm_{sm}")])
+        .arg(ptx)
+        .arg("-o")
+        .arg(out)
+        .output()
+        .map_err(|e| format!("running {}: {e}", ptxas.display()))?;
+    if !o.status.success() {
+        return Err(format!("ptxas sm_{sm} {} failed:\n{}", ptx.display(), String::from_utf8_lossy(&o.stderr).trim()));
+    }
+    Ok(())
+}
+
+/// One nvcc run with `mode` (`-ptx -arch=compute_XY` or `-cubin -arch=sm_XY`).
+fn compile(nvcc: &Path, include: &Path, src: &Path, mode: &[String], out_path: &Path) -> Result<(), String> {
     let out = Command::new(nvcc)
-        .args(["-O3", "-std=c++17", mode, &arch, "-Wno-deprecated-gpu-targets"])
+        .args(["-O3", "-std=c++17", "-Wno-deprecated-gpu-targets"])
+        .args(mode)
         .arg("-I")
         .arg(include)
         .arg(src)
         .arg("-o")
-        .arg(&job.path)
+        .arg(out_path)
         .output()
         .map_err(|e| format!("running {}: {e}", nvcc.display()))?;
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
-        return Err(format!("nvcc {mode} {arch} {} failed:\n{}", src.display(), stderr.trim()));
+        return Err(format!("nvcc {} {} failed:\n{}", mode.join(" "), src.display(), stderr.trim()));
     }
     // Warnings from a successful run are shown too: a kernel should compile cleanly.
     for line in String::from_utf8_lossy(&out.stderr).lines().filter(|l| !l.trim().is_empty()).take(10) {

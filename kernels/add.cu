@@ -27,3 +27,11 @@ extern "C" __global__ void tandem_scale_f32(float* x, float s, long long n) {
         x[i] *= s;
     }
 }
+
+// y: f32 rows of `row` values, y[i] *= scales[i / row] (the per-token scales of a prefill gemm's
+// f16 inputs, undone); n: values.
+extern "C" __global__ void tandem_scale_rows_f32(float* y, const float* scales, long long row, long long n) {
+    GRID_STRIDE_LOOP(i, n) {
+        y[i] *= scales[i / row];
+    }
+}

@@ -215,6 +215,71 @@ struct TypeIQ4_XS {
     }
 };
 
+// A token's place in the KV cache (16 bytes; tandem-model's step metadata): its sequence's rows
+// start at `base`, the rows of layer `l` (of those the device holds) at base + l * cap * row_bytes,
+// row j of it at + j * row_bytes; the token sits at position `pos` (it attends rows 0..=pos).
+struct KvMeta {
+    unsigned long long base;
+    unsigned int cap;
+    unsigned int pos;
+};
+static_assert(sizeof(KvMeta) == 16, "KvMeta size");
+
+__device__ __forceinline__ const uint8_t* kv_row(const KvMeta& m, int layer, long long row_bytes, long long j) {
+    return reinterpret_cast<const uint8_t*>(m.base) + ((long long)layer * m.cap + j) * row_bytes;
+}
+
+// The KV cache formats: `load(row, i)` is value i of a run of values starting at `row` (a head's
+// start: whole blocks for q8_0), `bytes(n)` the bytes of n values, `round_p(p)` a probability as
+// ggml converts it for the product with V rows of this format (f16, bf16; q8_0 keeps it).
+struct CacheF16 {
+    __device__ static float load(const uint8_t* row, int i) {
+        return __half2float(reinterpret_cast<const __half*>(row)[i]);
+    }
+    __device__ static float round_p(float p) {
+        return __half2float(__float2half_rn(p));
+    }
+    __device__ static long long bytes(long long n) {
+        return 2 * n;
+    }
+};
+
+struct CacheBF16 {
+    __device__ static float load(const uint8_t* row, int i) {
+        return __uint_as_float((uint32_t)reinterpret_cast<const uint16_t*>(row)[i] << 16);
+    }
+    __device__ static float round_p(float p);
+    __device__ static long long bytes(long long n) {
+        return 2 * n;
+    }
+};
+
+struct CacheQ8_0 {
+    __device__ static float load(const uint8_t* row, int i) {
+        const block_q8_0* b = reinterpret_cast<const block_q8_0*>(row) + i / QK8_0;
+        return __half2float(b->d) * (float)b->qs[i % QK8_0];
+    }
+    __device__ static float round_p(float p) {
+        return p;
+    }
+    __device__ static long long bytes(long long n) {
+        return n / QK8_0 * (long long)sizeof(block_q8_0);
+    }
+};
+
+// ggml's f32 -> bf16: round to nearest even, NaN kept quiet (tandem-quant f32_to_bf16).
+__device__ __forceinline__ uint16_t f32_to_bf16(float f) {
+    const uint32_t i = __float_as_uint(f);
+    if ((i & 0x7fffffffu) > 0x7f800000u) {
+        return (uint16_t)((i >> 16) | 64);
+    }
+    return (uint16_t)((i + (0x7fffu + ((i >> 16) & 1u))) >> 16);
+}
+
+__device__ __forceinline__ float CacheBF16::round_p(float p) {
+    return __uint_as_float((uint32_t)f32_to_bf16(p) << 16);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = TANDEM_WARP / 2; o > 0; o >>= 1) {

@@ -73,3 +73,42 @@ extern "C" __global__ void tandem_f32_to_f16(const float* x, __half* out, long l
         out[i] = __float2half_rn(x[i]);
     }
 }
+
+// Activations for a prefill gemm, one row per block (256 threads): out = f16(x * s) with s a
+// power of two (exact) that brings the row's largest |x| to at most 2^14, so no value overflows
+// f16's 65504; scales[row] = 1 / s, for tandem_scale_rows_f32 on the products. (x: [n_rows][cols]
+// f32, out: [n_rows][cols] f16, scales: [n_rows] f32, cols.)
+extern "C" __global__ void __launch_bounds__(256)
+    tandem_f32_to_f16_scaled(const float* x, __half* out, float* scales, int cols) {
+    __shared__ float partial[256 / TANDEM_WARP];
+    __shared__ float row_scale;
+    const long long r = blockIdx.x;
+    const float* xr = x + r * cols;
+    __half* o = out + r * cols;
+    float amax = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        amax = fmaxf(amax, fabsf(xr[i]));
+    }
+    amax = warp_max(amax);
+    if (threadIdx.x % TANDEM_WARP == 0) {
+        partial[threadIdx.x / TANDEM_WARP] = amax;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float m = 0.0f;
+        for (int i = 0; i < (int)(blockDim.x / TANDEM_WARP); ++i) {
+            m = fmaxf(m, partial[i]);
+        }
+        float s = 1.0f;
+        while (m * s > 16384.0f && s > 1e-30f) {
+            s *= 0.5f;
+        }
+        row_scale = s;
+        scales[r] = 1.0f / s;
+    }
+    __syncthreads();
+    const float s = row_scale;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        o[i] = __float2half_rn(xr[i] * s);
+    }
+}

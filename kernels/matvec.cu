@@ -1,17 +1,44 @@
 // Decode matvec: y[t][r] = dot(W[r], x[t]) for n_tokens <= 8 activation rows, one warp per weight
-// row, f32 accumulation. Reference: crates/tandem-quant/src/dequant.rs (the values) and
-// tandem-cpu's matvec (the sums).
+// row, f32 accumulation; batched over groups of rows (gridDim.y): the per-head matrices of MLA's
+// attn_k_b / attn_v_b in one launch, or the routed experts of a MoE layer, each (token, slot)
+// pair multiplying the matrix of the expert its packet names. Reference:
+// crates/tandem-quant/src/dequant.rs (the values) and tandem-cpu's matvec (the sums).
 //
-// Launch (kernels/ABI.md): grid ceil(rows / 4), block (32, 4); threadIdx.y picks the row.
+// Launch (kernels/ABI.md): grid (ceil(rows / 4), n_groups), block (32, 4); threadIdx.y picks the
+// row, blockIdx.y the group.
 #include "common.cuh"
 
 #define MAX_TOKENS 8
 #define ROWS_PER_BLOCK 4
 
+// Where group g's matrix, input and output are (see the entry points' comment).
+struct Group {
+    const uint8_t* w;
+    const float* x;
+    float* y;
+    bool valid;
+};
+
+__device__ __forceinline__ Group group(const uint8_t* w, const float* x, float* y, long long x_grp, int x_grp_div,
+                                       long long y_grp, long long w_grp_bytes, const float* ids, int ids_per,
+                                       long long ids_row, int n_mats) {
+    const int g = blockIdx.y;
+    int sel = g;
+    if (ids != nullptr) {
+        const float f = ids[(long long)(g / ids_per) * ids_row + g % ids_per];
+        sel = (f >= 0.0f && f < (float)n_mats) ? (int)f : -1;
+    }
+    Group r;
+    r.valid = sel >= 0 && sel < n_mats;
+    r.w = w + (long long)(r.valid ? sel : 0) * w_grp_bytes;
+    r.x = x + (long long)(g / x_grp_div) * x_grp;
+    r.y = y + (long long)g * y_grp;
+    return r;
+}
+
 // Quantized rows: the lanes of the warp take the row's 32-value chunks in turn.
 template <typename T>
-__device__ void matvec_quant(const uint8_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,
-                             int rows, int cols, int n_tokens) {
+__device__ void matvec_quant(const Group& gr, int rows, int cols, int n_tokens, long long x_tok, long long y_tok) {
     const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
     if (row >= rows) {
         return;
@@ -19,19 +46,19 @@ __device__ void matvec_quant(const uint8_t* __restrict__ w, const float* __restr
     const int lane = threadIdx.x;
     const int chunks_per_block = T::ELEMS / CHUNK;
     const int n_chunks = cols / CHUNK;
-    const uint8_t* wr = w + (size_t)row * (size_t)(cols / T::ELEMS) * T::BYTES;
+    const uint8_t* wr = gr.w + (size_t)row * (size_t)(cols / T::ELEMS) * T::BYTES;
     float acc[MAX_TOKENS];
 #pragma unroll
     for (int t = 0; t < MAX_TOKENS; ++t) {
         acc[t] = 0.0f;
     }
     float v[CHUNK];
-    for (int c = lane; c < n_chunks; c += TANDEM_WARP) {
+    for (int c = lane; c < n_chunks && gr.valid; c += TANDEM_WARP) {
         T::chunk(wr + (size_t)(c / chunks_per_block) * T::BYTES, c % chunks_per_block, v);
 #pragma unroll
         for (int t = 0; t < MAX_TOKENS; ++t) {
             if (t < n_tokens) {
-                const float* xt = x + (size_t)t * cols + (size_t)c * CHUNK;
+                const float* xt = gr.x + (long long)t * x_tok + (size_t)c * CHUNK;
                 float s = 0.0f;
 #pragma unroll
                 for (int i = 0; i < CHUNK; ++i) {
@@ -46,7 +73,7 @@ __device__ void matvec_quant(const uint8_t* __restrict__ w, const float* __restr
         if (t < n_tokens) {
             const float s = warp_sum(acc[t]);
             if (lane == 0) {
-                y[(size_t)t * rows + row] = s;
+                gr.y[(long long)t * y_tok + row] = s;
             }
         }
     }
@@ -64,8 +91,7 @@ __device__ __forceinline__ float load_bf16(const uint8_t* w, size_t i) {
 
 // Float rows: any `cols`; the lanes take the values in turn (coalesced).
 template <float (*LOAD)(const uint8_t*, size_t)>
-__device__ void matvec_float(const uint8_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,
-                             int rows, int cols, int n_tokens) {
+__device__ void matvec_float(const Group& gr, int rows, int cols, int n_tokens, long long x_tok, long long y_tok) {
     const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
     if (row >= rows) {
         return;
@@ -77,12 +103,12 @@ __device__ void matvec_float(const uint8_t* __restrict__ w, const float* __restr
     for (int t = 0; t < MAX_TOKENS; ++t) {
         acc[t] = 0.0f;
     }
-    for (int i = lane; i < cols; i += TANDEM_WARP) {
-        const float wi = LOAD(w, base + i);
+    for (int i = lane; i < cols && gr.valid; i += TANDEM_WARP) {
+        const float wi = LOAD(gr.w, base + i);
 #pragma unroll
         for (int t = 0; t < MAX_TOKENS; ++t) {
             if (t < n_tokens) {
-                acc[t] += wi * x[(size_t)t * cols + i];
+                acc[t] += wi * gr.x[(long long)t * x_tok + i];
             }
         }
     }
@@ -91,25 +117,34 @@ __device__ void matvec_float(const uint8_t* __restrict__ w, const float* __restr
         if (t < n_tokens) {
             const float s = warp_sum(acc[t]);
             if (lane == 0) {
-                y[(size_t)t * rows + row] = s;
+                gr.y[(long long)t * y_tok + row] = s;
             }
         }
     }
 }
 
-// Every entry point: (w: rows x cols weights in the type's layout, x: [n_tokens][cols] f32,
-// y: [n_tokens][rows] f32, rows, cols (a multiple of the block size for quantized types),
-// n_tokens in 1..=8).
-#define MATVEC_QUANT(name, T)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(TANDEM_WARP * ROWS_PER_BLOCK)                                 \
-        tandem_matvec_##name(const unsigned char* w, const float* x, float* y, int rows, int cols, int n_tokens) { \
-        matvec_quant<T>(w, x, y, rows, cols, n_tokens);                                                        \
+// Every entry point: w: the matrices, `rows` rows of `cols` elements each in the type's layout,
+// matrix m at byte m * w_grp_bytes; x: f32, token t of group g at x + t * x_tok + (g / x_grp_div)
+// * x_grp; y: f32, token t, row r of group g at y + t * y_tok + g * y_grp + r; rows; cols (a
+// multiple of the block size for quantized types); n_tokens in 1..=8; ids: null (group g
+// multiplies matrix g) or f32 expert ids, group g multiplying matrix ids[(g / ids_per) * ids_row +
+// g % ids_per]; n_mats: matrices in w (a group whose id is not below it writes zeros).
+#define MATVEC_ARGS                                                                                              \
+    const unsigned char *w, const float *x, float *y, int rows, int cols, int n_tokens, long long x_tok,          \
+        long long x_grp, int x_grp_div, long long y_tok, long long y_grp, long long w_grp_bytes, const float *ids, \
+        int ids_per, long long ids_row, int n_mats
+#define MATVEC_GROUP group(w, x, y, x_grp, x_grp_div, y_grp, w_grp_bytes, ids, ids_per, ids_row, n_mats)
+
+#define MATVEC_QUANT(name, T)                                                                \
+    extern "C" __global__ void __launch_bounds__(TANDEM_WARP * ROWS_PER_BLOCK)               \
+        tandem_matvec_##name(MATVEC_ARGS) {                                                  \
+        matvec_quant<T>(MATVEC_GROUP, rows, cols, n_tokens, x_tok, y_tok);                   \
     }
 
-#define MATVEC_FLOAT(name, LOAD)                                                                               \
-    extern "C" __global__ void __launch_bounds__(TANDEM_WARP * ROWS_PER_BLOCK)                                 \
-        tandem_matvec_##name(const unsigned char* w, const float* x, float* y, int rows, int cols, int n_tokens) { \
-        matvec_float<LOAD>(w, x, y, rows, cols, n_tokens);                                                     \
+#define MATVEC_FLOAT(name, LOAD)                                                             \
+    extern "C" __global__ void __launch_bounds__(TANDEM_WARP * ROWS_PER_BLOCK)               \
+        tandem_matvec_##name(MATVEC_ARGS) {                                                  \
+        matvec_float<LOAD>(MATVEC_GROUP, rows, cols, n_tokens, x_tok, y_tok);                \
     }
 
 MATVEC_FLOAT(f32, load_f32)

@@ -6,17 +6,18 @@
 
 #define RMSNORM_THREADS 256
 
-// x: [n_rows][dim] f32; w: [dim] f32 or null (no weight); y: [n_rows][dim] f32, may alias x;
-// dim: values per row; eps: added to the mean square.
+// x: n_rows rows of `dim` f32 values, `row_stride` apart; w: [dim] f32 or null (no weight);
+// y: rows as x's, may alias x; dim: values per row; row_stride: values from a row to the next;
+// eps: added to the mean square.
 extern "C" __global__ void __launch_bounds__(RMSNORM_THREADS)
-    tandem_rmsnorm_f32(const float* x, const float* w, float* y, int dim, float eps) {
+    tandem_rmsnorm_f32(const float* x, const float* w, float* y, int dim, long long row_stride, float eps) {
     __shared__ double partial[RMSNORM_THREADS / TANDEM_WARP];
     __shared__ float row_scale;
     if (blockDim.x > RMSNORM_THREADS || blockDim.x % TANDEM_WARP != 0) {
         return; // `partial` is sized for at most 256 threads in whole warps
     }
-    const float* xr = x + (size_t)blockIdx.x * dim;
-    float* yr = y + (size_t)blockIdx.x * dim;
+    const float* xr = x + (long long)blockIdx.x * row_stride;
+    float* yr = y + (long long)blockIdx.x * row_stride;
     const int lane = threadIdx.x % TANDEM_WARP;
     const int warp = threadIdx.x / TANDEM_WARP;
     const int n_warps = blockDim.x / TANDEM_WARP;

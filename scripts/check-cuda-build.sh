@@ -44,7 +44,7 @@ archs=$(ls "$images" | sed -n 's/.*\.sm_\([0-9]*\)\.cubin$/\1/p' | sort -un | tr
 fail=0
 for ptx in "$images"/*.ptx; do
     for sm in $archs 100; do
-        if ! "$bin/ptxas" -arch="sm_$sm" -O3 --warn-on-spills "$ptx" -o /dev/null 2>"$images/.ptxas.log"; then
+        if ! "${PTXAS:-$bin/ptxas}" -arch="sm_$sm" -O3 --warn-on-spills "$ptx" -o /dev/null 2>"$images/.ptxas.log"; then
             echo "ptxas sm_$sm $(basename "$ptx"): FAILED"; cat "$images/.ptxas.log"; fail=1
         elif [ -s "$images/.ptxas.log" ]; then
             echo "ptxas sm_$sm $(basename "$ptx"):"; cat "$images/.ptxas.log"

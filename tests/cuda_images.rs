@@ -1,8 +1,10 @@
 //! The kernel images build.rs embeds (src/kernels.rs), checked without a GPU: every kernels/*.cu
-//! has a cubin for each architecture of `TANDEM_CUDA_ARCHS` (default 90;120), with the architecture
-//! read from the cubin's ELF header, and PTX for the oldest; every entry point of kernels/ABI.md is
-//! in the images of its file. A build without kernels skips, unless `TANDEM_REQUIRE_KERNELS=1`
-//! (CI) makes that a failure.
+//! has a cubin for each architecture of `TANDEM_CUDA_ARCHS` (default 80;86;89;90;120), with the
+//! architecture read from the cubin's ELF header, and PTX for the oldest and for compute_120; with
+//! `PTXAS` set (CUDA 12.8's, as scripts/install-cuda-toolkit.sh sets it) the PTX is of ISA 8.7 at
+//! most, which drivers for CUDA 12.8 JIT; every entry point the runtime launches
+//! (tandem_cuda::entry_points) is in the images of its file and in kernels/ABI.md. A build without
+//! kernels skips, unless `TANDEM_REQUIRE_KERNELS=1` (CI) makes that a failure.
 #![cfg(feature = "cuda")]
 
 use std::collections::BTreeSet;
@@ -10,33 +12,21 @@ use std::path::Path;
 
 use tandem_cuda::{Image, ImageKind};
 
-const MATVEC_TYPES: [&str; 10] = ["f32", "f16", "bf16", "q4_0", "q5_0", "q8_0", "q4_K", "q5_K", "q6_K", "iq4_xs"];
-
-/// Entry points per kernel file, as kernels/ABI.md lists them.
+/// Entry points per kernel file, as the runtime launches them.
 fn abi_entry_points() -> Vec<(&'static str, Vec<String>)> {
-    let names = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    vec![
-        ("rmsnorm", names(&["tandem_rmsnorm_f32"])),
-        ("rope", names(&["tandem_rope_f32"])),
-        ("swiglu", names(&["tandem_swiglu_f32"])),
-        ("add", names(&["tandem_add_f32", "tandem_scale_add_f32", "tandem_scale_f32"])),
-        ("router", names(&["tandem_router_f32"])),
-        ("matvec", MATVEC_TYPES.iter().map(|t| format!("tandem_matvec_{t}")).collect()),
-        (
-            "dequant",
-            MATVEC_TYPES
-                .iter()
-                .map(|t| format!("tandem_dequant_{t}_f16"))
-                .chain(["tandem_f32_to_f16".to_string()])
-                .collect(),
-        ),
-        ("attention", names(&["tandem_attn_f16", "tandem_attn_combine"])),
-    ]
+    let mut by_file: Vec<(&'static str, Vec<String>)> = Vec::new();
+    for (file, name) in tandem_cuda::entry_points() {
+        match by_file.iter_mut().find(|(f, _)| *f == file) {
+            Some((_, v)) => v.push(name),
+            None => by_file.push((file, vec![name])),
+        }
+    }
+    by_file
 }
 
 /// The architectures build.rs was asked for (the same parsing as build.rs).
 fn wanted_archs() -> Vec<u32> {
-    let raw = std::env::var("TANDEM_CUDA_ARCHS").unwrap_or_else(|_| "90;120".into());
+    let raw = std::env::var("TANDEM_CUDA_ARCHS").unwrap_or_else(|_| "80;86;89;90;120".into());
     let mut archs: Vec<u32> = raw
         .split([';', ',', ' '])
         .map(str::trim)
@@ -94,7 +84,10 @@ fn embedded_kernel_images_cover_every_file_architecture_and_entry_point() {
         return;
     }
     let archs = wanted_archs();
-    let ptx_sm = archs[0];
+    let mut ptx_targets = vec![archs[0]];
+    if archs.contains(&120) && archs[0] != 120 {
+        ptx_targets.push(120);
+    }
     let mut problems = Vec::new();
 
     let files = kernel_files();
@@ -116,18 +109,25 @@ fn embedded_kernel_images_cover_every_file_architecture_and_entry_point() {
                 other => problems.push(format!("{file}: {} cubins for sm_{sm}, expected 1", other.len())),
             }
         }
-        let ptx: Vec<&&Image> = of_file.iter().filter(|i| matches!(i.kind, ImageKind::Ptx { .. })).collect();
-        match ptx.as_slice() {
-            [one] => {
-                if one.kind != (ImageKind::Ptx { sm: ptx_sm }) {
-                    problems.push(format!("{file}: PTX is {:?}, expected compute_{ptx_sm}", one.kind));
+        for &p in &ptx_targets {
+            let ptx: Vec<&&Image> = of_file.iter().filter(|i| i.kind == ImageKind::Ptx { sm: p }).collect();
+            match ptx.as_slice() {
+                [one] => {
+                    let text = String::from_utf8_lossy(one.bytes);
+                    if !text.lines().any(|l| l.trim() == format!(".target sm_{p}")) {
+                        problems.push(format!("{file}: the compute_{p} PTX has no `.target sm_{p}` line"));
+                    }
+                    let version = text.lines().find_map(|l| l.trim().strip_prefix(".version ")).unwrap_or("?");
+                    if std::env::var_os("PTXAS").is_some_and(|v| !v.is_empty()) && version != "8.7" {
+                        problems.push(format!("{file}: the compute_{p} PTX is of ISA {version}, expected 8.7"));
+                    }
                 }
-                let text = String::from_utf8_lossy(one.bytes);
-                if !text.lines().any(|l| l.trim() == format!(".target sm_{ptx_sm}")) {
-                    problems.push(format!("{file}: the PTX has no `.target sm_{ptx_sm}` line"));
-                }
+                other => problems.push(format!("{file}: {} PTX images for compute_{p}, expected 1", other.len())),
             }
-            other => problems.push(format!("{file}: {} PTX images, expected 1", other.len())),
+        }
+        let n_ptx = of_file.iter().filter(|i| matches!(i.kind, ImageKind::Ptx { .. })).count();
+        if n_ptx != ptx_targets.len() {
+            problems.push(format!("{file}: {n_ptx} PTX images, expected {}", ptx_targets.len()));
         }
     }
 
@@ -135,6 +135,18 @@ fn embedded_kernel_images_cover_every_file_architecture_and_entry_point() {
     for (file, entries) in abi_entry_points() {
         if !abi.contains(&format!("{file}.cu")) {
             problems.push(format!("kernels/ABI.md does not list {file}.cu"));
+        }
+        for name in &entries {
+            // ABI.md names the typed families as `tandem_attn_<c>`, `tandem_matvec_<t>`, ...
+            let family = ["_f32", "_f16", "_bf16", "_q4_0", "_q5_0", "_q8_0", "_q4_K", "_q5_K", "_q6_K", "_iq4_xs"]
+                .iter()
+                .find_map(|t| name.strip_suffix(t).filter(|_| !abi.contains(&format!("`{name}`"))));
+            let listed = abi.contains(&format!("`{name}`"))
+                || family.is_some_and(|f| abi.contains(&format!("`{f}_<t>`")) || abi.contains(&format!("`{f}_<c>`")))
+                || name.starts_with("tandem_dequant_") && abi.contains("`tandem_dequant_<t>_f16`");
+            if !listed {
+                problems.push(format!("kernels/ABI.md does not list {name}"));
+            }
         }
         for image in images.iter().filter(|i| i.file == file) {
             for name in &entries {
@@ -151,7 +163,7 @@ fn embedded_kernel_images_cover_every_file_architecture_and_entry_point() {
     }
     assert!(problems.is_empty(), "{} problems with the kernel images:\n{}", problems.len(), problems.join("\n"));
     eprintln!(
-        "{} kernel images: {} files x (cubins for {archs:?} + PTX for compute_{ptx_sm})",
+        "{} kernel images: {} files x (cubins for {archs:?} + PTX for compute_{ptx_targets:?})",
         images.len(),
         files.len()
     );

@@ -30,6 +30,8 @@ pub enum Error {
     UnsupportedType(tandem_quant::GgmlType),
     #[error("CUDA shape check: {0}")]
     Shape(String),
+    #[error("no kernel emulator: {0}")]
+    Emulator(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

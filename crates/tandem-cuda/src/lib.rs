@@ -1,39 +1,81 @@
-//! CUDA backend on cudarc with dynamic loading: the binary starts on machines without libcuda and
-//! reports why there is no GPU instead of failing to link.
+//! The CUDA backend: a [`Runtime`] per device with tandem's kernels (kernels/*.cu, kernels/ABI.md),
+//! device memory from a caching pool, copies, typed launches that check every shape, and a
+//! [`Ledger`] of launches, copies and host waits.
 //!
-//! * With the `cuda` feature, [`Runtime::open`] loads the driver, opens one device, loads the
-//!   kernel images the root package embedded (kernels/ABI.md: the cubin of the device's
-//!   architecture, else the newest PTX the device can JIT), and offers device buffers, typed
-//!   launches of every ABI entry point, cuBLAS gemm for prefill and pinned staging for host copies.
-//! * Without it, this crate is the same-named stand-in (STYLE.md 2): [`init`], [`devices`] and
-//!   [`Runtime::open`] answer [`Error::BuiltWithoutCuda`], so callers never write
-//!   `#[cfg(feature = "cuda")]`.
+//! * With the `cuda` feature, [`Runtime::open`] drives a GPU through cudarc with dynamic loading
+//!   (the binary starts on machines without libcuda and says why there is no GPU), loading the
+//!   kernel images the root package embedded.
+//! * With the `emulate` feature, [`Runtime::emulated`] runs the same kernels compiled for the host
+//!   (kernels/host/), so the runtime, the kernels and the executor above them are tested on
+//!   machines without a GPU.
+//! * Without either, [`init`], [`devices`] and [`Runtime::open`] answer
+//!   [`Error::BuiltWithoutCuda`] (STYLE.md 2): callers never write `#[cfg(feature = "cuda")]`.
 
+#![cfg_attr(not(any(feature = "cuda", feature = "emulate")), allow(dead_code))]
+
+mod driver;
+mod entry_points;
 mod error;
 mod image;
+mod ledger;
+mod memory;
+mod runtime;
 
 #[cfg(feature = "cuda")]
-mod runtime;
-#[cfg(not(feature = "cuda"))]
-#[path = "stub.rs"]
-mod runtime;
+mod cuda;
+#[cfg(feature = "emulate")]
+mod emu;
 
+pub use entry_points::{all_entry_points as entry_points, CACHE_TYPE_NAMES, MATVEC_TYPE_NAMES};
 pub use error::{Error, Result};
 pub use half::f16;
 pub use image::{Image, ImageKind};
-pub use runtime::{devices, init, DeviceBuffer, Runtime};
+pub use ledger::{Counts, Ledger};
+pub use memory::DeviceBuffer;
+pub use runtime::{Reading, Runtime};
 pub use tandem_quant::GgmlType;
 
 /// Whether this build has the CUDA runtime (the `cuda` feature).
 pub const BUILT_WITH_CUDA: bool = cfg!(feature = "cuda");
 
+/// Loads the driver and checks that it initializes.
+pub fn init() -> Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::init()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(Error::BuiltWithoutCuda)
+    }
+}
+
+/// Every CUDA device with its name, compute capability and memory.
+pub fn devices() -> Result<Vec<DeviceInfo>> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::devices()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(Error::BuiltWithoutCuda)
+    }
+}
+
 /// Most tokens one `tandem_matvec_*` launch handles (kernels/ABI.md); more go through cuBLAS.
 pub const MAX_MATVEC_TOKENS: usize = 8;
 
-/// Largest `dk` and `dv` of `tandem_attn_f16` (its shared-memory tiles; kernels/attention.cu).
+/// Largest `dk` and `dv` of `tandem_attn_*` (its shared-memory tiles; kernels/attention.cu).
 pub const ATTN_MAX_HEAD_DIM: usize = 1024;
+/// Query heads per block of `tandem_attn_mla_*`, and its largest latent row and value
+/// (kernels/attention.cu).
+pub const MLA_HEADS: usize = 4;
+pub const MLA_MAX_DK: usize = 576;
+pub const MLA_MAX_DV: usize = 512;
 /// Most experts `tandem_router_f32` handles (kernels/router.cu).
 pub const ROUTER_MAX_EXPERT: usize = 1024;
+/// Bytes of a [`KvMeta`].
+pub const KV_META_BYTES: usize = 16;
 
 /// Weight types with a `tandem_matvec_<t>` and a `tandem_dequant_<t>_f16` kernel.
 pub const MATVEC_TYPES: [GgmlType; 10] = [
@@ -82,17 +124,11 @@ impl DeviceInfo {
     }
 }
 
-/// Element types of device buffers. Sealed: only the types the kernels take.
-#[cfg(feature = "cuda")]
-pub trait Elem:
-    sealed::Sealed + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default + Send + Sync + 'static
-{
-}
-/// Element types of device buffers. Sealed: only the types the kernels take.
-#[cfg(not(feature = "cuda"))]
+/// Element types of device buffers. Sealed: only the plain value types the kernels take.
 pub trait Elem: sealed::Sealed + Copy + Default + Send + Sync + 'static {}
 impl Elem for f32 {}
 impl Elem for u8 {}
+impl Elem for u16 {}
 impl Elem for i32 {}
 impl Elem for half::f16 {}
 
@@ -100,6 +136,7 @@ mod sealed {
     pub trait Sealed {}
     impl Sealed for f32 {}
     impl Sealed for u8 {}
+    impl Sealed for u16 {}
     impl Sealed for i32 {}
     impl Sealed for half::f16 {}
 }
@@ -123,7 +160,7 @@ pub struct RouterParams {
     pub scale: f32,
 }
 
-/// Shapes of one [`Runtime::attention`] call (kernels/ABI.md `tandem_attn_f16`).
+/// Shapes of one [`Runtime::attention`] call.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
     pub n_tokens: usize,
@@ -131,34 +168,122 @@ pub struct AttnShape {
     pub n_head_kv: usize,
     pub dk: usize,
     pub dv: usize,
-    /// Elements between K rows (`n_head_kv * dk` for a dense cache).
-    pub k_stride: usize,
-    /// Elements between V rows; ignored when V is read from K (MLA).
-    pub v_stride: usize,
     pub scale: f32,
     /// Parts the rows are split into (flash-decoding); 1 or more.
     pub n_split: usize,
 }
 
-/// The file and entry point of every kernel the runtime launches (kernels/ABI.md).
-pub fn entry_points() -> Vec<(&'static str, String)> {
-    let mut v: Vec<(&'static str, String)> = vec![
-        ("rmsnorm", "tandem_rmsnorm_f32".into()),
-        ("rope", "tandem_rope_f32".into()),
-        ("swiglu", "tandem_swiglu_f32".into()),
-        ("add", "tandem_add_f32".into()),
-        ("add", "tandem_scale_add_f32".into()),
-        ("add", "tandem_scale_f32".into()),
-        ("router", "tandem_router_f32".into()),
-        ("dequant", "tandem_f32_to_f16".into()),
-        ("attention", "tandem_attn_f16".into()),
-        ("attention", "tandem_attn_combine".into()),
-    ];
-    for t in MATVEC_TYPES {
-        v.push(("matvec", matvec_name(t)));
-        v.push(("dequant", dequant_name(t)));
+/// The formats of the KV cache on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheKind {
+    F16,
+    BF16,
+    Q8_0,
+}
+
+impl CacheKind {
+    pub fn of(ty: GgmlType) -> Option<CacheKind> {
+        match ty {
+            GgmlType::F16 => Some(CacheKind::F16),
+            GgmlType::BF16 => Some(CacheKind::BF16),
+            GgmlType::Q8_0 => Some(CacheKind::Q8_0),
+            _ => None,
+        }
     }
-    v
+
+    /// The kernels' suffix.
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheKind::F16 => "f16",
+            CacheKind::BF16 => "bf16",
+            CacheKind::Q8_0 => "q8_0",
+        }
+    }
+
+    /// Bytes of `n` values (`None` for q8_0 when `n` is not whole blocks of 32).
+    pub fn bytes(self, n: usize) -> Option<usize> {
+        match self {
+            CacheKind::F16 | CacheKind::BF16 => n.checked_mul(2),
+            CacheKind::Q8_0 => n.is_multiple_of(32).then(|| n / 32 * 34),
+        }
+    }
+}
+
+/// A token's place in the KV cache, as the kernels read it (kernels/common.cuh `KvMeta`): its
+/// sequence's rows start at `base`, layer `l`'s at `base + l * cap * row_bytes`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvMeta {
+    pub base: u64,
+    pub cap: u32,
+    pub pos: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<KvMeta>() == KV_META_BYTES);
+
+impl KvMeta {
+    /// The 16 bytes as the four f32 values a step's upload carries them in.
+    pub fn to_f32s(self) -> [f32; 4] {
+        let b = self.to_bytes();
+        std::array::from_fn(|i| f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]))
+    }
+
+    /// The 16 bytes the kernels read.
+    pub fn to_bytes(self) -> [u8; KV_META_BYTES] {
+        let mut b = [0u8; KV_META_BYTES];
+        b[..8].copy_from_slice(&self.base.to_le_bytes());
+        b[8..12].copy_from_slice(&self.cap.to_le_bytes());
+        b[12..].copy_from_slice(&self.pos.to_le_bytes());
+        b
+    }
+}
+
+/// A strided copy ([`Runtime::copy_rows`]): for `r < rows`, `width` values from src at `(r /
+/// src_rep) * src_stride` to dst at `r * dst_stride`.
+#[derive(Clone, Copy, Debug)]
+pub struct CopyRows {
+    pub rows: usize,
+    pub width: usize,
+    pub src_stride: usize,
+    pub src_rep: usize,
+    pub dst_stride: usize,
+}
+
+/// How a [`Runtime::matvec`] batches: token `t` of group `g` reads x at `t * x_tok + (g /
+/// x_grp_div) * x_grp`, multiplies matrix `g` (or the one `ids` names) and writes y at
+/// `t * y_tok + g * y_grp`; matrices are `w_grp_bytes` apart, `n_mats` of them.
+#[derive(Clone, Debug)]
+pub struct Batched<'a> {
+    pub n_tokens: usize,
+    pub n_groups: usize,
+    pub x_tok: usize,
+    pub x_grp: usize,
+    pub x_grp_div: usize,
+    pub y_tok: usize,
+    pub y_grp: usize,
+    pub w_grp_bytes: usize,
+    pub n_mats: usize,
+    /// Expert ids (f32) and where: `(buffer, offset, ids per row, row stride)`; group `g` takes id
+    /// `[(g / per) * row + g % per]`.
+    pub ids: Option<(&'a DeviceBuffer<f32>, usize, usize, usize)>,
+}
+
+impl Batched<'_> {
+    /// One matrix, `n` tokens of contiguous rows.
+    pub fn plain(n: usize, rows: usize, cols: usize) -> Batched<'static> {
+        Batched {
+            n_tokens: n,
+            n_groups: 1,
+            x_tok: cols,
+            x_grp: 0,
+            x_grp_div: 1,
+            y_tok: rows,
+            y_grp: 0,
+            w_grp_bytes: 0,
+            n_mats: 1,
+            ids: None,
+        }
+    }
 }
 
 /// `tandem_matvec_<t>`.
@@ -171,7 +296,7 @@ pub fn dequant_name(t: GgmlType) -> String {
     format!("tandem_dequant_{}_f16", t.name())
 }
 
-/// Bytes of `n` elements of weight type `t`, or an error naming the shape.
+/// Bytes of `rows` rows of `cols` values of weight type `t`, or an error naming the shape.
 pub fn weight_bytes(t: GgmlType, rows: usize, cols: usize) -> Result<usize> {
     let row = t
         .row_bytes(cols as u64)
@@ -191,8 +316,12 @@ mod tests {
         let e = entry_points();
         assert!(e.iter().any(|(f, n)| *f == "matvec" && n == "tandem_matvec_q4_K"));
         assert!(e.iter().any(|(f, n)| *f == "dequant" && n == "tandem_dequant_iq4_xs_f16"));
-        assert!(e.iter().any(|(f, n)| *f == "attention" && n == "tandem_attn_combine"));
-        assert_eq!(e.len(), 10 + 2 * MATVEC_TYPES.len());
+        assert!(e.iter().any(|(f, n)| *f == "attention" && n == "tandem_attn_mla_q8_0"));
+        assert!(e.iter().any(|(f, n)| *f == "kv" && n == "tandem_kv_store_bf16"));
+        assert_eq!(e.len(), 18 + 2 * MATVEC_TYPE_NAMES.len() + 3 * CACHE_TYPE_NAMES.len());
+        for (t, n) in MATVEC_TYPES.iter().zip(MATVEC_TYPE_NAMES) {
+            assert_eq!(t.name(), n);
+        }
     }
 
     #[test]
@@ -212,6 +341,17 @@ mod tests {
     fn weight_bytes_need_whole_blocks() {
         assert_eq!(weight_bytes(GgmlType::Q4_K, 2, 256).unwrap(), 288);
         assert!(weight_bytes(GgmlType::Q4_K, 2, 100).unwrap_err().to_string().contains("whole number of blocks"));
+    }
+
+    #[test]
+    fn kv_meta_is_what_the_kernels_read() {
+        let m = KvMeta { base: 0x1122_3344_5566_7788, cap: 9, pos: 0x0102_0304 };
+        let b = m.to_bytes();
+        assert_eq!(&b[..8], &0x1122_3344_5566_7788u64.to_le_bytes());
+        assert_eq!(&b[8..12], &9u32.to_le_bytes());
+        assert_eq!(&b[12..], &0x0102_0304u32.to_le_bytes());
+        assert_eq!(CacheKind::Q8_0.bytes(576), Some(612));
+        assert_eq!(CacheKind::Q8_0.bytes(40), None);
     }
 
     #[cfg(not(feature = "cuda"))]
