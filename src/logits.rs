@@ -142,8 +142,24 @@ fn gpu_backend(
     if ordinals.is_empty() {
         return Ok(None);
     }
-    let _ = (placement, threads, HashMap::<u32, usize>::new());
-    Err("the device-resident CUDA executor is not built in this commit".into())
+    let mut runtimes = Vec::new();
+    let mut index = HashMap::new();
+    for &n in &ordinals {
+        let rt = tandem_cuda::Runtime::open(crate::kernels::images(), n as usize).map_err(|e| e.to_string())?;
+        index.insert(n, runtimes.len());
+        runtimes.push(rt);
+    }
+    let mut on_gpu = HashMap::new();
+    for t in &plan.tensors {
+        if let Device::Cuda(n) = t.device {
+            on_gpu.insert(t.name.clone(), index[&n]);
+        }
+    }
+    let mut exec = Exec::with_cuda(threads, runtimes, gguf, &on_gpu).map_err(|e| e.to_string())?;
+    if placement.no_kv_offload {
+        exec.keep_kv_on_cpu();
+    }
+    Ok(Some(exec))
 }
 
 pub fn run(args: &LogitsArgs) -> anyhow::Result<()> {

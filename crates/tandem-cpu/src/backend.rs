@@ -93,7 +93,13 @@ impl CpuBackend {
 
     /// `ys[g] = W[rows of group g] xs[g]` for groups `(first_row, n_rows)` of one weight (the
     /// per-head matrices of MLA), in one parallel step.
-    pub fn matmul_groups(&self, w: &WeightRef, groups: &[(usize, usize)], xs: &[&[f32]], ys: &mut [Vec<f32>]) -> Result<()> {
+    pub fn matmul_groups(
+        &self,
+        w: &WeightRef,
+        groups: &[(usize, usize)],
+        xs: &[&[f32]],
+        ys: &mut [Vec<f32>],
+    ) -> Result<()> {
         let mut acts = Vec::with_capacity(groups.len());
         for x in xs {
             acts.push(quantize_activations(w.ty, x, w.cols)?);
@@ -464,7 +470,10 @@ mod tests {
                     crate::attention(p, &a, &mut got).unwrap();
                     if nh >= 2 {
                         // Heads or rows split over the threads: every head computed exactly as on one thread.
-                        assert!(got == alone, "{ty:?} {nh}/{nkv}/{dk}/{dv} n_kv {n_kv}: 2 threads differ from 1 in bits");
+                        assert!(
+                            got == alone,
+                            "{ty:?} {nh}/{nkv}/{dk}/{dv} n_kv {n_kv}: 2 threads differ from 1 in bits"
+                        );
                     }
                     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                         assert!(

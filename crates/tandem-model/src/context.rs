@@ -311,8 +311,7 @@ impl Context {
         params.n_ubatch = params.n_ubatch.max(1);
         let layout = model.layers.layout();
         let layer_dev: Vec<DevId> = (0..layout.n_layer).map(|il| model.layers.kv_device(il, &exec)).collect();
-        let cache =
-            KvCache::new(layout, params.cache_type_k, params.cache_type_v, params.n_ctx, &exec, &layer_dev)?;
+        let cache = KvCache::new(layout, params.cache_type_k, params.cache_type_v, params.n_ctx, &exec, &layer_dev)?;
         Ok(Context { model, exec, cache, params })
     }
 

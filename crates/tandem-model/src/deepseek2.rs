@@ -146,11 +146,25 @@ impl Deepseek2 {
     }
 
     fn mla_shape(&self) -> MlaShape {
-        MlaShape { n_head: self.n_head, nope: self.dk - self.n_rot, n_rot: self.n_rot, kv_lora: self.kv_lora, dv: self.dv }
+        MlaShape {
+            n_head: self.n_head,
+            nope: self.dk - self.n_rot,
+            n_rot: self.n_rot,
+            kv_lora: self.kv_lora,
+            dv: self.dv,
+        }
     }
 
     /// Attention of one layer: returns `[n][n_head * dv]` before `attn_output`.
-    fn attention(&self, ly: &Layer, il: usize, ex: &Exec, cache: &mut KvCache, ub: &Ubatch, h: &Tensor) -> Result<Tensor> {
+    fn attention(
+        &self,
+        ly: &Layer,
+        il: usize,
+        ex: &Exec,
+        cache: &mut KvCache,
+        ub: &Ubatch,
+        h: &Tensor,
+    ) -> Result<Tensor> {
         let n = ub.len();
         let (nh, dk, dv, nr, kl) = (self.n_head, self.dk, self.dv, self.n_rot, self.kv_lora);
         let nope = dk - nr;
@@ -190,7 +204,9 @@ impl Deepseek2 {
                     let n_kv: Vec<usize> = tokens.iter().map(|&t| ub.pos[t] as usize + 1).collect();
                     if self.decompress(ub.mla, &n_kv) {
                         let qs = ex.gather_rows(&q, nh * dk, &tokens)?;
-                        if let Some(out) = ex.mla_decompressed(cache, il, seq, &qs, &n_kv, k_b, v_b, shape, self.kq_scale)? {
+                        if let Some(out) =
+                            ex.mla_decompressed(cache, il, seq, &qs, &n_kv, k_b, v_b, shape, self.kq_scale)?
+                        {
                             scatter_rows(ex, &mut o, &out, nh * dv, &tokens)?;
                             continue;
                         }
@@ -207,19 +223,30 @@ impl Deepseek2 {
             KvUp::Legacy(kv_b) => {
                 // The latent, up-projected to each head's nope key and value.
                 let mut latent = ex.zeros(kv.dev(), n * kl)?;
-                let c = Copy2d { rows: n, width: kl, src_stride: row, src_off: 0, src_rep: 1, dst_stride: kl, dst_off: 0 };
+                let c =
+                    Copy2d { rows: n, width: kl, src_stride: row, src_off: 0, src_rep: 1, dst_stride: kl, dst_off: 0 };
                 ex.copy_rows(&mut latent, &kv, c)?;
                 let up = ex.matmul(kv_b, &latent)?;
                 let (d, hw) = (up.dev(), nope + dv);
                 let mut k = ex.zeros(d, n * nh * dk)?;
                 let mut v = ex.zeros(d, n * nh * dv)?;
                 let rows = n * nh;
-                let c = Copy2d { rows, width: nope, src_stride: hw, src_off: 0, src_rep: 1, dst_stride: dk, dst_off: 0 };
+                let c =
+                    Copy2d { rows, width: nope, src_stride: hw, src_off: 0, src_rep: 1, dst_stride: dk, dst_off: 0 };
                 ex.copy_rows(&mut k, &up, c)?;
                 // The shared rotary key into every head.
-                let c = Copy2d { rows, width: nr, src_stride: row, src_off: kl, src_rep: nh, dst_stride: dk, dst_off: nope };
+                let c = Copy2d {
+                    rows,
+                    width: nr,
+                    src_stride: row,
+                    src_off: kl,
+                    src_rep: nh,
+                    dst_stride: dk,
+                    dst_off: nope,
+                };
                 ex.copy_rows(&mut k, &kv, c)?;
-                let c = Copy2d { rows, width: dv, src_stride: hw, src_off: nope, src_rep: 1, dst_stride: dv, dst_off: 0 };
+                let c =
+                    Copy2d { rows, width: dv, src_stride: hw, src_off: nope, src_rep: 1, dst_stride: dv, dst_off: 0 };
                 ex.copy_rows(&mut v, &up, c)?;
                 ex.kv_store(cache, il, ub, &k, Some(&v))?;
                 let shape = AttnShape { n_head: nh, n_head_kv: nh, dk, dv, scale: self.kq_scale };
@@ -246,7 +273,8 @@ impl Deepseek2 {
     ) -> Result<Tensor> {
         let s = self.mla_shape();
         let qcur = ex.mla_q(k_b, q, s)?;
-        let shape = AttnShape { n_head: s.n_head, n_head_kv: 1, dk: s.kv_lora + s.n_rot, dv: s.kv_lora, scale: self.kq_scale };
+        let shape =
+            AttnShape { n_head: s.n_head, n_head_kv: 1, dk: s.kv_lora + s.n_rot, dv: s.kv_lora, scale: self.kq_scale };
         let lat = ex.attention(cache, il, ub, tokens, &qcur, shape, false)?;
         ex.mla_out(v_b, &lat, s)
     }
@@ -284,7 +312,15 @@ fn decompress_pays(kv_lora: usize, n_rot: usize, nope: usize, dv: usize, n_kv: &
 /// Rows `src` (rows of `cols`) into rows `rows` of `dst`.
 fn scatter_rows(ex: &Exec, dst: &mut Tensor, src: &Tensor, cols: usize, rows: &[usize]) -> Result<()> {
     for (i, &r) in rows.iter().enumerate() {
-        let c = Copy2d { rows: 1, width: cols, src_stride: cols, src_off: i * cols, src_rep: 1, dst_stride: cols, dst_off: r * cols };
+        let c = Copy2d {
+            rows: 1,
+            width: cols,
+            src_stride: cols,
+            src_off: i * cols,
+            src_rep: 1,
+            dst_stride: cols,
+            dst_off: r * cols,
+        };
         ex.copy_rows(dst, src, c)?;
     }
     Ok(())
@@ -336,7 +372,7 @@ impl Layers for Deepseek2 {
     }
 
     fn kv_device(&self, il: usize, ex: &Exec) -> DevId {
-        ex.dev_of(&self.layers[il].kv_a.name)
+        ex.kv_device(ex.dev_of(&self.layers[il].kv_a.name))
     }
 
     fn first_device(&self, ex: &Exec) -> DevId {

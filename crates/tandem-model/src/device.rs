@@ -4,7 +4,7 @@
 //! CUDA.
 
 use crate::common::{AttnShape, Ffn, Ubatch};
-use crate::exec::{Copy2d, Heads, Ledger, MlaShape, Rows, Tensor};
+use crate::exec::{Copy2d, Heads, Ledger, MlaShape, Pending, Rows, Tensor};
 use crate::kv_cache::KvLayout;
 use crate::moe::Moe;
 use crate::weights::{Vector, Weight};
@@ -34,8 +34,10 @@ pub(crate) trait Device: Send + Sync {
 
     /// A tensor of this device with `data` copied from the host (one copy).
     fn upload(&self, data: &[f32]) -> Result<Tensor>;
-    /// The values of `t` on the host (one copy, and the host waits for it).
-    fn download(&self, t: &Tensor) -> Result<Vec<f32>>;
+    /// Starts copying `t` to the host (one copy, queued now: work queued later does not delay it).
+    fn download_begin(&self, t: &Tensor) -> Result<Pending>;
+    /// Waits for a copy of [`Device::download_begin`] (the host waits once) and returns the values.
+    fn download_end(&self, p: Pending) -> Result<Vec<f32>>;
     /// A tensor of `n` zeros.
     fn zeros(&self, n: usize) -> Result<Tensor>;
     /// A copy of `t` on this device.

@@ -15,11 +15,11 @@ use crate::host::HostDevice;
 use crate::kv_cache::KvCache;
 use crate::moe::Moe;
 use crate::weights::{Vector, Weight};
-use crate::Result;
+use crate::{Error, Result};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tandem_cpu::{CpuBackend, RopeStyle, Threads};
+pub use tandem_cuda::{Counts, Ledger};
 
 /// A device of an [`Exec`]: an index into its devices; [`CPU`] is the host.
 pub type DevId = usize;
@@ -40,6 +40,7 @@ pub struct Tensor {
 
 pub(crate) enum Mem {
     Host(Vec<f32>),
+    Cuda(tandem_cuda::DeviceBuffer<f32>),
 }
 
 impl std::fmt::Debug for Tensor {
@@ -52,6 +53,10 @@ impl Tensor {
     /// Host memory of device `dev` (the CPU, or a host-memory stand-in).
     pub(crate) fn host(dev: DevId, v: Vec<f32>) -> Tensor {
         Tensor { dev, len: v.len(), mem: Mem::Host(v) }
+    }
+
+    pub(crate) fn cuda(dev: DevId, len: usize, b: tandem_cuda::DeviceBuffer<f32>) -> Tensor {
+        Tensor { dev, len, mem: Mem::Cuda(b) }
     }
 
     pub fn dev(&self) -> DevId {
@@ -70,20 +75,44 @@ impl Tensor {
     pub(crate) fn as_host(&self) -> Result<&[f32]> {
         match &self.mem {
             Mem::Host(v) => Ok(v),
+            Mem::Cuda(_) => Err(Error::Model(format!("a tensor on device {} read as host memory", self.dev))),
         }
     }
 
     pub(crate) fn as_host_mut(&mut self) -> Result<&mut [f32]> {
         match &mut self.mem {
             Mem::Host(v) => Ok(v),
+            Mem::Cuda(_) => Err(Error::Model(format!("a tensor on device {} written as host memory", self.dev))),
         }
     }
 
     pub(crate) fn into_host(self) -> Result<Vec<f32>> {
         match self.mem {
             Mem::Host(v) => Ok(v),
+            Mem::Cuda(_) => Err(Error::Model(format!("a tensor on device {} taken as host memory", self.dev))),
         }
     }
+
+    /// The device memory, for a CUDA device.
+    pub(crate) fn buf(&self) -> Result<&tandem_cuda::DeviceBuffer<f32>> {
+        match &self.mem {
+            Mem::Cuda(b) => Ok(b),
+            Mem::Host(_) => Err(Error::Model(format!("a host tensor of device {} used as device memory", self.dev))),
+        }
+    }
+}
+
+/// A copy to the host in flight: its values, or a device's handle for them.
+pub(crate) enum Pending {
+    Ready(Vec<f32>),
+    Reading(tandem_cuda::Reading, usize),
+}
+
+/// A tensor on its way between devices ([`Exec::move_begin`]).
+pub(crate) struct Moving {
+    from: DevId,
+    to: DevId,
+    pending: Pending,
 }
 
 /// A tensor an op reads: the caller's own, or a copy made on the op's device.
@@ -99,81 +128,6 @@ impl std::ops::Deref for Arg<'_> {
             Arg::Same(t) => t,
             Arg::Copied(t) => t,
         }
-    }
-}
-
-/// What a device did, counted as it happened: kernel launches (ops, on a host device), copies
-/// from the host to the device and back with their bytes, and the times the host waited for it.
-#[derive(Debug, Default)]
-pub struct Ledger {
-    launches: AtomicU64,
-    h2d: AtomicU64,
-    h2d_bytes: AtomicU64,
-    d2h: AtomicU64,
-    d2h_bytes: AtomicU64,
-    syncs: AtomicU64,
-}
-
-/// A [`Ledger`] read at one moment; the difference of two is what happened in between.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Counts {
-    pub launches: u64,
-    /// Copies host -> device, and their bytes.
-    pub h2d: u64,
-    pub h2d_bytes: u64,
-    /// Copies device -> host, and their bytes.
-    pub d2h: u64,
-    pub d2h_bytes: u64,
-    /// Times the host waited for the device.
-    pub syncs: u64,
-}
-
-impl Ledger {
-    pub fn launch(&self, n: u64) {
-        self.launches.fetch_add(n, Ordering::Relaxed);
-    }
-    pub fn h2d(&self, bytes: usize) {
-        self.h2d.fetch_add(1, Ordering::Relaxed);
-        self.h2d_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
-    }
-    pub fn d2h(&self, bytes: usize) {
-        self.d2h.fetch_add(1, Ordering::Relaxed);
-        self.d2h_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
-    }
-    pub fn sync(&self) {
-        self.syncs.fetch_add(1, Ordering::Relaxed);
-    }
-    pub fn counts(&self) -> Counts {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        Counts {
-            launches: l(&self.launches),
-            h2d: l(&self.h2d),
-            h2d_bytes: l(&self.h2d_bytes),
-            d2h: l(&self.d2h),
-            d2h_bytes: l(&self.d2h_bytes),
-            syncs: l(&self.syncs),
-        }
-    }
-}
-
-impl std::ops::Sub for Counts {
-    type Output = Counts;
-    fn sub(self, o: Counts) -> Counts {
-        Counts {
-            launches: self.launches - o.launches,
-            h2d: self.h2d - o.h2d,
-            h2d_bytes: self.h2d_bytes - o.h2d_bytes,
-            d2h: self.d2h - o.d2h,
-            d2h_bytes: self.d2h_bytes - o.d2h_bytes,
-            syncs: self.syncs - o.syncs,
-        }
-    }
-}
-
-impl Counts {
-    /// Copies either way.
-    pub fn copies(&self) -> u64 {
-        self.h2d + self.d2h
     }
 }
 
@@ -237,6 +191,8 @@ pub struct Exec {
     place: HashMap<String, DevId>,
     /// The description printed at load.
     description: String,
+    /// `--no-kv-offload`: the KV cache (and so attention) stays on the CPU.
+    kv_on_cpu: bool,
 }
 
 impl std::fmt::Debug for Exec {
@@ -254,7 +210,13 @@ impl Exec {
             threads.batch_threads()
         );
         let cpu = Arc::new(CpuBackend::new(threads));
-        Exec { devs: vec![Box::new(HostDevice::cpu(cpu.clone()))], cpu, place: HashMap::new(), description }
+        Exec {
+            devs: vec![Box::new(HostDevice::cpu(cpu.clone()))],
+            cpu,
+            place: HashMap::new(),
+            description,
+            kv_on_cpu: false,
+        }
     }
 
     /// The CPU and a second host-memory device that stands in for a GPU: it holds the weights and
@@ -268,6 +230,64 @@ impl Exec {
         ex.place = names.iter().map(|n| (n.clone(), 1)).collect();
         ex.devs.push(Box::new(HostDevice::stand_in(1, ex.cpu.clone(), names)));
         ex
+    }
+
+    /// The CPU and a CUDA device per runtime (a GPU, or the host emulator in tests), holding the
+    /// tensors of `gguf` that `placement` puts on them (`placement[name]` indexes `runtimes`):
+    /// matrices whose type has a CUDA kernel and 1-D tensors; everything else stays on the CPU.
+    /// Out of device memory while uploading is an error, so that the caller can fall back.
+    pub fn with_cuda(
+        threads: Threads,
+        runtimes: Vec<tandem_cuda::Runtime>,
+        gguf: &tandem_gguf::GgufModel,
+        placement: &HashMap<String, usize>,
+    ) -> Result<Exec> {
+        let start = std::time::Instant::now();
+        let cpu = Arc::new(CpuBackend::new(threads));
+        let mut devs: Vec<Box<dyn Device>> = vec![Box::new(HostDevice::cpu(cpu.clone()))];
+        let mut place = HashMap::new();
+        let mut parts = Vec::new();
+        let mut kept: Vec<(String, tandem_gguf::GgmlType)> = Vec::new();
+        for (i, rt) in runtimes.into_iter().enumerate() {
+            let rt = Arc::new(rt);
+            let names: Vec<String> = placement.iter().filter(|(_, &r)| r == i).map(|(n, _)| n.clone()).collect();
+            let desc = rt.info().describe();
+            let (dev, load) = crate::cuda::CudaDevice::new(devs.len(), rt, gguf, &names)?;
+            for n in dev.held() {
+                place.insert(n.clone(), devs.len());
+            }
+            parts.push(format!("{desc}: {} tensors, {:.2} GiB", load.tensors, load.bytes as f64 / (1u64 << 30) as f64));
+            kept.extend(load.kept_on_cpu);
+            devs.push(Box::new(dev));
+        }
+        if !kept.is_empty() {
+            let mut types: Vec<&str> = kept.iter().map(|(_, t)| t.name()).collect();
+            types.sort_unstable();
+            types.dedup();
+            parts.push(format!(
+                "{} tensors of types without a CUDA kernel ({}) stay on the CPU",
+                kept.len(),
+                types.join(", ")
+            ));
+        }
+        let description = format!("{}; uploaded in {:.1} s", parts.join("; "), start.elapsed().as_secs_f64());
+        Ok(Exec { devs, cpu, place, description, kv_on_cpu: false })
+    }
+
+    /// Keeps the KV cache on the CPU (llama.cpp's `--no-kv-offload`): attention runs there, and
+    /// each layer's query and output cross to it and back.
+    pub fn keep_kv_on_cpu(&mut self) {
+        self.kv_on_cpu = true;
+        self.description.push_str("; KV cache on the CPU (--no-kv-offload)");
+    }
+
+    /// The device that keeps the cache rows of a layer whose attention weights are on `d`.
+    pub(crate) fn kv_device(&self, d: DevId) -> DevId {
+        if self.kv_on_cpu {
+            CPU
+        } else {
+            d
+        }
     }
 
     /// One line: where the tensors are.
@@ -323,13 +343,28 @@ impl Exec {
     }
 
     fn copy(&self, t: &Tensor, d: DevId) -> Result<Tensor> {
-        let host = match t.dev {
-            CPU => t.as_host()?.to_vec(),
-            src => self.devs[src].download(t)?,
+        let m = self.move_begin(t, d)?;
+        self.move_end(m)
+    }
+
+    /// Starts copying `t` to device `d`: a copy to the host is queued now, and work queued after
+    /// this call does not delay it; [`Exec::move_end`] waits for it.
+    pub(crate) fn move_begin(&self, t: &Tensor, d: DevId) -> Result<Moving> {
+        let from = match t.dev {
+            CPU => Pending::Ready(t.as_host()?.to_vec()),
+            src => self.devs[src].download_begin(t)?,
         };
-        match d {
+        Ok(Moving { from: t.dev, to: d, pending: from })
+    }
+
+    pub(crate) fn move_end(&self, m: Moving) -> Result<Tensor> {
+        let host = match (m.from, m.pending) {
+            (CPU, Pending::Ready(v)) => v,
+            (from, p) => self.devs[from].download_end(p)?,
+        };
+        match m.to {
             CPU => Ok(Tensor::host(CPU, host)),
-            _ => self.devs[d].upload(&host),
+            d => self.devs[d].upload(&host),
         }
     }
 
@@ -345,7 +380,10 @@ impl Exec {
     pub(crate) fn to_host(&self, t: Tensor) -> Result<Vec<f32>> {
         match t.dev {
             CPU => t.into_host(),
-            d => self.devs[d].download(&t),
+            d => {
+                let p = self.devs[d].download_begin(&t)?;
+                self.devs[d].download_end(p)
+            }
         }
     }
 
@@ -422,7 +460,15 @@ impl Exec {
     pub(crate) fn gather_rows(&self, x: &Tensor, cols: usize, rows: &[usize]) -> Result<Tensor> {
         let mut out = self.zeros(x.dev, rows.len() * cols)?;
         for (i, &r) in rows.iter().enumerate() {
-            let c = Copy2d { rows: 1, width: cols, src_stride: cols, src_off: r * cols, src_rep: 1, dst_stride: cols, dst_off: i * cols };
+            let c = Copy2d {
+                rows: 1,
+                width: cols,
+                src_stride: cols,
+                src_off: r * cols,
+                src_rep: 1,
+                dst_stride: cols,
+                dst_off: i * cols,
+            };
             self.copy_rows(&mut out, x, c)?;
         }
         Ok(out)
@@ -453,11 +499,20 @@ impl Exec {
             }
         }
         let packet = self.devs[dr].route(m, &*self.on(dr, h)?)?;
+        // The packet's copy is queued before the shared expert, so the experts' device gets it
+        // while the shared expert runs.
+        let moving = (de != dr).then(|| self.move_begin(&packet, de)).transpose()?;
         let sh = match (shared, ds) {
             (Some(s), Some(d)) => Some(self.devs[d].ffn(s, &*self.on(d, h)?)?),
             _ => None,
         };
-        let routed = self.devs[de].experts(m, &*self.on(de, &packet)?)?;
+        let routed = match moving {
+            Some(mv) => {
+                let pe = self.move_end(mv)?;
+                self.devs[de].experts(m, &pe)?
+            }
+            None => self.devs[de].experts(m, &packet)?,
+        };
         let mut out = match self.on(h.dev, &routed)? {
             Arg::Copied(t) => t,
             Arg::Same(_) => routed,
@@ -469,7 +524,14 @@ impl Exec {
     }
 
     /// Appends the micro-batch's K (and V) rows of layer `il` to the cache, on its device.
-    pub(crate) fn kv_store(&self, cache: &mut KvCache, il: usize, ub: &Ubatch, k: &Tensor, v: Option<&Tensor>) -> Result<()> {
+    pub(crate) fn kv_store(
+        &self,
+        cache: &mut KvCache,
+        il: usize,
+        ub: &Ubatch,
+        k: &Tensor,
+        v: Option<&Tensor>,
+    ) -> Result<()> {
         let (d, store) = cache.store_mut(il)?;
         let dev = &self.devs[d];
         let k = self.on(d, k)?;

@@ -5,7 +5,7 @@
 
 use crate::common::{AttnShape, Ffn, Ubatch};
 use crate::device::{Device, KvStore};
-use crate::exec::{Copy2d, DevId, Heads, Ledger, MlaShape, Rows, Tensor, CPU, STEP_META_BYTES};
+use crate::exec::{Copy2d, DevId, Heads, Ledger, MlaShape, Pending, Rows, Tensor, CPU, STEP_META_BYTES};
 use crate::kv_cache::KvLayout;
 use crate::moe::Moe;
 use crate::weights::{Vector, Weight};
@@ -38,7 +38,14 @@ fn named(name: &str) -> impl Fn(tandem_cpu::Error) -> Error + '_ {
 
 impl HostDevice {
     pub fn cpu(cpu: Arc<CpuBackend>) -> HostDevice {
-        HostDevice { id: CPU, name: "CPU".into(), cpu, ledger: Ledger::default(), stand_in: false, holds: HashSet::new() }
+        HostDevice {
+            id: CPU,
+            name: "CPU".into(),
+            cpu,
+            ledger: Ledger::default(),
+            stand_in: false,
+            holds: HashSet::new(),
+        }
     }
 
     pub fn stand_in(id: DevId, cpu: Arc<CpuBackend>, holds: HashSet<String>) -> HostDevice {
@@ -72,7 +79,9 @@ impl HostDevice {
     }
 
     fn kv<'k>(&self, kv: &'k dyn KvStore) -> Result<&'k HostKv> {
-        kv.as_any().downcast_ref::<HostKv>().ok_or_else(|| Error::Model(format!("{}: a cache of another device", self.name)))
+        kv.as_any()
+            .downcast_ref::<HostKv>()
+            .ok_or_else(|| Error::Model(format!("{}: a cache of another device", self.name)))
     }
 
     fn ffn_jobs<'w>(&self, specs: &[(&'w Ffn, usize, Vec<usize>)]) -> Result<Vec<tandem_cpu::FfnJob<'w>>> {
@@ -107,13 +116,24 @@ impl Device for HostDevice {
         Ok(self.out(data.to_vec()))
     }
 
-    fn download(&self, t: &Tensor) -> Result<Vec<f32>> {
+    fn download_begin(&self, t: &Tensor) -> Result<Pending> {
         let v = self.mine(t)?.to_vec();
         if self.stand_in {
             self.ledger.d2h(std::mem::size_of_val(&v[..]));
-            self.ledger.sync();
         }
-        Ok(v)
+        Ok(Pending::Ready(v))
+    }
+
+    fn download_end(&self, p: Pending) -> Result<Vec<f32>> {
+        match p {
+            Pending::Ready(v) => {
+                if self.stand_in {
+                    self.ledger.sync(1);
+                }
+                Ok(v)
+            }
+            Pending::Reading(..) => Err(Error::Model(format!("{}: a device read ended on the host", self.name))),
+        }
     }
 
     fn zeros(&self, n: usize) -> Result<Tensor> {
@@ -161,7 +181,11 @@ impl Device for HostDevice {
     fn rmsnorm(&self, x: &mut Tensor, w: &Vector, rows: Rows, eps: f32) -> Result<()> {
         self.ledger.launch(1);
         let x = self.mine_mut(x)?;
-        if rows.stride == 0 || !x.len().is_multiple_of(rows.stride) || rows.off + rows.dim > rows.stride || w.v.len() != rows.dim {
+        if rows.stride == 0
+            || !x.len().is_multiple_of(rows.stride)
+            || rows.off + rows.dim > rows.stride
+            || w.v.len() != rows.dim
+        {
             return Err(Error::Model(format!("{}: RMS norm of {} values in rows of {}", w.name, x.len(), rows.stride)));
         }
         for row in x.chunks_exact_mut(rows.stride) {
@@ -383,8 +407,10 @@ impl Device for HostDevice {
 
     fn kv_store(&self, kv: &mut dyn KvStore, il: usize, ub: &Ubatch, k: &Tensor, v: Option<&Tensor>) -> Result<()> {
         self.ledger.launch(1);
-        let store =
-            kv.as_any_mut().downcast_mut::<HostKv>().ok_or_else(|| Error::Model(format!("{}: a cache of another device", self.name)))?;
+        let store = kv
+            .as_any_mut()
+            .downcast_mut::<HostKv>()
+            .ok_or_else(|| Error::Model(format!("{}: a cache of another device", self.name)))?;
         let k = self.mine(k)?;
         let v = v.map(|v| self.mine(v)).transpose()?;
         let n = ub.len();
@@ -497,7 +523,8 @@ impl HostKv {
     fn new(layout: KvLayout, layers: &[usize], k_type: GgmlType, v_type: GgmlType) -> Result<HostKv> {
         let mut local = vec![None; layout.n_layer];
         for (i, &il) in layers.iter().enumerate() {
-            *local.get_mut(il).ok_or_else(|| Error::Model(format!("cache layer {il} of {}", layout.n_layer)))? = Some(i);
+            *local.get_mut(il).ok_or_else(|| Error::Model(format!("cache layer {il} of {}", layout.n_layer)))? =
+                Some(i);
         }
         Ok(HostKv {
             k_row_bytes: row_size(k_type, layout.k_row)?,

@@ -7,6 +7,7 @@
 mod common;
 mod config;
 mod context;
+mod cuda;
 mod deepseek2;
 mod device;
 mod exec;

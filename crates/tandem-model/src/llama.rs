@@ -66,7 +66,9 @@ impl Gqa {
         ex.move_to(x, ex.dev_of(&w.attn_norm.name))?;
         let h = ex.rmsnorm(x, &w.attn_norm, self.eps)?;
         let mut r = ex.matmul_same_input(&[&w.wq, &w.wk, &w.wv], &h)?.into_iter();
-        let (Some(mut q), Some(mut k), Some(v)) = (r.next(), r.next(), r.next()) else { unreachable!("three products asked") };
+        let (Some(mut q), Some(mut k), Some(v)) = (r.next(), r.next(), r.next()) else {
+            unreachable!("three products asked")
+        };
         if let Some((qn, kn)) = &w.qk_norm {
             ex.rmsnorm_in_place(&mut q, qn, Rows::dense(s.dk), self.eps)?;
             ex.rmsnorm_in_place(&mut k, kn, Rows::dense(s.dk), self.eps)?;
@@ -117,7 +119,7 @@ impl Layers for GqaLayers {
     }
 
     fn kv_device(&self, il: usize, ex: &Exec) -> DevId {
-        ex.dev_of(&self.layers[il].attn.wk.name)
+        ex.kv_device(ex.dev_of(&self.layers[il].attn.wk.name))
     }
 
     fn first_device(&self, ex: &Exec) -> DevId {

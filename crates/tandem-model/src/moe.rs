@@ -94,6 +94,15 @@ impl Moe {
         &self.gate_inp.name
     }
 
+    /// `exp_probs_b`, the selection bias.
+    pub fn bias(&self) -> Option<&Vector> {
+        self.exp_probs_b.as_ref()
+    }
+
+    pub fn routing(&self) -> &Routing {
+        &self.r
+    }
+
     /// The stacked expert matrices (`n_ff` rows of gate and up, `n_embd` of down, per expert).
     pub fn experts(&self) -> &Ffn {
         &self.experts
