@@ -105,6 +105,48 @@ pub struct Row {
     pub t_tg_s: Option<f64>,
     pub s_tg_tps: Option<f64>,
     pub roofline_pct: Option<f64>,
+    /// Per device other than the CPU (a GPU), what it did per decoded token in the decode test:
+    /// launches, copies each way with their bytes, host waits (the executor's ledger).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub gpu: BTreeMap<String, PerToken>,
+}
+
+/// A device's ledger divided by the tokens decoded.
+#[derive(Clone, Debug, Serialize)]
+pub struct PerToken {
+    pub launches: f64,
+    pub h2d: f64,
+    pub h2d_bytes: f64,
+    pub d2h: f64,
+    pub d2h_bytes: f64,
+    pub syncs: f64,
+}
+
+impl PerToken {
+    fn of(c: &tandem_model::Counts, tokens: usize) -> PerToken {
+        let n = tokens.max(1) as f64;
+        PerToken {
+            launches: c.launches as f64 / n,
+            h2d: c.h2d as f64 / n,
+            h2d_bytes: c.h2d_bytes as f64 / n,
+            d2h: c.d2h as f64 / n,
+            d2h_bytes: c.d2h_bytes as f64 / n,
+            syncs: c.syncs as f64 / n,
+        }
+    }
+
+    /// `CUDA0 per decoded token: 1234 launches, 3 copies up (1.2 KiB), 2 down (30.0 KiB), 2 host waits`.
+    fn line(&self, dev: &str) -> String {
+        format!(
+            "{dev} per decoded token: {:.0} launches, {:.1} copies up ({:.1} KiB), {:.1} down ({:.1} KiB), {:.1} host waits",
+            self.launches,
+            self.h2d,
+            self.h2d_bytes / 1024.0,
+            self.d2h,
+            self.d2h_bytes / 1024.0,
+            self.syncs
+        )
+    }
 }
 
 /// What `--json` prints.
@@ -489,7 +531,7 @@ fn row(threads: usize, n_kv: usize, pp: usize, tg: usize, t_pp: &mut [f64], t_tg
     };
     let (t_pp_s, s_pp_tps) = part(pp, t_pp);
     let (t_tg_s, s_tg_tps) = part(tg, t_tg);
-    Row { threads, n_kv, pp, tg, t_pp_s, s_pp_tps, t_tg_s, s_tg_tps, roofline_pct: None }
+    Row { threads, n_kv, pp, tg, t_pp_s, s_pp_tps, t_tg_s, s_tg_tps, roofline_pct: None, gpu: BTreeMap::new() }
 }
 
 const TABLE_HEADER: &str = "|    PP |     TG |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |\n\
@@ -609,6 +651,7 @@ fn run_threads(
         out.pb.set_message(format!("-t {t}: N_KV {d}"));
         r.fill_to(d)?;
         let (mut t_pp, mut t_tg) = (Vec::new(), Vec::new());
+        let mut decode_ledger: Vec<tandem_model::Counts> = Vec::new();
         for rep in 0..plan.reps {
             out.pb.set_message(format!("-t {t}: N_KV {d}, repetition {}/{}", rep + 1, plan.reps));
             if plan.pp > 0 {
@@ -619,7 +662,13 @@ fn run_threads(
             }
             if plan.tg > 0 {
                 let base = r.ctx.seq_len(SEQ);
+                let before: Vec<_> = r.ctx.exec().ledgers().into_iter().map(|(_, c)| c).collect();
                 t_tg.push(r.timed(|r| r.generate(plan.tg))?);
+                let after = r.ctx.exec().ledgers();
+                decode_ledger.resize(after.len(), tandem_model::Counts::default());
+                for ((sum, (_, a)), b) in decode_ledger.iter_mut().zip(&after).zip(&before) {
+                    *sum = *sum + (*a - *b);
+                }
                 r.ctx.truncate(SEQ, base);
             }
             // The sweep keeps the last repetition's prefill: the next row starts at N_KV + UB.
@@ -627,8 +676,14 @@ fn run_threads(
                 r.ctx.truncate(SEQ, d);
             }
         }
-        let row = row(t, d, plan.pp, plan.tg, &mut t_pp, &mut t_tg);
+        let mut row = row(t, d, plan.pp, plan.tg, &mut t_pp, &mut t_tg);
         out.line(&table_line(&row))?;
+        // Devices other than the CPU: what they did per decoded token.
+        for ((name, _), c) in r.ctx.exec().ledgers().iter().zip(&decode_ledger).skip(1) {
+            let per = PerToken::of(c, plan.tg * t_tg.len());
+            out.line(&format!("  {}", per.line(name)))?;
+            row.gpu.insert(name.clone(), per);
+        }
         rows.push(row);
     }
     Ok(rows)

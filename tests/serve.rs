@@ -296,7 +296,16 @@ async fn metrics_are_prometheus_text() {
         "tandem_kv_cache_usage_ratio",
         "tandem_prompt_cache_hit_ratio 0",
         "# TYPE tandem_time_to_first_token_seconds histogram",
+        "# TYPE tandem_device_launches_total counter",
+        "tandem_device_copies_total{device=\"CPU\",direction=\"h2d\"} 0",
+        "tandem_device_host_syncs_total{device=\"CPU\"} 0",
     ] {
         assert!(body.contains(name), "missing {name}:\n{body}");
     }
+    // The CPU's ops of the steps run so far.
+    let launches = body
+        .lines()
+        .find_map(|l| l.strip_prefix("tandem_device_launches_total{device=\"CPU\"} "))
+        .and_then(|v| v.parse::<u64>().ok());
+    assert!(launches.is_some_and(|n| n > 0), "CPU launches: {launches:?}\n{body}");
 }

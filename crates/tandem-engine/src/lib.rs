@@ -16,6 +16,7 @@ pub use request::{
 };
 pub use sampling::{argmax, Sampler, SamplingParams, StopMatcher, StopOutput};
 pub use stats::Stats;
+pub use tandem_model::Counts;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

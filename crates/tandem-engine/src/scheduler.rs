@@ -296,7 +296,9 @@ impl Scheduler {
             return;
         }
         self.shared.stats.steps.add(1);
-        let logits = match self.ctx.decode(&batch) {
+        let decoded = self.ctx.decode(&batch);
+        *self.shared.stats.devices.lock().unwrap_or_else(|e| e.into_inner()) = self.ctx.exec().ledgers();
+        let logits = match decoded {
             Ok(l) => l,
             Err(e) => {
                 // the cache is as it was: fail the requests of this batch, keep the server up

@@ -114,6 +114,8 @@ pub struct Stats {
     pub kv_capacity_tokens: Gauge,
     /// Decode steps run (each one batch over the active slots).
     pub steps: Counter,
+    /// Each device's ledger (launches, copies, host waits) after the last step; the CPU first.
+    pub devices: std::sync::Mutex<Vec<(String, tandem_model::Counts)>>,
 }
 
 impl Default for Stats {
@@ -137,11 +139,17 @@ impl Default for Stats {
             kv_used_tokens: Gauge::default(),
             kv_capacity_tokens: Gauge::default(),
             steps: Counter::default(),
+            devices: std::sync::Mutex::default(),
         }
     }
 }
 
 impl Stats {
+    /// Each device's ledger as of the last step.
+    pub fn device_counts(&self) -> Vec<(String, tandem_model::Counts)> {
+        self.devices.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
     /// Share of prompt tokens served from the prompt cache (0 before any prompt).
     pub fn prompt_cache_hit_ratio(&self) -> f64 {
         let p = self.prompt_tokens.get();

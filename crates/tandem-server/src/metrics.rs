@@ -93,7 +93,36 @@ pub fn render(state: &State) -> String {
     g(o, "tandem_kv_cache_usage_ratio", "Share of the KV cache positions in use.", s.kv_usage_ratio());
     g(o, "tandem_prompt_cache_hit_ratio", "Share of prompt tokens reused from the cache.", s.prompt_cache_hit_ratio());
     g(o, "tandem_slots", "Slots (-np).", engine.config().n_parallel as f64);
+    device_ledgers(o, &s.device_counts());
     out
+}
+
+/// Each device's launches, copies (each way, with bytes) and host waits since the start, labeled
+/// by device (`CPU`, `CUDA0`, ...).
+fn device_ledgers(o: &mut String, devices: &[(String, tandem_engine::Counts)]) {
+    if devices.is_empty() {
+        return;
+    }
+    let each = |o: &mut String, name: &str, help: &str, v: &dyn Fn(&tandem_engine::Counts) -> u64| {
+        header(o, name, "counter", help);
+        for (dev, c) in devices {
+            let _ = writeln!(o, "{name}{{device=\"{dev}\"}} {}", v(c));
+        }
+    };
+    let both = |o: &mut String, name: &str, help: &str, v: &dyn Fn(&tandem_engine::Counts) -> (u64, u64)| {
+        header(o, name, "counter", help);
+        for (dev, c) in devices {
+            let (up, down) = v(c);
+            let _ = writeln!(o, "{name}{{device=\"{dev}\",direction=\"h2d\"}} {up}");
+            let _ = writeln!(o, "{name}{{device=\"{dev}\",direction=\"d2h\"}} {down}");
+        }
+    };
+    each(o, "tandem_device_launches_total", "Kernel launches (ops, on the CPU) by device.", &|c| c.launches);
+    both(o, "tandem_device_copies_total", "Copies between the host and a device, by direction.", &|c| (c.h2d, c.d2h));
+    both(o, "tandem_device_copy_bytes_total", "Bytes copied between the host and a device, by direction.", &|c| {
+        (c.h2d_bytes, c.d2h_bytes)
+    });
+    each(o, "tandem_device_host_syncs_total", "Times the host waited for a device.", &|c| c.syncs);
 }
 
 /// Serves `/metrics` on `listener` until the task is aborted.
