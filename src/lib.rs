@@ -8,4 +8,5 @@ pub mod logits;
 pub mod plan;
 pub mod run;
 pub mod serve;
+pub mod synth;
 pub mod tokenize;

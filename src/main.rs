@@ -31,6 +31,8 @@ enum Command {
     Serve(Box<tandem::serve::ServeArgs>),
     /// Measure prefill and decode speed as llama-bench (-p -n -d -r) or llama-sweep-bench (--sweep) does, with the decode roofline.
     Bench(Box<tandem::bench::BenchArgs>),
+    /// Write a model with a real model's shapes and random weights (kimi-k2.5), for speed tests where the real file is not at hand.
+    Synth(tandem::synth::SynthArgs),
 }
 
 #[derive(Args)]
@@ -117,6 +119,7 @@ fn main() -> ExitCode {
         Command::Tokenize(args) => tandem::tokenize::run(args),
         Command::Serve(args) => tandem::serve::run(args),
         Command::Bench(args) => tandem::bench::run(args),
+        Command::Synth(args) => tandem::synth::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -13,6 +13,9 @@ struct PendingTensor {
     name: String,
     ty: GgmlType,
     dims: Vec<u64>,
+    /// Bytes of the tensor's data.
+    len: u64,
+    /// The data, or empty for a tensor [`GgufWriter::write_file_with`] fills as it writes it.
     data: Vec<u8>,
 }
 
@@ -52,19 +55,52 @@ impl GgufWriter {
 
     /// Adds a tensor. `dims` are in ggml order (`dims[0]` is the row length).
     pub fn add_tensor(&mut self, name: &str, ty: GgmlType, dims: &[u64], data: Vec<u8>) -> Result<&mut Self> {
-        if dims.is_empty() || dims.len() > MAX_DIMS || dims.contains(&0) {
-            return Err(Error::Write(format!("tensor '{name}': bad dimensions {dims:?}")));
-        }
-        let rows: Option<u64> = dims[1..].iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-        let size = ty.row_bytes(dims[0]).zip(rows).and_then(|(r, n)| r.checked_mul(n));
-        if size != Some(data.len() as u64) {
+        let len = tensor_bytes(name, ty, dims)?;
+        if len != data.len() as u64 {
             return Err(Error::Write(format!(
-                "tensor '{name}': {} bytes of data for {ty} {dims:?} (expected {size:?})",
+                "tensor '{name}': {} bytes of data for {ty} {dims:?} (expected {len})",
                 data.len()
             )));
         }
-        self.tensors.push(PendingTensor { name: name.to_string(), ty, dims: dims.to_vec(), data });
+        self.tensors.push(PendingTensor { name: name.to_string(), ty, dims: dims.to_vec(), len, data });
         Ok(self)
+    }
+
+    /// Adds a tensor whose bytes [`GgufWriter::write_file_with`] asks for when it writes them (a
+    /// file bigger than memory, written one tensor at a time); returns its size in bytes.
+    pub fn add_tensor_later(&mut self, name: &str, ty: GgmlType, dims: &[u64]) -> Result<u64> {
+        let len = tensor_bytes(name, ty, dims)?;
+        self.tensors.push(PendingTensor { name: name.to_string(), ty, dims: dims.to_vec(), len, data: Vec::new() });
+        Ok(len)
+    }
+
+    /// Writes the file to `path`, calling `fill(i, bytes)` for the data of each tensor `i` (in the
+    /// order added) that was added with [`GgufWriter::add_tensor_later`]; one tensor's bytes in
+    /// memory at a time.
+    pub fn write_file_with(&self, path: impl AsRef<Path>, fill: &mut dyn FnMut(usize, &mut [u8])) -> Result<()> {
+        let path = path.as_ref();
+        let io = |e: std::io::Error| Error::io(path, e);
+        let mut header = Vec::new();
+        self.write_header(&mut header).map_err(|e| Error::Write(e.to_string()))?;
+        let alignment = self.alignment()?;
+        let mut f = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(path).map_err(io)?);
+        f.write_all(&header).map_err(io)?;
+        let zeros = vec![0u8; alignment as usize];
+        let mut buf = Vec::new();
+        for (i, t) in self.tensors.iter().enumerate() {
+            let data: &[u8] = if t.data.is_empty() && t.len > 0 {
+                buf.clear();
+                buf.resize(t.len as usize, 0);
+                fill(i, &mut buf);
+                &buf
+            } else {
+                &t.data
+            };
+            f.write_all(data).map_err(io)?;
+            let pad = (t.len.div_ceil(alignment) * alignment - t.len) as usize;
+            f.write_all(&zeros[..pad]).map_err(io)?;
+        }
+        f.flush().map_err(io)
     }
 
     fn alignment(&self) -> Result<u64> {
@@ -89,6 +125,20 @@ impl GgufWriter {
     }
 
     fn write_to(&self, out: &mut Vec<u8>) -> std::io::Result<()> {
+        if self.tensors.iter().any(|t| t.data.is_empty() && t.len > 0) {
+            let m = "tensors added with add_tensor_later are written by write_file_with";
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, m));
+        }
+        self.write_header(out)?;
+        for t in &self.tensors {
+            out.write_all(&t.data)?;
+            pad(out, self.alignment().map_err(|e| std::io::Error::other(e.to_string()))?);
+        }
+        Ok(())
+    }
+
+    /// Everything before the tensor data, padded to the alignment.
+    fn write_header(&self, out: &mut Vec<u8>) -> std::io::Result<()> {
         let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
         let alignment = self.alignment().map_err(|e| invalid(e.to_string()))?;
         let mut keys = HashSet::new();
@@ -121,15 +171,23 @@ impl GgufWriter {
             }
             out.write_all(&t.ty.id().to_le_bytes())?;
             out.write_all(&offset.to_le_bytes())?;
-            offset += (t.data.len() as u64).div_ceil(alignment) * alignment;
+            offset += t.len.div_ceil(alignment) * alignment;
         }
         pad(out, alignment);
-        for t in &self.tensors {
-            out.write_all(&t.data)?;
-            pad(out, alignment);
-        }
         Ok(())
     }
+}
+
+/// Bytes of a tensor of `ty` and `dims`, checked.
+fn tensor_bytes(name: &str, ty: GgmlType, dims: &[u64]) -> Result<u64> {
+    if dims.is_empty() || dims.len() > MAX_DIMS || dims.contains(&0) {
+        return Err(Error::Write(format!("tensor '{name}': bad dimensions {dims:?}")));
+    }
+    let rows: Option<u64> = dims[1..].iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+    ty.row_bytes(dims[0])
+        .zip(rows)
+        .and_then(|(r, n)| r.checked_mul(n))
+        .ok_or_else(|| Error::Write(format!("tensor '{name}': {ty} {dims:?} is not a whole number of blocks")))
 }
 
 fn pad(out: &mut Vec<u8>, alignment: u64) {

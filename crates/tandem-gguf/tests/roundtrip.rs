@@ -150,3 +150,35 @@ fn writer_refuses_invalid_files() {
     assert!(w.to_bytes().unwrap_err().to_string().contains("duplicate key 'k'"));
     assert!(GgufWriter::new().version(1).is_err());
 }
+
+/// A file written tensor by tensor from a fill callback (`add_tensor_later`, `write_file_with`) is
+/// byte for byte the file written from the same data in memory; `to_bytes` refuses tensors whose
+/// data comes later.
+#[test]
+fn tensors_filled_while_writing_give_the_same_file() {
+    let shapes: [(&str, GgmlType, Vec<u64>); 3] =
+        [("a", GgmlType::F32, vec![5, 3]), ("b", GgmlType::Q8_0, vec![64, 2]), ("c", GgmlType::Q4_K, vec![256, 3, 2])];
+    let data = |i: usize, len: usize| -> Vec<u8> { (0..len).map(|j| (i * 31 + j * 7) as u8).collect() };
+    let mut whole = GgufWriter::new();
+    let mut later = GgufWriter::new();
+    for w in [&mut whole, &mut later] {
+        w.add("general.architecture", "test");
+    }
+    for (i, (name, ty, dims)) in shapes.iter().enumerate() {
+        let len = later.add_tensor_later(name, *ty, dims).unwrap() as usize;
+        whole.add_tensor(name, *ty, dims, data(i, len)).unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("later.gguf");
+    let mut asked = Vec::new();
+    later
+        .write_file_with(&path, &mut |i, bytes| {
+            asked.push(i);
+            bytes.copy_from_slice(&data(i, bytes.len()));
+        })
+        .unwrap();
+    assert_eq!(asked, [0, 1, 2]);
+    assert_eq!(std::fs::read(&path).unwrap(), whole.to_bytes().unwrap());
+    assert!(later.to_bytes().unwrap_err().to_string().contains("write_file_with"));
+    assert!(later.add_tensor_later("bad", GgmlType::Q4_K, &[100, 2]).is_err());
+}
