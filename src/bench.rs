@@ -83,6 +83,11 @@ pub struct BenchArgs {
     /// Skip the untimed warm-up prefill and decode step.
     #[arg(long)]
     pub no_warmup: bool,
+    /// Bring the cache to each -d depth with rows of zeros instead of a prefill: the tests at that
+    /// depth cost the same (attention does not depend on the rows' values), for models whose
+    /// prefill to 32K would take too long, such as `tandem synth` ones.
+    #[arg(long)]
+    pub zero_depth: bool,
     /// Seed of the random tokens.
     #[arg(long, value_name = "N", default_value_t = 42)]
     pub seed: u64,
@@ -109,6 +114,10 @@ pub struct Row {
     /// launches, copies each way with their bytes, host waits (the executor's ledger).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub gpu: BTreeMap<String, PerToken>,
+    /// With a GPU: the CPU's time in its ops per decoded token (the routed experts, under `-ot
+    /// exps=CPU`), in seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_busy_s_per_token: Option<f64>,
 }
 
 /// A device's ledger divided by the tokens decoded.
@@ -502,11 +511,14 @@ impl Runner<'_> {
         Ok(())
     }
 
-    /// Brings the cache to exactly `depth` tokens (untimed).
-    fn fill_to(&mut self, depth: usize) -> anyhow::Result<()> {
+    /// Brings the cache to exactly `depth` tokens (untimed): by a prefill, or with zero rows.
+    fn fill_to(&mut self, depth: usize, zeros: bool) -> anyhow::Result<()> {
         let len = self.ctx.seq_len(SEQ);
         if len > depth {
             self.ctx.truncate(SEQ, depth);
+        } else if zeros {
+            self.ctx.append_zero_rows(SEQ, depth - len)?;
+            self.pb.inc((depth - len) as u64);
         } else {
             self.prefill(depth - len)?;
         }
@@ -531,7 +543,19 @@ fn row(threads: usize, n_kv: usize, pp: usize, tg: usize, t_pp: &mut [f64], t_tg
     };
     let (t_pp_s, s_pp_tps) = part(pp, t_pp);
     let (t_tg_s, s_tg_tps) = part(tg, t_tg);
-    Row { threads, n_kv, pp, tg, t_pp_s, s_pp_tps, t_tg_s, s_tg_tps, roofline_pct: None, gpu: BTreeMap::new() }
+    Row {
+        threads,
+        n_kv,
+        pp,
+        tg,
+        t_pp_s,
+        s_pp_tps,
+        t_tg_s,
+        s_tg_tps,
+        roofline_pct: None,
+        gpu: BTreeMap::new(),
+        cpu_busy_s_per_token: None,
+    }
 }
 
 const TABLE_HEADER: &str = "|    PP |     TG |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |\n\
@@ -649,7 +673,7 @@ fn run_threads(
     let depths = if plan.sweep { plan.sweep_depths(n_ctx) } else { plan.depths.clone() };
     for &d in &depths {
         out.pb.set_message(format!("-t {t}: N_KV {d}"));
-        r.fill_to(d)?;
+        r.fill_to(d, a.zero_depth)?;
         let (mut t_pp, mut t_tg) = (Vec::new(), Vec::new());
         let mut decode_ledger: Vec<tandem_model::Counts> = Vec::new();
         for rep in 0..plan.reps {
@@ -678,11 +702,21 @@ fn run_threads(
         }
         let mut row = row(t, d, plan.pp, plan.tg, &mut t_pp, &mut t_tg);
         out.line(&table_line(&row))?;
-        // Devices other than the CPU: what they did per decoded token.
+        // Devices other than the CPU: what they did per decoded token; and the CPU's busy time.
+        let decoded = plan.tg * t_tg.len();
         for ((name, _), c) in r.ctx.exec().ledgers().iter().zip(&decode_ledger).skip(1) {
-            let per = PerToken::of(c, plan.tg * t_tg.len());
+            let per = PerToken::of(c, decoded);
             out.line(&format!("  {}", per.line(name)))?;
             row.gpu.insert(name.clone(), per);
+        }
+        if let (false, Some(cpu)) = (row.gpu.is_empty(), decode_ledger.first()) {
+            let busy = cpu.busy_ns as f64 * 1e-9 / decoded.max(1) as f64;
+            out.line(&format!(
+                "  CPU per decoded token: {:.2} ms in its ops, of {:.2} ms",
+                busy * 1e3,
+                row.t_tg_s.map_or(0.0, |t| t / plan.tg.max(1) as f64 * 1e3)
+            ))?;
+            row.cpu_busy_s_per_token = Some(busy);
         }
         rows.push(row);
     }

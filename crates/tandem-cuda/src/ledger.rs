@@ -12,6 +12,7 @@ pub struct Ledger {
     d2h: AtomicU64,
     d2h_bytes: AtomicU64,
     syncs: AtomicU64,
+    busy_ns: AtomicU64,
 }
 
 /// A [`Ledger`] read at one moment; the difference of two is what happened in between.
@@ -26,6 +27,8 @@ pub struct Counts {
     pub d2h_bytes: u64,
     /// Times the host waited for the device.
     pub syncs: u64,
+    /// Nanoseconds a host device spent in its ops (0 for a GPU, whose ops run asynchronously).
+    pub busy_ns: u64,
 }
 
 impl Ledger {
@@ -43,6 +46,9 @@ impl Ledger {
     pub fn sync(&self, n: u64) {
         self.syncs.fetch_add(n, Ordering::Relaxed);
     }
+    pub fn busy(&self, d: std::time::Duration) {
+        self.busy_ns.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    }
     pub fn counts(&self) -> Counts {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         Counts {
@@ -52,6 +58,7 @@ impl Ledger {
             d2h: l(&self.d2h),
             d2h_bytes: l(&self.d2h_bytes),
             syncs: l(&self.syncs),
+            busy_ns: l(&self.busy_ns),
         }
     }
 }
@@ -66,6 +73,7 @@ impl std::ops::Sub for Counts {
             d2h: self.d2h - o.d2h,
             d2h_bytes: self.d2h_bytes - o.d2h_bytes,
             syncs: self.syncs - o.syncs,
+            busy_ns: self.busy_ns - o.busy_ns,
         }
     }
 }
@@ -80,6 +88,7 @@ impl std::ops::Add for Counts {
             d2h: self.d2h + o.d2h,
             d2h_bytes: self.d2h_bytes + o.d2h_bytes,
             syncs: self.syncs + o.syncs,
+            busy_ns: self.busy_ns + o.busy_ns,
         }
     }
 }

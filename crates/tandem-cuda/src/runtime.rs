@@ -196,6 +196,16 @@ impl Runtime {
         Ok(b)
     }
 
+    /// Queues zeroing values `off..off + n` of `b`.
+    pub fn fill_zero<T: Elem>(&self, b: &DeviceBuffer<T>, off: usize, n: usize) -> Result<()> {
+        let p = b.at(off, n, "zero")?;
+        if n > 0 {
+            self.drv.memset_zero(p, n * std::mem::size_of::<T>())?;
+            self.ledger.launch(1);
+        }
+        Ok(())
+    }
+
     /// A new buffer holding `data` (one copy).
     pub fn upload<T: Elem>(&self, data: &[T], what: &str) -> Result<DeviceBuffer<T>> {
         let b = self.alloc::<T>(data.len(), what)?;

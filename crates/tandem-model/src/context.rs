@@ -348,6 +348,14 @@ impl Context {
         self.cache.copy_prefix(src, dst, n)
     }
 
+    /// Grows `seq` by `n` positions whose cached rows are zeros, without computing them: for
+    /// timing attention at depth (its cost does not depend on the rows' values) on a model whose
+    /// prefill to that depth would take too long, such as a synthetic one (`tandem bench
+    /// --zero-depth`). The logits after it mean nothing.
+    pub fn append_zero_rows(&mut self, seq: usize, n: usize) -> Result<()> {
+        self.cache.append_zero_rows(seq, n)
+    }
+
     fn check(&self, batch: &Batch) -> Result<()> {
         let n = batch.len();
         if batch.pos.len() != n || batch.seq.len() != n || batch.logits.len() != n {

@@ -713,6 +713,27 @@ impl CudaKv {
         Ok(())
     }
 
+    /// Room for `rows` rows of `seq`, its written rows kept (copied on the device).
+    fn grow(&mut self, s: usize, rows: usize) -> Result<()> {
+        let cap = self.seqs.get(&s).map_or(0, |r| r.cap);
+        if rows <= cap {
+            return Ok(());
+        }
+        let new_cap = rows.max(2 * cap).max(KV_MIN_ROWS);
+        let buf = self.rt.alloc::<u8>(self.n_local * new_cap * self.row_bytes, "the KV cache").map_err(cuda)?;
+        let len = self.seqs.get(&s).map_or(0, |r| r.len);
+        if let Some(old) = self.seqs.get(&s) {
+            for l in 0..self.n_local {
+                let n = len * self.row_bytes;
+                self.rt
+                    .copy(&buf, l * new_cap * self.row_bytes, &old.buf, l * old.cap * self.row_bytes, n)
+                    .map_err(cuda)?;
+            }
+        }
+        self.seqs.insert(s, SeqRows { buf, cap: new_cap, len });
+        Ok(())
+    }
+
     /// Where token at `pos` of `seq` reads and writes its rows.
     fn meta(&self, seq: usize, pos: u32) -> Result<KvMeta> {
         let r = self.seqs.get(&seq).ok_or_else(|| Error::Model(format!("sequence {seq} has no cache rows")))?;
@@ -746,6 +767,17 @@ impl KvStore for CudaKv {
 
     fn used_bytes(&self) -> usize {
         self.seqs.values().map(|r| r.len * self.row_bytes * self.n_local).sum()
+    }
+
+    fn append_zeros(&mut self, seq: usize, len: usize, n: usize) -> Result<()> {
+        self.grow(seq, len + n)?;
+        let rb = self.row_bytes;
+        let r = self.seqs.get_mut(&seq).ok_or_else(|| Error::Model(format!("sequence {seq} has no cache rows")))?;
+        for l in 0..self.n_local {
+            self.rt.fill_zero(&r.buf, (l * r.cap + len) * rb, n * rb).map_err(cuda)?;
+        }
+        r.len = len + n;
+        Ok(())
     }
 
     fn as_any(&self) -> &dyn Any {

@@ -23,6 +23,8 @@ pub(crate) trait KvStore: Send + Sync {
     fn copy_prefix(&mut self, src: usize, dst: usize, n: usize) -> Result<()>;
     /// Bytes of rows held.
     fn used_bytes(&self) -> usize;
+    /// Appends `n` rows of zeros to `seq` (which has `len` positions) in every layer.
+    fn append_zeros(&mut self, seq: usize, len: usize, n: usize) -> Result<()>;
     fn as_any(&self) -> &dyn Any;
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }

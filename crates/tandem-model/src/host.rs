@@ -28,6 +28,15 @@ pub(crate) struct HostDevice {
     holds: HashSet<String>,
 }
 
+/// Adds the time since it was made to a ledger's busy time when dropped.
+struct Busy<'a>(&'a Ledger, std::time::Instant);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.busy(self.1.elapsed());
+    }
+}
+
 /// A CPU error about a weight, named.
 fn named(name: &str) -> impl Fn(tandem_cpu::Error) -> Error + '_ {
     move |e| match e {
@@ -50,6 +59,12 @@ impl HostDevice {
 
     pub fn stand_in(id: DevId, cpu: Arc<CpuBackend>, holds: HashSet<String>) -> HostDevice {
         HostDevice { id, name: format!("HOST{id}"), cpu, ledger: Ledger::default(), stand_in: true, holds }
+    }
+
+    /// Counts an op and, until the guard drops, the time spent in it.
+    fn op(&self) -> Busy<'_> {
+        self.ledger.launch(1);
+        Busy(&self.ledger, std::time::Instant::now())
     }
 
     fn out(&self, v: Vec<f32>) -> Tensor {
@@ -158,7 +173,7 @@ impl Device for HostDevice {
     }
 
     fn matmul(&self, w: &Weight, x: &Tensor) -> Result<Tensor> {
-        self.ledger.launch(1);
+        let _busy = self.op();
         let m = self.matrix(w)?;
         let x = self.mine(x)?;
         let mut y = vec![0f32; x.len() / m.cols.max(1) * m.rows];
@@ -167,7 +182,7 @@ impl Device for HostDevice {
     }
 
     fn matmul_same_input(&self, ws: &[&Weight], x: &Tensor) -> Result<Vec<Tensor>> {
-        self.ledger.launch(1);
+        let _busy = self.op();
         let names = || ws.iter().map(|w| w.name.as_str()).collect::<Vec<_>>().join(", ");
         let mats = ws.iter().map(|w| self.matrix(w)).collect::<Result<Vec<_>>>()?;
         let x = self.mine(x)?;
@@ -179,7 +194,7 @@ impl Device for HostDevice {
     }
 
     fn rmsnorm(&self, x: &mut Tensor, w: &Vector, rows: Rows, eps: f32) -> Result<()> {
-        self.ledger.launch(1);
+        let _busy = self.op();
         let x = self.mine_mut(x)?;
         if rows.stride == 0
             || !x.len().is_multiple_of(rows.stride)
@@ -195,7 +210,7 @@ impl Device for HostDevice {
     }
 
     fn rope(&self, x: &mut Tensor, ub: &Ubatch, h: Heads, style: RopeStyle) -> Result<()> {
-        self.ledger.launch(1);
+        let _busy = self.op();
         let x = self.mine_mut(x)?;
         let (n, nr) = (ub.len(), ub.n_rot);
         if x.len() != n * h.row || h.off + (h.n_heads.max(1) - 1) * h.head + nr > h.row || ub.rope.len() != n * nr {
@@ -212,7 +227,7 @@ impl Device for HostDevice {
     }
 
     fn add(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
-        self.ledger.launch(1);
+        let _busy = self.op();
         let y = self.mine(y)?;
         let x = self.mine_mut(x)?;
         if x.len() != y.len() {
@@ -223,7 +238,7 @@ impl Device for HostDevice {
     }
 
     fn copy_rows(&self, dst: &mut Tensor, src: &Tensor, c: Copy2d) -> Result<()> {
-        self.ledger.launch(1);
+        let _busy = self.op();
         let src = self.mine(src)?;
         let dst = self.mine_mut(dst)?;
         if c.rows == 0 {
@@ -244,7 +259,7 @@ impl Device for HostDevice {
     }
 
     fn ffn(&self, f: &Ffn, x: &Tensor) -> Result<Tensor> {
-        self.ledger.launch(1);
+        let _busy = self.op();
         let x = self.mine(x)?;
         let cols = f.gate.cols();
         let n = x.len() / cols.max(1);
@@ -254,13 +269,13 @@ impl Device for HostDevice {
     }
 
     fn route(&self, m: &Moe, x: &Tensor) -> Result<Tensor> {
-        self.ledger.launch(1);
+        let _busy = self.op();
         let router = self.matrix(m.router())?;
         Ok(self.out(m.route_packet(&self.cpu, &router, self.mine(x)?)?))
     }
 
     fn experts(&self, m: &Moe, packet: &Tensor) -> Result<Tensor> {
-        self.ledger.launch(1);
+        let _busy = self.op();
         let p = self.mine(packet)?;
         let (routes, h) = m.unpack(p)?;
         let (out, _) = self.routed(m, None, &h, &routes)?;
@@ -268,7 +283,7 @@ impl Device for HostDevice {
     }
 
     fn moe(&self, m: &Moe, shared: Option<&Ffn>, x: &Tensor) -> Result<Option<Tensor>> {
-        self.ledger.launch(1);
+        let _busy = self.op();
         let h = self.mine(x)?;
         let router = self.matrix(m.router())?;
         let routes = m.route_rows(&self.cpu, &router, h)?;
@@ -280,7 +295,7 @@ impl Device for HostDevice {
     }
 
     fn mla_q(&self, k_b: &Weight, q: &Tensor, s: MlaShape) -> Result<Tensor> {
-        self.ledger.launch(1);
+        let _busy = self.op();
         let q = self.mine(q)?;
         let (nh, kl, nr, nope) = (s.n_head, s.kv_lora, s.n_rot, s.nope);
         let (dk, dq) = (nope + nr, kl + nr);
@@ -321,7 +336,7 @@ impl Device for HostDevice {
     }
 
     fn mla_out(&self, v_b: &Weight, lat: &Tensor, s: MlaShape) -> Result<Tensor> {
-        self.ledger.launch(1);
+        let _busy = self.op();
         let lat = self.mine(lat)?;
         let (nh, kl, dv) = (s.n_head, s.kv_lora, s.dv);
         let n = lat.len() / (nh * kl).max(1);
@@ -372,7 +387,7 @@ impl Device for HostDevice {
     ) -> Result<Option<Tensor>> {
         let store = self.kv(kv)?;
         let Some(kv_type) = KvType::of(store.k_type) else { return Ok(None) };
-        self.ledger.launch(1);
+        let _busy = self.op();
         let q = self.mine(q)?;
         if self.stand_in && !self.holds.contains(&k_b.name) {
             return Err(Error::Model(format!("{}: not held by {}", k_b.name, self.name)));
@@ -406,7 +421,7 @@ impl Device for HostDevice {
     }
 
     fn kv_store(&self, kv: &mut dyn KvStore, il: usize, ub: &Ubatch, k: &Tensor, v: Option<&Tensor>) -> Result<()> {
-        self.ledger.launch(1);
+        let _busy = self.op();
         let store = kv
             .as_any_mut()
             .downcast_mut::<HostKv>()
@@ -435,7 +450,7 @@ impl Device for HostDevice {
         s: AttnShape,
         separate_v: bool,
     ) -> Result<Tensor> {
-        self.ledger.launch(1);
+        let _busy = self.op();
         let store = self.kv(kv)?;
         let q = self.mine(q)?;
         let q_len = s.n_head * s.dk;
@@ -598,6 +613,19 @@ impl KvStore for HostKv {
 
     fn used_bytes(&self) -> usize {
         self.seqs.values().map(|s| s.k.iter().chain(&s.v).map(Vec::len).sum::<usize>()).sum()
+    }
+
+    fn append_zeros(&mut self, seq: usize, len: usize, n: usize) -> Result<()> {
+        let nl = self.n_local;
+        let (kb, vb) = (self.k_row_bytes, self.v_row_bytes);
+        let s = self.seqs.entry(seq).or_insert_with(|| SeqRows { k: vec![Vec::new(); nl], v: vec![Vec::new(); nl] });
+        for k in &mut s.k {
+            k.resize((len + n) * kb, 0);
+        }
+        for v in &mut s.v {
+            v.resize((len + n) * vb, 0);
+        }
+        Ok(())
     }
 
     fn as_any(&self) -> &dyn Any {

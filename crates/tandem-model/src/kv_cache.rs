@@ -175,6 +175,28 @@ impl KvCache {
         Ok(())
     }
 
+    /// Appends `n` positions of zero rows to `seq` in every layer (see [`crate::Context::append_zero_rows`]).
+    pub fn append_zero_rows(&mut self, seq: usize, n: usize) -> Result<()> {
+        let len = self.seq_len(seq);
+        if len + n > self.n_ctx {
+            return Err(Error::Batch(format!(
+                "sequence {seq}: {} positions are beyond the context of {}",
+                len + n,
+                self.n_ctx
+            )));
+        }
+        for i in 0..self.stores.len() {
+            if let Err(e) = self.stores[i].1.append_zeros(seq, len, n) {
+                self.truncate(seq, len);
+                return Err(e);
+            }
+        }
+        if n > 0 {
+            *self.lens.entry(seq).or_insert(0) += n;
+        }
+        Ok(())
+    }
+
     /// Bytes the cache holds now.
     pub fn used_bytes(&self) -> usize {
         self.stores.iter().map(|(_, s)| s.used_bytes()).sum()
