@@ -679,3 +679,27 @@ fn kimi_attention_over_32k_rows() {
         println!("{}: {:.1} s", name(&rt), t.elapsed().as_secs_f64());
     }
 }
+
+/// Kimi K2's attention output (8192 columns into 7168 rows, Q8_0) with the activations rounded on
+/// the device as the CPU rounds them: the product of the rounded values, as tandem-cpu computes it.
+#[test]
+fn rounded_matvec_at_kimi_attention_output_shape() {
+    for rt in runtimes("rounded matvec") {
+        let (rows, cols, ty, n) = (7168, 8192, GgmlType::Q8_0, 3);
+        let (q, deq) = weights(ty, rows, cols, 41);
+        let x: Vec<f32> = random(n * cols, 42).iter().map(|v| v * 3.0).collect();
+        let acts = tandem_cpu::quantize_activations(ty, &x, cols).unwrap();
+        let mut want = Vec::new();
+        for t in 0..n {
+            let mut xq = vec![0f32; cols];
+            tandem_quant::dequantize_row(acts.ty, acts.row(t), &mut xq).unwrap();
+            want.extend(dot_rows(&deq, &xq, rows, cols));
+        }
+        let (wb, xb) = (rt.upload(&q, "weights").unwrap(), up(&rt, &x));
+        let xr = rt.alloc::<f32>(n * cols, "rounded").unwrap();
+        assert!(rt.round_acts(ty, &xb, 0, &xr, 0, n, cols, cols, cols).unwrap());
+        let yb = rt.alloc::<f32>(n * rows, "y").unwrap();
+        rt.matmul(ty, &wb, 0, &xr, &yb, rows, cols, n).unwrap();
+        check(&format!("{} rounded Q8_0 matvec 8192 -> 7168 x {n}", name(&rt)), &down(&rt, &yb, n * rows), &want, 1e-5);
+    }
+}
