@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds, on a machine with Rust and no GPU, everything scripts/gpu-check.sh runs on a GPU machine
 # that has no Rust: the release `tandem` binary with the CUDA kernels embedded, and the test
-# executables of tests/gpu.rs and tests/gpu_fallback.rs, stripped, into one folder with a manifest.
+# executables of tests/kernels.rs, tests/gpu.rs and tests/gpu_fallback.rs, stripped, into one
+# folder with a manifest.
 #
 #     scripts/build-gpu-check.sh [DIR]        # default DIR: target/gpu-check
 #
@@ -17,12 +18,13 @@ dir=${1:-target/gpu-check}
 if [ -z "${NVCC:-}" ] && [ -z "${CUDA_HOME:-}" ]; then
     eval "$(scripts/install-cuda-toolkit.sh)"
 fi
+# The GPU machine has 16 cores: the emulated half of tests/kernels.rs spreads its blocks over them.
 export TANDEM_REQUIRE_KERNELS=1
 
 log() { echo "build-gpu-check: $*" >&2; }
 start=$(date +%s)
 # Executables from cargo's JSON messages: the `tandem` binary and the two test targets.
-exes=$(cargo test --release --locked --features cuda --no-run --test gpu --test gpu_fallback \
+exes=$(cargo test --release --locked --features cuda --no-run --test gpu --test gpu_fallback --test kernels \
         --message-format=json-render-diagnostics |
     python3 -c '
 import json, sys
@@ -36,11 +38,11 @@ for line in sys.stdin:
     t = m["target"]
     if t["name"] == "tandem" and "bin" in t["kind"]:
         print("tandem", m["executable"])
-    elif t["name"] in ("gpu", "gpu_fallback") and "test" in t["kind"]:
+    elif t["name"] in ("gpu", "gpu_fallback", "kernels") and "test" in t["kind"]:
         print("test-" + t["name"], m["executable"])
 ')
 log "cargo build: $(( $(date +%s) - start )) s"
-for want in tandem test-gpu test-gpu_fallback; do
+for want in tandem test-gpu test-gpu_fallback test-kernels; do
     if ! grep -q "^$want " <<<"$exes"; then
         log "cargo did not report the $want executable"
         exit 1
@@ -53,12 +55,12 @@ mkdir -p "$dir"
 while read -r name path; do
     cp "$path" "$dir/$name"
     # Debug info is most of the size; the carry limit is 64 MiB for everything.
-    strip --strip-debug "$dir/$name" 2>/dev/null || true
+    strip --strip-all "$dir/$name" 2>/dev/null || true
     echo "$name $name" >>"$dir/manifest.txt"
 done <<<"$exes"
 {
     echo "# built $(date -u +%Y-%m-%dT%H:%M:%SZ) from $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo '+changes')"
-    echo "# $("${NVCC:-$CUDA_HOME/bin/nvcc}" --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'nvcc ?'), TANDEM_CUDA_ARCHS=${TANDEM_CUDA_ARCHS:-90;120 (default)}"
+    echo "# $("${NVCC:-$CUDA_HOME/bin/nvcc}" --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'nvcc ?'), ptxas $("${PTXAS:-ptxas}" --version 2>/dev/null | grep -o 'release [0-9.]*' || echo '(nvcc'"'"'s)'), TANDEM_CUDA_ARCHS=${TANDEM_CUDA_ARCHS:-80;86;89;90;120 (default)}"
 } >>"$dir/manifest.txt"
 ls -l "$dir" >&2
 size=$(du -sm "$dir" | cut -f1)

@@ -4,19 +4,25 @@
 #
 #     scripts/gpu-check.sh [BIN_DIR] [BENCH_MODEL_DIR]
 #
-# BIN_DIR (default target/gpu-check) holds `tandem`, `test-gpu`, `test-gpu_fallback` and
-# manifest.txt. BENCH_MODEL_DIR, when given and present, holds .gguf models to benchmark.
-# Results go to $OUT (default ./gpu-check-out): summary.txt first, then one log per step.
-# Everything runs under one time budget, GPU_CHECK_BUDGET_S (default 480 s); each step gets at most
-# what is left, so the script ends in time even when a step hangs.
+# BIN_DIR (default target/gpu-check) holds `tandem`, `test-kernels`, `test-gpu`,
+# `test-gpu_fallback` and manifest.txt. BENCH_MODEL_DIR, when given and present, holds .gguf
+# models to benchmark. Results go to $OUT (default ./gpu-check-out): summary.txt first, then one
+# log per step. Everything runs under one time budget, GPU_CHECK_BUDGET_S (default 480 s); each
+# step gets at most what is left, so the script ends in time even when a step hangs.
 #
 #  1. nvidia-smi                      -> nvidia-smi.txt
-#  2. tests/gpu.rs (every kernel against the CPU reference, hybrid/all-GPU logits vs CPU on every
-#     fixture, the binary's GPU path) with TANDEM_REQUIRE_GPU=1 -> test-gpu.log
-#  3. tests/gpu_fallback.rs (fallback with no visible device) -> test-gpu_fallback.log
-#  4. `tandem logits` CPU vs hybrid (-ngl 999 -ot exps=CPU) vs all-GPU (-ngl 999) on every
+#  2. tests/kernels.rs (every kernel against the CPU, on the emulator and on the GPU, Kimi's
+#     shapes and attention over 32K rows) with TANDEM_REQUIRE_GPU=1 -> test-kernels.log
+#  3. tests/gpu.rs (hybrid/all-GPU logits vs CPU on every fixture, prefill vs llama.cpp, a decode
+#     step's crossings, the binary's GPU path) -> test-gpu.log
+#  4. tests/gpu_fallback.rs (fallback with no visible device) -> test-gpu_fallback.log
+#  5. `tandem logits` CPU vs hybrid (-ngl 999 -ot exps=CPU) vs all-GPU (-ngl 999) on every
 #     fixture, compared in Python (tests/logits.rs's tolerance) -> logits.tsv, logits/*.log
-#  5. `tandem bench` (CPU) and `tandem run` timings CPU vs hybrid on BENCH_MODEL_DIR -> bench*.log
+#  6. A Kimi K2.5-shaped model made here (`tandem synth`, KIMI_LAYERS layers, default 4: ~31 GiB
+#     in $SYNTH_DIR, default /tmp; deleted at the end): hybrid decode at depths 0, 8K and 32K
+#     (cache filled with zero rows), prefill 512 and 2048, the ledger per decoded token and the
+#     CPU's time in the experts; CPU-only decode and prefill 512 at depth 0 -> kimi-*.json
+#  7. `tandem bench` and `tandem run` CPU vs hybrid on BENCH_MODEL_DIR -> bench*.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -58,7 +64,7 @@ step() {
 
 note "gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), budget ${budget} s"
 grep '^#' "$bin/manifest.txt" 2>/dev/null | tee -a "$summary"
-for f in tandem test-gpu test-gpu_fallback; do
+for f in tandem test-kernels test-gpu test-gpu_fallback; do
     [ -x "$bin/$f" ] || { note "FAIL  missing $bin/$f"; exit 1; }
 done
 export TANDEM_REPO=$repo TANDEM_BIN=$bin/tandem
@@ -72,11 +78,15 @@ done
 step "nvidia-smi" 30 "$out/nvidia-smi.txt" nvidia-smi
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total,memory.used --format=csv,noheader 2>/dev/null | sed 's/^/      /' | tee -a "$summary"
 
-# 2-3. The test executables (one test at a time, so the log reads in order).
-TANDEM_REQUIRE_GPU=1 step "tests/gpu.rs" 240 "$out/test-gpu.log" "$bin/test-gpu" --test-threads=1 --nocapture
-# The worst error of every kernel check and model, then the failed tests, then the counts.
-grep -E "worst|skipped|cuBLAS" "$out/test-gpu.log" | sed 's/^/      /' | tee -a "$summary"
-sed -n '/^failures:$/,/^test result/p' "$out/test-gpu.log" | grep -E '^    [a-z_]+$' | sed 's/^ */      failed: /' | tee -a "$summary"
+# 2-4. The test executables (one test at a time, so the log reads in order).
+TANDEM_REQUIRE_GPU=1 step "tests/kernels.rs" 150 "$out/test-kernels.log" "$bin/test-kernels" --test-threads=1 --nocapture
+# The GPU's worst error of every kernel check, then the failed tests, then the counts.
+grep -E "^GPU .*worst|GPU: [0-9.]+ s" "$out/test-kernels.log" | sed 's/^/      /' | tee -a "$summary"
+sed -n '/^failures:$/,/^test result/p' "$out/test-kernels.log" | grep -E '^    [a-z_0-9]+$' | sed 's/^ */      failed: /' | tee -a "$summary"
+grep -E "^test result" "$out/test-kernels.log" | sed 's/^/      /' | tee -a "$summary"
+TANDEM_REQUIRE_GPU=1 step "tests/gpu.rs" 180 "$out/test-gpu.log" "$bin/test-gpu" --test-threads=1 --nocapture
+grep -E "worst|median|skipped|token\(s\)" "$out/test-gpu.log" | sed 's/(CUDA0 (.*//' | sed 's/^/      /' | tee -a "$summary"
+sed -n '/^failures:$/,/^test result/p' "$out/test-gpu.log" | grep -E '^    [a-z_0-9]+$' | sed 's/^ */      failed: /' | tee -a "$summary"
 grep -E "^test result" "$out/test-gpu.log" | sed 's/^/      /' | tee -a "$summary"
 step "tests/gpu_fallback.rs" 90 "$out/test-gpu_fallback.log" "$bin/test-gpu_fallback" --test-threads=1 --nocapture
 grep -E "test result" "$out/test-gpu_fallback.log" | sed 's/^/      /' | tee -a "$summary"
@@ -154,7 +164,58 @@ export out bin
 step "tandem logits CPU vs hybrid vs all-GPU" 150 "$out/logits.log" bash -c logits_all
 sed 's/^/      /' "$out/logits.tsv" 2>/dev/null | tee -a "$summary"
 
-# 5. Benchmarks on real models, if there are any.
+# 6. The synthetic Kimi K2.5: hybrid at depth, prefill, ledger; CPU-only for the comparison.
+kimi_all() {
+    local m="$synth_dir/kimi-k2.5-synth.gguf" t
+    t=$(nproc)
+    "$bin/tandem" synth kimi-k2.5 --layers "${KIMI_LAYERS:-4}" -o "$m" || return 1
+    local common=(-m "$m" -t "$t" --no-progress --bandwidth-mib 0 -r 2)
+    "$bin/tandem" bench "${common[@]}" -ngl 999 -ot exps=CPU -p 512 -n 32 -d 0,8192,32768 --zero-depth -c 33400 --json \
+        >"$out/kimi-hybrid-decode.json" || return 1
+    "$bin/tandem" bench "${common[@]}" -ngl 999 -ot exps=CPU -p 2048 -n 0 -ub 2048 -b 2048 -r 1 --json \
+        >"$out/kimi-hybrid-pp2048.json" || return 1
+    "$bin/tandem" bench "${common[@]}" -p 512 -n 16 -r 1 --json >"$out/kimi-cpu.json" || return 1
+    rm -f "$m"
+    python3 - "$out" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+load = lambda n: json.load(open(os.path.join(out, n)))
+dec = {r["n_kv"]: r for r in load("kimi-hybrid-decode.json")["rows"]}
+pp512 = dec[0]["s_pp_tps"]
+pp2048 = load("kimi-hybrid-pp2048.json")["rows"][0]["s_pp_tps"]
+cpu = load("kimi-cpu.json")["rows"][0]
+lines = []
+for d in sorted(dec):
+    r = dec[d]
+    gpu = r.get("gpu", {}).get("CUDA0", {})
+    busy = r.get("cpu_busy_s_per_token") or 0
+    lines.append(f"hybrid at depth {d}: decode {r['s_tg_tps']:.2f} t/s ({1e3 / r['s_tg_tps']:.1f} ms/token, CPU in experts {busy * 1e3:.1f} ms), prefill 512 {r['s_pp_tps']:.1f} t/s; "
+                 f"CUDA0 per token: {gpu.get('launches', 0):.0f} launches, {gpu.get('h2d', 0):.1f} up, {gpu.get('d2h', 0):.1f} down, {gpu.get('syncs', 0):.1f} waits")
+lines.append(f"hybrid prefill: {pp512:.1f} t/s (512), {pp2048:.1f} t/s (2048)")
+lines.append(f"CPU only: decode {cpu['s_tg_tps']:.2f} t/s, prefill {cpu['s_pp_tps']:.1f} t/s (512)")
+d0, d32 = dec.get(0), dec.get(32768)
+ok = True
+if d0 and d32:
+    ratio = d32["s_tg_tps"] / d0["s_tg_tps"]
+    ok &= ratio >= 0.9
+    lines.append(f"acceptance: decode at 32K / at 0 = {ratio:.2f} (>= 0.90: {'yes' if ratio >= 0.9 else 'NO'})")
+    busy = d0.get("cpu_busy_s_per_token") or 0
+    per = 1 / d0["s_tg_tps"]
+    if busy:
+        ok &= per <= 1.15 * busy
+        lines.append(f"acceptance: hybrid time per token / CPU experts' = {per / busy:.2f} (<= 1.15: {'yes' if per <= 1.15 * busy else 'NO'})")
+print("\n".join(lines))
+sys.exit(0 if ok else 1)
+PY
+}
+export -f kimi_all
+synth_dir=${SYNTH_DIR:-/tmp}
+export synth_dir
+step "synthetic Kimi K2.5: hybrid vs CPU" 300 "$out/kimi.log" bash -c kimi_all
+grep -E "^(hybrid|CPU only|acceptance)" "$out/kimi.log" | sed 's/^/      /' | tee -a "$summary"
+rm -f "$synth_dir/kimi-k2.5-synth.gguf"
+
+# 7. Benchmarks on real models, if there are any.
 if [ -n "$bench_dir" ] && [ -d "$bench_dir" ]; then
     for m in $(ls "$bench_dir"/*.gguf 2>/dev/null | grep -v -- '-0000[2-9]-of-' | head -n 2); do
         name=$(basename "$m" .gguf)
