@@ -688,22 +688,7 @@ impl CudaKv {
             *e = (*e).max(p as usize + 1);
         }
         for (s, rows) in need {
-            let cap = self.seqs.get(&s).map_or(0, |r| r.cap);
-            if rows <= cap {
-                continue;
-            }
-            let new_cap = rows.max(2 * cap).max(KV_MIN_ROWS);
-            let buf = self.rt.alloc::<u8>(self.n_local * new_cap * self.row_bytes, "the KV cache").map_err(cuda)?;
-            let len = self.seqs.get(&s).map_or(0, |r| r.len);
-            if let Some(old) = self.seqs.get(&s) {
-                for l in 0..self.n_local {
-                    let n = len * self.row_bytes;
-                    self.rt
-                        .copy(&buf, l * new_cap * self.row_bytes, &old.buf, l * old.cap * self.row_bytes, n)
-                        .map_err(cuda)?;
-                }
-            }
-            self.seqs.insert(s, SeqRows { buf, cap: new_cap, len });
+            self.grow(s, rows)?;
         }
         for (&s, &p) in ub.seq.iter().zip(ub.pos) {
             if let Some(r) = self.seqs.get_mut(&s) {
