@@ -112,6 +112,11 @@ pub fn select_backend(
     }
 }
 
+/// `TANDEM_CUDA_EMULATOR=1` makes the GPU flags use one emulated GPU (tandem-cuda's host emulator
+/// of the kernels, compiled into test builds only; other builds fall back to the CPU, saying that
+/// the emulator is not built), so that the binary's GPU path is tested on machines without one.
+pub const EMULATOR_ENV: &str = "TANDEM_CUDA_EMULATOR";
+
 /// The executor for the plan of `req` with its GPUs, `None` when the plan puts nothing on a GPU,
 /// or the one-line reason CUDA cannot be used.
 fn gpu_backend(
@@ -121,7 +126,19 @@ fn gpu_backend(
     placement: &PlacementArgs,
     threads: tandem_cpu::Threads,
 ) -> Result<Option<Exec>, String> {
-    let devices = tandem_cuda::devices().map_err(|e| e.to_string())?;
+    let emulated = std::env::var_os(EMULATOR_ENV).is_some_and(|v| v == "1");
+    let open = |n: usize| {
+        if emulated {
+            tandem_cuda::Runtime::emulated()
+        } else {
+            tandem_cuda::Runtime::open(crate::kernels::images(), n)
+        }
+    };
+    let devices = if emulated {
+        vec![open(0).map_err(|e| e.to_string())?.info().clone()]
+    } else {
+        tandem_cuda::devices().map_err(|e| e.to_string())?
+    };
     if req.gpus.is_empty() {
         // No --gpu declarations: plan for the devices that are there, with their free memory.
         req.gpus = devices
@@ -145,7 +162,7 @@ fn gpu_backend(
     let mut runtimes = Vec::new();
     let mut index = HashMap::new();
     for &n in &ordinals {
-        let rt = tandem_cuda::Runtime::open(crate::kernels::images(), n as usize).map_err(|e| e.to_string())?;
+        let rt = open(n as usize).map_err(|e| e.to_string())?;
         index.insert(n, runtimes.len());
         runtimes.push(rt);
     }

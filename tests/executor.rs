@@ -91,6 +91,17 @@ fn a_decode_step_crosses_twice_per_moe_layer() {
     decode_step_crossings(&[("stand-in", &stand_in), ("emulated CUDA", &emulated)]);
 }
 
+/// The binary's GPU path (placement flags, upload, fallback rules) with one emulated GPU.
+#[test]
+fn the_binary_uses_the_emulated_gpu_for_gpu_flags() {
+    binary_uses_the_device(&[(tandem::logits::EMULATOR_ENV, "1")]);
+}
+
+#[test]
+fn bench_reports_what_the_emulated_gpu_did_per_token() {
+    bench_reports_the_device(&[(tandem::logits::EMULATOR_ENV, "1")]);
+}
+
 /// Kimi K2.5's real shapes through the emulated CUDA device, hybrid: a model written by `tandem
 /// synth kimi-k2.5 --layers 2` (12 GiB, so not in CI: set TANDEM_SYNTH_KIMI to its path), a short
 /// prompt and a decode step against the CPU alone, and the step's ledger. TANDEM_SYNTH_OT (one

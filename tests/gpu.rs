@@ -10,7 +10,6 @@ mod exec_util;
 
 use exec_util::*;
 use std::collections::HashMap;
-use std::path::PathBuf;
 use tandem_cuda::Runtime;
 use tandem_gguf::GgufModel;
 use tandem_model::Exec;
@@ -57,37 +56,16 @@ fn a_gpu_decode_step_crosses_twice_per_moe_layer() {
     }
 }
 
-/// The `tandem` binary: `TANDEM_BIN`, else the one cargo built with this test.
-fn tandem_bin() -> PathBuf {
-    std::env::var_os("TANDEM_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tandem")), PathBuf::from)
+#[test]
+fn the_binary_uses_the_gpu_for_gpu_flags() {
+    if gpu("binary").is_some() {
+        binary_uses_the_device(&[]);
+    }
 }
 
 #[test]
-fn the_binary_uses_the_gpu_for_gpu_flags() {
-    let Some(_) = gpu("binary") else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let m = repo().join("tests/fixtures/models/deepseek2-mla-tiny-Q4_K_M.gguf");
-    let m = m.to_str().unwrap();
-    let tokens = "1,17,42,99,100,200,300,301,302,7,8,9";
-    let run = |flags: &[&str], out: &str| {
-        let mut args = vec!["logits", "-m", m, "--tokens", tokens, "--out", out, "-c", "64", "--token-by-token"];
-        args.extend(flags);
-        let o = std::process::Command::new(tandem_bin()).args(&args).output().unwrap();
-        let err = String::from_utf8_lossy(&o.stderr).into_owned();
-        assert!(o.status.success(), "{flags:?}: {err}");
-        let bytes = std::fs::read(out).unwrap();
-        (bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect::<Vec<f32>>(), err)
-    };
-    let cpu_out = dir.path().join("cpu.f32");
-    let (want, _) = run(&[], cpu_out.to_str().unwrap());
-    for flags in [&["-ngl", "999", "-ot", "exps=CPU"][..], &["-ngl", "999"]] {
-        let out = dir.path().join("gpu.f32");
-        let (got, err) = run(flags, out.to_str().unwrap());
-        assert!(!err.contains("CUDA unavailable"), "{flags:?} fell back: {err}");
-        assert!(err.lines().any(|l| l.starts_with("tandem: CUDA: CUDA0")), "{flags:?}: no upload line: {err}");
-        match within_tolerance(&got, &want, 512) {
-            Ok(d) => println!("tandem logits {flags:?}: {d}"),
-            Err(d) => panic!("tandem logits {flags:?}: {d}"),
-        }
+fn bench_reports_what_the_gpu_did_per_token() {
+    if gpu("bench").is_some() {
+        bench_reports_the_device(&[]);
     }
 }

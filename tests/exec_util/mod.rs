@@ -12,8 +12,77 @@ use tandem_plan::{Device, GpuBudget, GpuLayers, ModelInfo, PlanRequest, Rule};
 /// Makes the executor under test for a model and the tensor names its second device holds.
 pub type Maker = dyn Fn(&GgufModel, &[String]) -> Exec;
 
+/// The repository (for fixtures): `TANDEM_REPO` when the test binary runs away from its build tree
+/// (scripts/gpu-check.sh on a GPU machine), else the one it was built in.
 pub fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("TANDEM_REPO").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
+
+/// The `tandem` binary: `TANDEM_BIN` (scripts/gpu-check.sh), else the one cargo built with the test.
+pub fn tandem_bin() -> PathBuf {
+    std::env::var_os("TANDEM_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tandem")), PathBuf::from)
+}
+
+/// `tandem logits` on an MoE fixture with `-ngl 999 -ot exps=CPU` and `-ngl 999`, with `env` set:
+/// the device is used (its upload line, no fallback) and the logits meet the CPU's (the same
+/// command without GPU flags) within [`within_tolerance`].
+pub fn binary_uses_the_device(env: &[(&str, &str)]) {
+    let dir = tempfile::tempdir().unwrap();
+    let m = repo().join("tests/fixtures/models/deepseek2-mla-tiny-Q4_K_M.gguf");
+    let m = m.to_str().unwrap();
+    let tokens = "1,17,42,99,100,200,300,301,302,7,8,9";
+    let run = |flags: &[&str], out: &str| {
+        let mut args = vec!["logits", "-m", m, "--tokens", tokens, "--out", out, "-c", "64", "--token-by-token"];
+        args.extend(flags);
+        let o = std::process::Command::new(tandem_bin()).args(&args).envs(env.iter().copied()).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{flags:?}: {err}");
+        let bytes = std::fs::read(out).unwrap();
+        (bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect::<Vec<f32>>(), err)
+    };
+    let cpu_out = dir.path().join("cpu.f32");
+    let (want, _) = run(&[], cpu_out.to_str().unwrap());
+    for flags in [&["-ngl", "999", "-ot", "exps=CPU"][..], &["-ngl", "999"]] {
+        let out = dir.path().join("gpu.f32");
+        let (got, err) = run(flags, out.to_str().unwrap());
+        assert!(!err.contains("CUDA unavailable"), "{flags:?} fell back: {err}");
+        assert!(err.lines().any(|l| l.starts_with("tandem: CUDA: CUDA0")), "{flags:?}: no upload line: {err}");
+        match within_tolerance(&got, &want, 512) {
+            Ok(d) => println!("tandem logits {flags:?}: {d}"),
+            Err(d) => panic!("tandem logits {flags:?}: {d}"),
+        }
+    }
+}
+
+/// `tandem bench --json -ngl 999 -ot exps=CPU` on an MoE fixture with `env` set: each decoded
+/// token's row says what the device did (two copies each way per MoE layer plus the step's own:
+/// see [`decode_step_crossings`]) and how long the CPU was busy.
+pub fn bench_reports_the_device(env: &[(&str, &str)]) {
+    let path = repo().join("tests/fixtures/models/deepseek2-mla-tiny-Q4_K_M.gguf");
+    let (gguf, _) = open(&path);
+    let n_moe = dims(&gguf).4 as f64;
+    let args = ["bench", "-m", path.to_str().unwrap(), "-p", "8", "-n", "4", "-r", "2", "-t", "2"];
+    let o = std::process::Command::new(tandem_bin())
+        .args(args)
+        .args(["--no-progress", "--bandwidth-mib", "0", "--json", "-ngl", "999", "-ot", "exps=CPU"])
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "tandem bench: {err}");
+    assert!(!err.contains("CUDA unavailable"), "fell back: {err}");
+    let json: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let row = &json["rows"][0];
+    let gpu = &row["gpu"]["CUDA0"];
+    println!("bench row: {row}");
+    let per = |k: &str| gpu[k].as_f64().unwrap_or_else(|| panic!("no {k} in {gpu}"));
+    // Per token: up, the step (hidden state, rope, addressing) and each MoE layer's expert sum;
+    // down, each MoE layer's packet and the logits; a wait for each download.
+    assert_eq!((per("h2d"), per("d2h"), per("syncs")), (1.0 + n_moe, n_moe + 1.0, n_moe + 1.0), "{gpu}");
+    assert!(per("launches") > 10.0, "{gpu}");
+    let busy = row["cpu_busy_s_per_token"].as_f64().unwrap();
+    let per_token = row["t_tg_s"].as_f64().unwrap() / 4.0;
+    assert!(busy > 0.0 && busy < per_token, "CPU busy {busy} s of {per_token} s per token");
 }
 
 /// Every deepseek2 and llama fixture (inference and model fixtures, the first shard of the split one).
