@@ -91,6 +91,11 @@ fn a_decode_step_crosses_twice_per_moe_layer() {
     decode_step_crossings(&[("stand-in", &stand_in), ("emulated CUDA", &emulated)]);
 }
 
+#[test]
+fn emulated_zero_rows_read_as_the_cpu_reads_them() {
+    zero_rows_read_alike(&emulated);
+}
+
 /// The binary's GPU path (placement flags, upload, fallback rules) with one emulated GPU.
 #[test]
 fn the_binary_uses_the_emulated_gpu_for_gpu_flags() {

@@ -57,6 +57,13 @@ fn a_gpu_decode_step_crosses_twice_per_moe_layer() {
 }
 
 #[test]
+fn gpu_zero_rows_read_as_the_cpu_reads_them() {
+    if gpu("zero rows").is_some() {
+        zero_rows_read_alike(&on_cuda0);
+    }
+}
+
+#[test]
 fn the_binary_uses_the_gpu_for_gpu_flags() {
     if gpu("binary").is_some() {
         binary_uses_the_device(&[]);

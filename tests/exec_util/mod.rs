@@ -374,3 +374,28 @@ pub fn decode_step_crossings(makers: &[(&str, &Maker)]) {
         }
     }
 }
+
+/// `tandem bench --zero-depth`'s cache rows: none (depth 0), then 24 zero rows in every layer,
+/// then a prompt on top, on the CPU alone and hybrid (`exps=CPU`): the same logits within
+/// [`within_tolerance`], and the sequence as long on both.
+pub fn zero_rows_read_alike(make: &Maker) {
+    for file in ["inference/deepseek2-mla-q4_k_m.gguf", "inference/deepseek2-legacy-f32.gguf"] {
+        let path = repo().join("tests/fixtures").join(file);
+        let (gguf, model) = open(&path);
+        let names = on_gpu(&gguf, &path, &["exps=CPU"]);
+        let run = |exec: Exec| {
+            let mut ctx = Context::new(model.clone(), exec, params(MlaMode::Absorbed, 8)).unwrap();
+            ctx.append_zero_rows(0, 0).unwrap();
+            ctx.append_zero_rows(0, 24).unwrap();
+            let out = ctx.decode(&Batch::sequence(&[5, 6, 7], 24, 0, true)).unwrap();
+            (out, ctx.seq_len(0))
+        };
+        let (want, want_len) = run(Exec::cpu(threads()));
+        let (got, got_len) = run(make(&gguf, &names));
+        assert_eq!((got_len, want_len), (27, 27), "{file}");
+        match within_tolerance(&got, &want, model.n_vocab()) {
+            Ok(d) => println!("{file}: zero rows: {d}"),
+            Err(d) => panic!("{file}: zero rows: {d}"),
+        }
+    }
+}

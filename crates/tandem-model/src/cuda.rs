@@ -755,6 +755,9 @@ impl KvStore for CudaKv {
     }
 
     fn append_zeros(&mut self, seq: usize, len: usize, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
         self.grow(seq, len + n)?;
         let rb = self.row_bytes;
         let r = self.seqs.get_mut(&seq).ok_or_else(|| Error::Model(format!("sequence {seq} has no cache rows")))?;
