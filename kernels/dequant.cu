@@ -1,5 +1,6 @@
-// Weights (and activations) to f16 for the cuBLAS prefill matmul (n_tokens > 8). The values are
-// those of crates/tandem-quant/src/dequant.rs, rounded to nearest f16.
+// Weights for the cuBLAS prefill matmul (n_tokens > 8): to f32 (`_f32`, the values of
+// crates/tandem-quant/src/dequant.rs, for the default f32 gemm) or to f16 (`_f16`, those values
+// rounded to nearest, with the activations, for the f16 gemm of TANDEM_CUDA_GEMM=f16).
 //
 // Launch (kernels/ABI.md): 1-D, block 256, any grid; every kernel is a grid-stride loop.
 #include "common.cuh"
@@ -11,26 +12,37 @@ __device__ __forceinline__ long long grid_step() {
     return (long long)gridDim.x * blockDim.x;
 }
 
+__device__ __forceinline__ void put(__half* o, float v) {
+    *o = __float2half_rn(v);
+}
+__device__ __forceinline__ void put(float* o, float v) {
+    *o = v;
+}
+
 // One thread per 32-value chunk.
-template <typename T>
-__device__ void dequant_quant(const uint8_t* __restrict__ w, __half* __restrict__ out, long long n_elements) {
+template <typename T, typename O>
+__device__ void dequant_quant(const uint8_t* __restrict__ w, O* __restrict__ out, long long n_elements) {
     const int chunks_per_block = T::ELEMS / CHUNK;
     const long long n_chunks = n_elements / CHUNK;
     float v[CHUNK];
     for (long long c = grid_start(); c < n_chunks; c += grid_step()) {
         T::chunk(w + (size_t)(c / chunks_per_block) * T::BYTES, (int)(c % chunks_per_block), v);
-        __half* o = out + (size_t)c * CHUNK;
+        O* o = out + (size_t)c * CHUNK;
 #pragma unroll
         for (int i = 0; i < CHUNK; ++i) {
-            o[i] = __float2half_rn(v[i]);
+            put(o + i, v[i]);
         }
     }
 }
 
 // Every entry point: (w: n_elements values in the type's layout (a whole number of blocks),
-// out: n_elements f16, n_elements).
+// out: n_elements f16 or f32, n_elements).
 #define DEQUANT_QUANT(name, T)                                                                        \
     extern "C" __global__ void tandem_dequant_##name##_f16(const unsigned char* w, __half* out,      \
+                                                           long long n_elements) {                   \
+        dequant_quant<T>(w, out, n_elements);                                                         \
+    }                                                                                                 \
+    extern "C" __global__ void tandem_dequant_##name##_f32(const unsigned char* w, float* out,       \
                                                            long long n_elements) {                   \
         dequant_quant<T>(w, out, n_elements);                                                         \
     }
@@ -64,6 +76,30 @@ extern "C" __global__ void tandem_dequant_bf16_f16(const unsigned char* w, __hal
     const uint16_t* src = reinterpret_cast<const uint16_t*>(w);
     for (long long i = grid_start(); i < n_elements; i += grid_step()) {
         out[i] = __float2half_rn(__uint_as_float((uint32_t)src[i] << 16));
+    }
+}
+
+// (w: n_elements f32, out: n_elements f32, n_elements) — a copy, so every type has an entry point.
+extern "C" __global__ void tandem_dequant_f32_f32(const unsigned char* w, float* out, long long n_elements) {
+    const float* src = reinterpret_cast<const float*>(w);
+    for (long long i = grid_start(); i < n_elements; i += grid_step()) {
+        out[i] = src[i];
+    }
+}
+
+// (w: n_elements f16, out: n_elements f32, n_elements)
+extern "C" __global__ void tandem_dequant_f16_f32(const unsigned char* w, float* out, long long n_elements) {
+    const __half* src = reinterpret_cast<const __half*>(w);
+    for (long long i = grid_start(); i < n_elements; i += grid_step()) {
+        out[i] = __half2float(src[i]);
+    }
+}
+
+// (w: n_elements bf16, out: n_elements f32, n_elements)
+extern "C" __global__ void tandem_dequant_bf16_f32(const unsigned char* w, float* out, long long n_elements) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(w);
+    for (long long i = grid_start(); i < n_elements; i += grid_step()) {
+        out[i] = __uint_as_float((uint32_t)src[i] << 16);
     }
 }
 

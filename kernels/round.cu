@@ -28,8 +28,10 @@ extern "C" __global__ void __launch_bounds__(ROUND_THREADS)
         if (b < n_blocks) {
             const float d = __half2float(__float2half_rn(max / 127.0f));
             const float id = max != 0.0f ? 127.0f / max : 0.0f;
-            // Half to even, as the x86 quantizer's add-and-subtract of 1.5 * 2^23 does.
-            const float q = (v * id + 12582912.0f) - 12582912.0f;
+            // Half to even, as the x86 quantizer's add-and-subtract of 1.5 * 2^23 does; the
+            // product rounded on its own first (__fmul_rn is never fused into an FMA), as the
+            // CPU rounds it, or values near a half would land on the other integer.
+            const float q = (__fmul_rn(v, id) + 12582912.0f) - 12582912.0f;
             yr[b * 32 + lane] = d * q;
         }
     }
@@ -85,8 +87,9 @@ extern "C" __global__ void __launch_bounds__(ROUND_THREADS)
             yr[b * 256 + i] = 0.0f;
         } else {
             const float iscale = -127.0f / max;
-            // nearest_int: add 1.5 * 2^23 and read the mantissa (half to even).
-            const float t = iscale * v + 12582912.0f;
+            // nearest_int: add 1.5 * 2^23 and read the mantissa (half to even), the product
+            // rounded first as on the CPU (no FMA).
+            const float t = __fmul_rn(iscale, v) + 12582912.0f;
             int q = (int)(__float_as_uint(t) & 0x007fffff) - 0x00400000;
             q = min(q, 127);
             yr[b * 256 + i] = (1.0f / iscale) * (float)q;

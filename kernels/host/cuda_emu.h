@@ -178,6 +178,10 @@ inline float __expf(float x) {
 inline float __fdividef(float a, float b) {
     return a / b;
 }
+// A product rounded on its own (the emulator is built with -ffp-contract=off: nothing fuses).
+inline float __fmul_rn(float a, float b) {
+    return a * b;
+}
 template <typename T>
 inline T __ldg(const T* p) {
     return *p;

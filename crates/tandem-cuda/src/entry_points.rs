@@ -2,7 +2,7 @@
 // Read by the runtime to find the kernels in the loaded images, and by build.rs (include!) to
 // register the host-emulated ones: keep it a plain list.
 
-/// Weight types with a `tandem_matvec_<t>` and a `tandem_dequant_<t>_f16` kernel, by ggml name.
+/// Weight types with a `tandem_matvec_<t>` and `tandem_dequant_<t>_f16` / `_f32` kernels, by ggml name.
 pub const MATVEC_TYPE_NAMES: [&str; 10] =
     ["f32", "f16", "bf16", "q4_0", "q5_0", "q8_0", "q4_K", "q5_K", "q6_K", "iq4_xs"];
 
@@ -37,6 +37,7 @@ pub fn all_entry_points() -> Vec<(&'static str, String)> {
     for t in MATVEC_TYPE_NAMES {
         v.push(("matvec", format!("tandem_matvec_{t}")));
         v.push(("dequant", format!("tandem_dequant_{t}_f16")));
+        v.push(("dequant", format!("tandem_dequant_{t}_f32")));
     }
     for c in CACHE_TYPE_NAMES {
         v.push(("kv", format!("tandem_kv_store_{c}")));

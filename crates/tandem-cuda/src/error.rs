@@ -6,6 +6,8 @@
 pub enum Error {
     #[error("tandem was built without CUDA support")]
     BuiltWithoutCuda,
+    #[error("TANDEM_CUDA_GEMM={0}: use f32 (the default) or f16")]
+    GemmSetting(String),
     #[error("no CUDA driver found: libcuda.so could not be loaded")]
     NoDriver,
     #[error("the CUDA driver failed to {what}: {reason}")]

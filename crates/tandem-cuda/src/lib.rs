@@ -32,7 +32,7 @@ pub use half::f16;
 pub use image::{Image, ImageKind};
 pub use ledger::{Counts, Ledger};
 pub use memory::DeviceBuffer;
-pub use runtime::{Reading, Runtime};
+pub use runtime::{DequantOut, GemmPrecision, Reading, Runtime};
 pub use tandem_quant::GgmlType;
 
 /// Whether this build has the CUDA runtime (the `cuda` feature).
@@ -291,9 +291,9 @@ pub fn matvec_name(t: GgmlType) -> String {
     format!("tandem_matvec_{}", t.name())
 }
 
-/// `tandem_dequant_<t>_f16`.
-pub fn dequant_name(t: GgmlType) -> String {
-    format!("tandem_dequant_{}_f16", t.name())
+/// `tandem_dequant_<t>_f16`, or `_f32` with `f32`.
+pub fn dequant_name(t: GgmlType, f32: bool) -> String {
+    format!("tandem_dequant_{}_{}", t.name(), if f32 { "f32" } else { "f16" })
 }
 
 /// Bytes of `rows` rows of `cols` values of weight type `t`, or an error naming the shape.
@@ -318,7 +318,9 @@ mod tests {
         assert!(e.iter().any(|(f, n)| *f == "dequant" && n == "tandem_dequant_iq4_xs_f16"));
         assert!(e.iter().any(|(f, n)| *f == "attention" && n == "tandem_attn_mla_q8_0"));
         assert!(e.iter().any(|(f, n)| *f == "kv" && n == "tandem_kv_store_bf16"));
-        assert_eq!(e.len(), 18 + 2 * MATVEC_TYPE_NAMES.len() + 3 * CACHE_TYPE_NAMES.len());
+        assert!(e.iter().any(|(f, n)| *f == "dequant" && n == "tandem_dequant_q6_K_f32"));
+        // matvec, dequant to f16 and to f32 per weight type; store, attn and attn_mla per cache type.
+        assert_eq!(e.len(), 18 + 3 * MATVEC_TYPE_NAMES.len() + 3 * CACHE_TYPE_NAMES.len());
         for (t, n) in MATVEC_TYPES.iter().zip(MATVEC_TYPE_NAMES) {
             assert_eq!(t.name(), n);
         }

@@ -14,8 +14,8 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 use tandem_quant::GgmlType;
 
-/// Elements of a weight dequantized to f16 at once for a prefill gemm (64 MiB of f16).
-const GEMM_CHUNK_ELEMS: usize = 32 << 20;
+/// Elements of a weight dequantized at once for a prefill gemm (64 MiB of f32).
+const GEMM_CHUNK_ELEMS: usize = 16 << 20;
 /// Threads per block of the 1-D kernels (kernels/ABI.md).
 const BLOCK_1D: u32 = 256;
 /// Most blocks of a grid-stride kernel.
@@ -29,13 +29,50 @@ macro_rules! args {
     ($($a:expr),* $(,)?) => { [$(&$a as *const _ as *mut c_void),*] };
 }
 
-/// f16 scratch of the prefill gemm: the dequantized weight chunk, the scaled activations and
-/// their per-token scales.
+/// How a prefill gemm (more than [`MAX_MATVEC_TOKENS`] tokens) multiplies a quantized weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmPrecision {
+    /// The weight dequantized to f32 and an f32 gemm (cuBLAS `CUBLAS_COMPUTE_32F`, no TF32): the
+    /// products of the values given, so activations rounded as the CPU rounds them
+    /// (`Runtime::round_acts`) give the CPU's results up to float order. The default.
+    F32,
+    /// The weight dequantized to f16 and the activations scaled per token into f16's range, an
+    /// f16 gemm with f32 accumulation (tensor cores): faster, but each value rounded to 11 bits,
+    /// so prefill logits move by the rounding the CPU does not do (`TANDEM_CUDA_GEMM=f16`).
+    F16,
+}
+
+impl GemmPrecision {
+    /// `TANDEM_CUDA_GEMM`: `f32` (or unset) or `f16`.
+    pub fn from_env() -> Result<GemmPrecision> {
+        match std::env::var("TANDEM_CUDA_GEMM") {
+            Err(_) => Ok(GemmPrecision::F32),
+            Ok(v) if v == "f32" => Ok(GemmPrecision::F32),
+            Ok(v) if v == "f16" => Ok(GemmPrecision::F16),
+            Ok(v) => Err(Error::GemmSetting(v)),
+        }
+    }
+}
+
+/// Scratch of the prefill gemm: the dequantized weight chunk (f32, or f16 bits), and for the f16
+/// gemm the scaled activations and their per-token scales.
 #[derive(Default)]
 struct GemmScratch {
+    w32: Option<DeviceBuffer<f32>>,
     w: Option<DeviceBuffer<u16>>,
     x: Option<DeviceBuffer<u16>>,
     scales: Option<DeviceBuffer<f32>>,
+}
+
+/// The element types [`Runtime::dequant`] writes: f32, or f16 as its bits.
+pub trait DequantOut {
+    const F32: bool;
+}
+impl DequantOut for f32 {
+    const F32: bool = true;
+}
+impl DequantOut for u16 {
+    const F32: bool = false;
 }
 
 /// A copy to the host in flight ([`Runtime::read_begin`]).
@@ -53,6 +90,7 @@ pub struct Runtime {
     ledger: Ledger,
     emulated: bool,
     gemm: Mutex<GemmScratch>,
+    precision: GemmPrecision,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -88,9 +126,27 @@ fn grid_yz(n: usize, what: &str) -> Result<u32> {
 }
 
 impl Runtime {
-    fn new(drv: Arc<dyn Driver>, emulated: bool) -> Runtime {
+    fn new(drv: Arc<dyn Driver>, emulated: bool) -> Result<Runtime> {
         let pool = Pool::new(drv.clone());
-        Runtime { drv, pool, ledger: Ledger::default(), emulated, gemm: Mutex::new(GemmScratch::default()) }
+        let precision = GemmPrecision::from_env()?;
+        Ok(Runtime {
+            drv,
+            pool,
+            ledger: Ledger::default(),
+            emulated,
+            gemm: Mutex::new(GemmScratch::default()),
+            precision,
+        })
+    }
+
+    /// How prefill gemms multiply quantized weights (`TANDEM_CUDA_GEMM`, read when the runtime opened).
+    pub fn gemm_precision(&self) -> GemmPrecision {
+        self.precision
+    }
+
+    /// Sets how prefill gemms multiply quantized weights.
+    pub fn set_gemm_precision(&mut self, p: GemmPrecision) {
+        self.precision = p;
     }
 
     /// Opens CUDA device `ordinal` and loads `images` (the root's `tandem::kernels::images()`):
@@ -98,7 +154,7 @@ impl Runtime {
     pub fn open(images: &[Image], ordinal: usize) -> Result<Runtime> {
         #[cfg(feature = "cuda")]
         {
-            Ok(Runtime::new(Arc::new(crate::cuda::Cuda::open(images, ordinal)?), false))
+            Runtime::new(Arc::new(crate::cuda::Cuda::open(images, ordinal)?), false)
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -112,7 +168,7 @@ impl Runtime {
     pub fn emulated() -> Result<Runtime> {
         #[cfg(feature = "emulate")]
         {
-            Ok(Runtime::new(Arc::new(crate::emu::Emulator::new()?), true))
+            Runtime::new(Arc::new(crate::emu::Emulator::new()?), true)
         }
         #[cfg(not(feature = "emulate"))]
         {
@@ -583,8 +639,10 @@ impl Runtime {
     }
 
     /// `y[t] = W x[t]` for `n_tokens` rows of `x` (`[n][cols]`, output `[n][rows]`): the matvec
-    /// kernel 8 tokens at a time, or beyond 8 tokens (with cuBLAS) the weight dequantized to f16
-    /// in chunks of rows and a gemm on the activations scaled per token into f16's range.
+    /// kernel 8 tokens at a time, or beyond 8 tokens (with cuBLAS) the weight dequantized in chunks
+    /// of rows and a gemm, as [`Runtime::gemm_precision`] says. Both take `x` as it is (the
+    /// caller rounds it as the CPU would, see [`Runtime::round_acts`]), except that the f16 gemm
+    /// rounds it to f16.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
@@ -597,11 +655,12 @@ impl Runtime {
         cols: usize,
         n_tokens: usize,
     ) -> Result<()> {
+        let f16 = self.precision == GemmPrecision::F16;
         let gemm_ok = self.has_cublas()
             && (ty == GgmlType::F32
-                || (self.has_kernel(&dequant_name(ty))
-                    && self.has_kernel("tandem_f32_to_f16_scaled")
-                    && self.has_kernel("tandem_scale_rows_f32")));
+                || (self.has_kernel(&dequant_name(ty, !f16))
+                    && (!f16
+                        || (self.has_kernel("tandem_f32_to_f16_scaled") && self.has_kernel("tandem_scale_rows_f32")))));
         if n_tokens <= MAX_MATVEC_TOKENS || !gemm_ok {
             for t0 in (0..n_tokens).step_by(MAX_MATVEC_TOKENS) {
                 let n = (n_tokens - t0).min(MAX_MATVEC_TOKENS);
@@ -622,8 +681,21 @@ impl Runtime {
             return self.drv.gemm(&Gemm { a: wp, b: xp, c: yp, m, n, k, ldc: m, f16_inputs: false });
         }
         let mut scratch = self.gemm.lock().map_err(|_| Error::Shape("gemm scratch lock poisoned".into()))?;
-        let GemmScratch { w: ws, x: xs, scales } = &mut *scratch;
+        let GemmScratch { w32, w: ws, x: xs, scales } = &mut *scratch;
         let chunk_rows = (GEMM_CHUNK_ELEMS / cols.max(1)).clamp(1, rows.max(1));
+        let row_bytes = weight_bytes(ty, 1, cols)?;
+        if !f16 {
+            let wf = self.scratch(w32, chunk_rows * cols, "a dequantized weight chunk (f32)")?;
+            for r0 in (0..rows).step_by(chunk_rows) {
+                let nr = (rows - r0).min(chunk_rows);
+                self.dequant(ty, w, w_off + r0 * row_bytes, wf, nr * cols)?;
+                let yp_r = y.at(r0, (n_tokens - 1) * rows + nr, "gemm y")?;
+                self.ledger.launch(1);
+                let a = wf.at(0, nr * cols, "gemm")?;
+                self.drv.gemm(&Gemm { a, b: xp, c: yp_r, m: nr as i32, n, k, ldc: m, f16_inputs: false })?;
+            }
+            return Ok(());
+        }
         let xh = self.scratch(xs, n_tokens * cols, "prefill activations (f16)")?;
         let sc = self.scratch(scales, n_tokens, "prefill activation scales")?;
         {
@@ -637,10 +709,9 @@ impl Runtime {
         }
         let xh_p = xh.at(0, n_tokens * cols, "gemm")?;
         let wh = self.scratch(ws, chunk_rows * cols, "a dequantized weight chunk (f16)")?;
-        let row_bytes = weight_bytes(ty, 1, cols)?;
         for r0 in (0..rows).step_by(chunk_rows) {
             let nr = (rows - r0).min(chunk_rows);
-            self.dequant_f16(ty, w, w_off + r0 * row_bytes, wh, nr * cols)?;
+            self.dequant(ty, w, w_off + r0 * row_bytes, wh, nr * cols)?;
             let yp_r = y.at(r0, (n_tokens - 1) * rows + nr, "gemm y")?;
             self.ledger.launch(1);
             self.drv.gemm(&Gemm {
@@ -671,13 +742,14 @@ impl Runtime {
         slot.as_ref().ok_or_else(|| Error::Shape(format!("{what}: no scratch buffer")))
     }
 
-    /// `out[..n] = f16(W)` (as bits) for the `n` values of a weight of type `ty` at byte `w_off`.
-    pub fn dequant_f16(
+    /// `out[..n] = W` for the `n` values of a weight of type `ty` at byte `w_off`, as f32 or as f16
+    /// bits (rounded to nearest), by the type of `out`.
+    pub fn dequant<T: Elem + DequantOut>(
         &self,
         ty: GgmlType,
         w: &DeviceBuffer<u8>,
         w_off: usize,
-        out: &DeviceBuffer<u16>,
+        out: &DeviceBuffer<T>,
         n: usize,
     ) -> Result<()> {
         if !MATVEC_TYPES.contains(&ty) {
@@ -685,7 +757,7 @@ impl Runtime {
         }
         let wp = w.at(w_off, weight_bytes(ty, 1, n)?, "dequant weight")?;
         let (op, n64) = (out.at(0, n, "dequant out")?, n as i64);
-        self.launch_1d(&dequant_name(ty), n, &mut args![wp, op, n64])
+        self.launch_1d(&dequant_name(ty, T::F32), n, &mut args![wp, op, n64])
     }
 
     /// The first `cols` values of `n_rows` rows of `x` (`x_stride` apart) rounded as ggml's CPU

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use tandem_cpu::RopeStyle;
 use tandem_cuda::{
-    AttnShape as CuAttn, Batched, CacheKind, CopyRows, DeviceBuffer, KvMeta, Runtime, MAX_MATVEC_TOKENS,
+    AttnShape as CuAttn, Batched, CacheKind, CopyRows, DeviceBuffer, GemmPrecision, KvMeta, Runtime, MAX_MATVEC_TOKENS,
 };
 use tandem_gguf::{GgmlType, GgufModel};
 use tandem_quant::dequantize_row;
@@ -124,10 +124,12 @@ impl CudaDevice {
     }
 
     /// `y = W x` for the rows of `x` (`[n][cols]`), the input rounded as the CPU rounds it for
-    /// `W`'s type where the products run as matvecs (see [`CudaDevice::rounded`]).
+    /// `W`'s type (see [`CudaDevice::rounded`]) unless the product is an f16 gemm
+    /// (`TANDEM_CUDA_GEMM=f16`, which rounds to f16 itself).
     fn matmul_into(&self, w: &Weight, x: &DeviceBuffer<f32>, n: usize, y: &DeviceBuffer<f32>) -> Result<()> {
         let dw = self.weight(w)?;
-        let xr = self.rounded(dw.ty, x, n, w.cols(), w.cols(), n <= MAX_MATVEC_TOKENS)?;
+        let f32_gemm = self.rt.gemm_precision() == GemmPrecision::F32;
+        let xr = self.rounded(dw.ty, x, n, w.cols(), w.cols(), n <= MAX_MATVEC_TOKENS || f32_gemm)?;
         let x = xr.as_ref().unwrap_or(x);
         self.rt.matmul(dw.ty, &dw.buf, 0, x, y, w.rows(), w.cols(), n).map_err(self.named(&w.name))
     }
@@ -135,9 +137,9 @@ impl CudaDevice {
     /// The first `cols` values of `n_rows` rows of `x` (`stride` apart) as ggml's CPU backend
     /// rounds activations for weights of type `ty` (Q8_0 or Q8_K blocks, f16, bf16), in a new
     /// buffer of the same layout; `None` where the values are used as they are (f32 weights, or
-    /// not `matvec`: a prefill gemm rounds its inputs to f16 itself). So a decode step's products
-    /// see the values llama.cpp's CPU path sees, and the GPU's logits stay as close to llama.cpp's
-    /// as the CPU's (the kernels' f32 sums differ from the CPU's integer ones by float order only).
+    /// not `round`). So the products see the values llama.cpp's CPU path sees, and the GPU's
+    /// logits stay as close to llama.cpp's as the CPU's (the kernels' and cuBLAS's f32 sums differ
+    /// from the CPU's integer ones by float order only).
     fn rounded(
         &self,
         ty: GgmlType,
@@ -145,9 +147,9 @@ impl CudaDevice {
         n_rows: usize,
         cols: usize,
         stride: usize,
-        matvec: bool,
+        round: bool,
     ) -> Result<Option<DeviceBuffer<f32>>> {
-        if !matvec
+        if !round
             || !matches!(
                 tandem_quant::vec_dot_type(ty),
                 GgmlType::Q8_0 | GgmlType::Q8_K | GgmlType::F16 | GgmlType::BF16
