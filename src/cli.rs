@@ -75,6 +75,21 @@ pub fn normalize_args<I: IntoIterator<Item = OsString>>(args: I) -> Vec<OsString
 
 /// A command-line parser's error message in one line: its lines joined, without the usage
 /// summary and the pointer to `--help` (which the line ends with instead).
+/// `message` safe to print on one line of a terminal: control characters (newlines, escape
+/// sequences, carriage returns), which may come from a model file's keys and strings, are written as
+/// `\n`, `\u{1b}`.
+pub fn printable(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    for c in message.chars() {
+        if c.is_control() {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 pub fn one_line(message: &str) -> String {
     let parts: Vec<&str> = message
         .lines()
@@ -395,6 +410,11 @@ mod tests {
             "the following required arguments were not provided: --model <FILE> (see --help)"
         );
         assert_eq!(one_line("error: unexpected argument '-x' found\n"), "unexpected argument '-x' found (see --help)");
+    }
+
+    #[test]
+    fn file_bytes_print_on_one_line() {
+        assert_eq!(printable("key 'a\nb\x1b[31m\r' é"), "key 'a\\nb\\u{1b}[31m\\r' é");
     }
 
     #[test]

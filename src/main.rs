@@ -124,7 +124,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("tandem: error: {e:#}");
+            eprintln!("tandem: error: {}", tandem::cli::printable(&format!("{e:#}")));
             ExitCode::FAILURE
         }
     }

@@ -1,6 +1,7 @@
 //! Hyperparameters shared by the architectures, read from GGUF metadata as llama.cpp reads them
 //! (src/llama-model.cpp `load_hparams`, src/llama-context.cpp for the YaRN attention factor).
 
+use crate::weights::WeightLoader;
 use crate::{model_err, Result};
 use tandem_cpu::{RopeParams, RopeStyle};
 use tandem_gguf::Metadata;
@@ -32,6 +33,15 @@ impl Arch {
     }
 }
 
+/// Bounds of hyperparameters (`Keys::count`): far above any real model (Kimi K2: 7168 wide, 64
+/// heads of 192, 384 experts of 2048), far below what would overflow or exhaust memory when
+/// multiplied together.
+pub(crate) const MAX_WIDTH: usize = 1 << 20;
+pub(crate) const MAX_HEADS: usize = 1 << 12;
+pub(crate) const MAX_HEAD_DIM: usize = 1 << 12;
+pub(crate) const MAX_EXPERTS: usize = 1 << 16;
+pub(crate) const MAX_CTX: usize = 1 << 30;
+
 /// Reads `{arch}.KEY` keys.
 pub(crate) struct Keys<'a> {
     pub md: &'a Metadata,
@@ -48,11 +58,96 @@ impl Keys<'_> {
     pub fn opt_u32(&self, key: &str) -> Result<Option<usize>> {
         Ok(self.md.opt_u32(&self.k(key))?.map(|v| v as usize))
     }
+    /// A float hyperparameter: every one of them must be a finite number.
     pub fn f32(&self, key: &str) -> Result<f32> {
-        Ok(self.md.get_f32(&self.k(key))?)
+        self.finite(key, self.md.get_f32(&self.k(key))?)
     }
     pub fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
-        Ok(self.md.opt_f32(&self.k(key))?)
+        self.md.opt_f32(&self.k(key))?.map(|v| self.finite(key, v)).transpose()
+    }
+    fn finite(&self, key: &str, v: f32) -> Result<f32> {
+        if v.is_finite() {
+            Ok(v)
+        } else {
+            Err(model_err(format!("{} = {v}: not a finite number", self.k(key))))
+        }
+    }
+    /// A count or size that must lie in `min..=max`: the bounds no real model comes near, so a
+    /// corrupt value is refused before anything is sized from it.
+    pub fn count(&self, key: &str, min: usize, max: usize) -> Result<usize> {
+        let v = self.u32(key)?;
+        self.in_range(key, v, min, max)
+    }
+    pub fn opt_count(&self, key: &str, min: usize, max: usize) -> Result<Option<usize>> {
+        self.opt_u32(key)?.map(|v| self.in_range(key, v, min, max)).transpose()
+    }
+    pub fn in_range(&self, key: &str, v: usize, min: usize, max: usize) -> Result<usize> {
+        if (min..=max).contains(&v) {
+            Ok(v)
+        } else {
+            Err(model_err(format!("{} = {v}: must be between {min} and {max}", self.k(key))))
+        }
+    }
+    /// `block_count`: at least one layer, and no more than the file has tensors for (`blk.N.`).
+    pub fn block_count(&self, l: &WeightLoader) -> Result<usize> {
+        let in_file = l
+            .gguf()
+            .tensors()
+            .filter_map(|t| t.info.name.strip_prefix("blk.")?.split('.').next()?.parse::<usize>().ok())
+            .max()
+            .map_or(0, |m| m + 1);
+        let n = self.u32("block_count")?;
+        if n == 0 || n > in_file {
+            return Err(model_err(format!(
+                "{} = {n}: the file has tensors for {in_file} layers (blk.0 .. blk.{})",
+                self.k("block_count"),
+                in_file.saturating_sub(1)
+            )));
+        }
+        Ok(n)
+    }
+    /// `(n_head, n_head_kv, head_dim)` of grouped-query attention: KV heads that divide the heads,
+    /// the head size `key_length` or `n_embd / n_head`.
+    pub fn gqa_heads(&self, n_embd: usize) -> Result<(usize, usize, usize)> {
+        let n_head = self.count("attention.head_count", 1, MAX_HEADS)?;
+        let n_head_kv = match self.uniform_u32("attention.head_count_kv")? {
+            Some(n) => self.in_range("attention.head_count_kv", n, 1, n_head)?,
+            None => n_head,
+        };
+        if !n_head.is_multiple_of(n_head_kv) {
+            return Err(model_err(format!(
+                "{} = {n_head_kv}: must divide the {n_head} heads",
+                self.k("attention.head_count_kv")
+            )));
+        }
+        let head_dim = match self.opt_u32("attention.key_length")? {
+            Some(d) => d,
+            None => n_embd / n_head,
+        };
+        let head_dim = self.in_range("attention.key_length", head_dim, 1, MAX_HEAD_DIM)?;
+        Ok((n_head, n_head_kv, head_dim))
+    }
+    /// `layer_norm_rms_epsilon`: finite and positive.
+    pub fn eps(&self) -> Result<f32> {
+        let key = "attention.layer_norm_rms_epsilon";
+        let eps = self.f32(key)?;
+        if eps > 0.0 && eps < 1.0 {
+            Ok(eps)
+        } else {
+            Err(model_err(format!("{} = {eps}: must be above 0 and below 1", self.k(key))))
+        }
+    }
+    /// `rope.dimension_count` of a head of `head_dim` values: even and at most the head.
+    pub fn rope_dims(&self, head_dim: usize) -> Result<usize> {
+        let key = "rope.dimension_count";
+        let n_rot = self.opt_u32(key)?.unwrap_or(head_dim);
+        if n_rot % 2 != 0 || n_rot > head_dim {
+            return Err(model_err(format!(
+                "{} = {n_rot}: must be even and at most the head size {head_dim}",
+                self.k(key)
+            )));
+        }
+        Ok(n_rot)
     }
     pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
         Ok(self.md.opt_bool(&self.k(key))?)
@@ -98,11 +193,17 @@ impl RopeConfig {
         n_ctx_train: usize,
     ) -> Result<RopeConfig> {
         let freq_base = keys.opt_f32("rope.freq_base")?.unwrap_or(10000.0);
+        if freq_base <= 0.0 {
+            return Err(model_err(format!("{} = {freq_base}: must be above 0", keys.k("rope.freq_base"))));
+        }
         let scaling = keys.md.opt_str(&keys.k("rope.scaling.type"))?.unwrap_or("linear").to_string();
         let factor = match keys.opt_f32("rope.scaling.factor")? {
             Some(f) => f,
             None => keys.opt_f32("rope.scale_linear")?.unwrap_or(0.0),
         };
+        if factor < 0.0 {
+            return Err(model_err(format!("{} = {factor}: must not be negative", keys.k("rope.scaling.factor"))));
+        }
         let mut freq_scale = if factor == 0.0 { 1.0 } else { 1.0 / factor };
         let yarn = match scaling.as_str() {
             "none" => {
@@ -118,7 +219,7 @@ impl RopeConfig {
                 )))
             }
         };
-        let n_ctx_orig = keys.opt_u32("rope.scaling.original_context_length")?.unwrap_or(n_ctx_train);
+        let n_ctx_orig = keys.opt_count("rope.scaling.original_context_length", 1, MAX_CTX)?.unwrap_or(n_ctx_train);
         let rope_attn_factor = keys.opt_f32("rope.scaling.attn_factor")?.unwrap_or(1.0);
         let mut yarn_log_mul = keys.opt_f32("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0);
         if arch == Arch::Deepseek2 && keys.md.contains(&keys.k("rope.scaling.yarn_log_multiplier")) {

@@ -97,7 +97,7 @@ impl Model {
         let arch = Arch::from_name(md.get_str("general.architecture")?)?;
         let keys = Keys { md, arch: arch.name() };
         let loader = WeightLoader::with_repack(gguf.clone(), repack);
-        let n_embd = keys.u32("embedding_length")?;
+        let n_embd = keys.count("embedding_length", 1, crate::config::MAX_WIDTH)?;
         let head = Head::load(&loader, n_embd)?;
         let layers: Box<dyn Layers> = match arch {
             Arch::Llama => Box::new(llama::Llama::load(&keys, &loader, n_embd)?),
@@ -106,7 +106,7 @@ impl Model {
         };
         // DeepSeek V3's multi-token-prediction layer (`blk.N.nextn.*`) is not used for decoding.
         loader.check_all_used(|name| name.contains(".nextn."))?;
-        let n_ctx_train = keys.u32("context_length")?;
+        let n_ctx_train = keys.count("context_length", 1, crate::config::MAX_CTX)?;
         let packables = loader.packables();
         let raw_readers = loader.raw_readers();
         Ok(Model { arch, gguf, head, layers, n_ctx_train, packables, raw_readers })

@@ -7,7 +7,7 @@
 //! `leading_dense_block_count` dense ones, with shared experts.
 
 use crate::common::{AttnShape, Ffn, Ubatch};
-use crate::config::{Arch, Keys, RopeConfig};
+use crate::config::{Arch, Keys, RopeConfig, MAX_CTX, MAX_EXPERTS, MAX_HEADS, MAX_HEAD_DIM, MAX_WIDTH};
 use crate::context::Layers;
 use crate::exec::{Copy2d, DevId, Exec, Heads, MlaShape, Rows, Tensor};
 use crate::kv_cache::{KvCache, KvLayout};
@@ -62,22 +62,29 @@ pub(crate) struct Deepseek2 {
 
 impl Deepseek2 {
     pub fn load(keys: &Keys, l: &WeightLoader, n_embd: usize) -> Result<Deepseek2> {
-        let n_layer = keys.u32("block_count")?;
+        let n_layer = keys.block_count(l)?;
         let n_head = keys.uniform_u32("attention.head_count")?.ok_or_else(|| model_err("missing head_count"))?;
-        let n_rot = keys.u32("rope.dimension_count")?;
-        let kv_lora = keys.u32("attention.kv_lora_rank")?;
-        let q_lora = keys.opt_u32("attention.q_lora_rank")?.unwrap_or(0);
-        let k_mla = keys.opt_u32("attention.key_length_mla")?.unwrap_or(0);
-        let v_mla = keys.opt_u32("attention.value_length_mla")?.unwrap_or(0);
+        let n_head = keys.in_range("attention.head_count", n_head, 1, MAX_HEADS)?;
+        let kv_lora = keys.count("attention.kv_lora_rank", 1, MAX_WIDTH)?;
+        let q_lora = keys.opt_count("attention.q_lora_rank", 0, MAX_WIDTH)?.unwrap_or(0);
+        let k_mla = keys.opt_count("attention.key_length_mla", 0, MAX_HEAD_DIM)?.unwrap_or(0);
+        let v_mla = keys.opt_count("attention.value_length_mla", 0, MAX_HEAD_DIM)?.unwrap_or(0);
         let mla = k_mla != 0 && v_mla != 0;
-        let (dk, dv) =
-            if mla { (k_mla, v_mla) } else { (keys.u32("attention.key_length")?, keys.u32("attention.value_length")?) };
+        let (dk, dv) = if mla {
+            (k_mla, v_mla)
+        } else {
+            (
+                keys.count("attention.key_length", 1, MAX_HEAD_DIM)?,
+                keys.count("attention.value_length", 1, MAX_HEAD_DIM)?,
+            )
+        };
+        let n_rot = keys.rope_dims(dk)?;
         if dk <= n_rot {
             return Err(model_err(format!("deepseek2: key length {dk} must exceed the rope dimension {n_rot}")));
         }
         let nope = dk - n_rot;
-        let eps = keys.f32("attention.layer_norm_rms_epsilon")?;
-        let n_ctx_train = keys.u32("context_length")?;
+        let eps = keys.eps()?;
+        let n_ctx_train = keys.count("context_length", 1, MAX_CTX)?;
         let rope = RopeConfig::load(keys, Arch::Deepseek2, n_rot, RopeStyle::Norm, n_ctx_train)?;
         // llama.cpp pre-scales kq_scale for YaRN (deepseek2.cpp, TAG_DEEPSEEK2_YARN_LOG_MUL_FIX).
         let inv_fs_ln = (1.0 / rope.params.freq_scale).ln();
@@ -85,20 +92,21 @@ impl Deepseek2 {
         let mscale = attn_factor_org * (1.0 + 0.1 * rope.yarn_log_mul * inv_fs_ln);
         let kq_scale = mscale * mscale / (dk as f32).sqrt();
 
-        let n_dense = keys.opt_u32("leading_dense_block_count")?.unwrap_or(0);
-        let n_ff = keys.opt_u32("feed_forward_length")?.unwrap_or(0);
-        let n_expert = keys.opt_u32("expert_count")?.unwrap_or(0);
+        let n_dense = keys.opt_count("leading_dense_block_count", 0, n_layer)?.unwrap_or(0);
+        let n_ff = keys.opt_count("feed_forward_length", 0, MAX_WIDTH)?.unwrap_or(0);
+        let n_expert = keys.opt_count("expert_count", 0, MAX_EXPERTS)?.unwrap_or(0);
         let routing = Routing {
             n_expert,
-            n_used: keys.opt_u32("expert_used_count")?.unwrap_or(0),
+            n_used: keys.opt_count("expert_used_count", 0, MAX_EXPERTS)?.unwrap_or(0),
             gating: Gating::from_id(keys.opt_u32("expert_gating_func")?.unwrap_or(0))?,
             norm_weights: keys.opt_bool("expert_weights_norm")?.unwrap_or(false),
             scale: keys.opt_f32("expert_weights_scale")?.unwrap_or(0.0),
-            n_group: keys.opt_u32("expert_group_count")?.unwrap_or(0),
-            n_group_used: keys.opt_u32("expert_group_used_count")?.unwrap_or(0),
+            n_group: keys.opt_count("expert_group_count", 0, MAX_EXPERTS)?.unwrap_or(0),
+            n_group_used: keys.opt_count("expert_group_used_count", 0, MAX_EXPERTS)?.unwrap_or(0),
         };
         let n_ff_exp = keys.uniform_u32("expert_feed_forward_length")?.unwrap_or(0);
-        let n_shared = keys.opt_u32("expert_shared_count")?.unwrap_or(0);
+        let n_ff_exp = keys.in_range("expert_feed_forward_length", n_ff_exp, 0, MAX_WIDTH)?;
+        let n_shared = keys.opt_count("expert_shared_count", 0, 64)?.unwrap_or(0);
 
         let mut layers = Vec::with_capacity(n_layer);
         for il in 0..n_layer {

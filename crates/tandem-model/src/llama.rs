@@ -2,7 +2,7 @@
 //! SmolLM2-135M-Instruct is the real model this is checked against.
 
 use crate::common::{AttnShape, Ffn, Ubatch};
-use crate::config::{Arch, Keys, RopeConfig};
+use crate::config::{Arch, Keys, RopeConfig, MAX_CTX, MAX_WIDTH};
 use crate::context::Layers;
 use crate::exec::{DevId, Exec, Heads, Rows, Tensor};
 use crate::kv_cache::{KvCache, KvLayout};
@@ -139,14 +139,12 @@ pub(crate) struct Llama;
 
 impl Llama {
     pub fn load(keys: &Keys, l: &WeightLoader, n_embd: usize) -> Result<GqaLayers> {
-        let n_layer = keys.u32("block_count")?;
-        let n_head = keys.u32("attention.head_count")?;
-        let n_head_kv = keys.uniform_u32("attention.head_count_kv")?.unwrap_or(n_head);
-        let head_dim = keys.opt_u32("attention.key_length")?.unwrap_or(n_embd / n_head.max(1));
-        let n_ff = keys.u32("feed_forward_length")?;
-        let eps = keys.f32("attention.layer_norm_rms_epsilon")?;
-        let n_ctx_train = keys.u32("context_length")?;
-        let n_rot = keys.opt_u32("rope.dimension_count")?.unwrap_or(head_dim);
+        let n_layer = keys.block_count(l)?;
+        let (n_head, n_head_kv, head_dim) = keys.gqa_heads(n_embd)?;
+        let n_ff = keys.count("feed_forward_length", 1, MAX_WIDTH)?;
+        let eps = keys.eps()?;
+        let n_ctx_train = keys.count("context_length", 1, MAX_CTX)?;
+        let n_rot = keys.rope_dims(head_dim)?;
         let mut rope = RopeConfig::load(keys, Arch::Llama, n_rot, RopeStyle::Norm, n_ctx_train)?;
         rope.freq_factors = l.opt_vec("rope_freqs.weight", n_rot / 2)?;
         let attn_scale = keys.opt_f32("attention.scale")?.filter(|&s| s != 0.0);

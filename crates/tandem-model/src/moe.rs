@@ -59,7 +59,10 @@ pub(crate) struct ExpertPlan {
 impl Moe {
     pub fn load(l: &WeightLoader, il: usize, n_embd: usize, n_ff: usize, r: Routing) -> Result<Moe> {
         if r.n_used == 0 || r.n_used > r.n_expert {
-            return Err(model_err(format!("{} experts used of {}", r.n_used, r.n_expert)));
+            return Err(model_err(format!(
+                "expert_used_count = {}: must be between 1 and expert_count ({})",
+                r.n_used, r.n_expert
+            )));
         }
         if r.n_group > 1 && (!r.n_expert.is_multiple_of(r.n_group) || r.n_group_used == 0 || r.n_group_used > r.n_group)
         {

@@ -3,7 +3,7 @@
 //! (llama.cpp src/models/qwen3moe.cpp).
 
 use crate::common::AttnShape;
-use crate::config::{Arch, Keys, RopeConfig};
+use crate::config::{Arch, Keys, RopeConfig, MAX_CTX, MAX_EXPERTS, MAX_WIDTH};
 use crate::llama::{Gqa, GqaFfn, GqaLayer, GqaLayers, GqaWeights};
 use crate::moe::{Gating, Moe, Routing};
 use crate::weights::WeightLoader;
@@ -14,17 +14,15 @@ pub(crate) struct Qwen3Moe;
 
 impl Qwen3Moe {
     pub fn load(keys: &Keys, l: &WeightLoader, n_embd: usize) -> Result<GqaLayers> {
-        let n_layer = keys.u32("block_count")?;
-        let n_head = keys.u32("attention.head_count")?;
-        let n_head_kv = keys.uniform_u32("attention.head_count_kv")?.unwrap_or(n_head);
-        let head_dim = keys.opt_u32("attention.key_length")?.unwrap_or(n_embd / n_head.max(1));
-        let eps = keys.f32("attention.layer_norm_rms_epsilon")?;
-        let n_ctx_train = keys.u32("context_length")?;
-        let n_rot = keys.opt_u32("rope.dimension_count")?.unwrap_or(head_dim);
+        let n_layer = keys.block_count(l)?;
+        let (n_head, n_head_kv, head_dim) = keys.gqa_heads(n_embd)?;
+        let eps = keys.eps()?;
+        let n_ctx_train = keys.count("context_length", 1, MAX_CTX)?;
+        let n_rot = keys.rope_dims(head_dim)?;
         let rope = RopeConfig::load(keys, Arch::Qwen3Moe, n_rot, RopeStyle::Neox, n_ctx_train)?;
         let routing = Routing {
-            n_expert: keys.u32("expert_count")?,
-            n_used: keys.u32("expert_used_count")?,
+            n_expert: keys.count("expert_count", 1, MAX_EXPERTS)?,
+            n_used: keys.count("expert_used_count", 1, MAX_EXPERTS)?,
             gating: Gating::Softmax,
             norm_weights: true,
             // llama.cpp's qwen3moe never reads expert_weights_scale: weights are not scaled.
@@ -32,7 +30,7 @@ impl Qwen3Moe {
             n_group: 0,
             n_group_used: 0,
         };
-        let n_ff_exp = keys.u32("expert_feed_forward_length")?;
+        let n_ff_exp = keys.count("expert_feed_forward_length", 1, MAX_WIDTH)?;
         let shape = AttnShape { n_head, n_head_kv, dk: head_dim, dv: head_dim, scale: 1.0 / (head_dim as f32).sqrt() };
         let mut layers = Vec::with_capacity(n_layer);
         for il in 0..n_layer {
