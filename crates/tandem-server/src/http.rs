@@ -213,14 +213,14 @@ impl Sink for HttpSink {
     }
 }
 
-/// Submits `req` (tokenizing off the async threads) under a fresh id `PREFIX-N`.
+/// Submits `req` (tokenizing off the async threads) under a fresh random id `PREFIX-HEX`.
 async fn submit(
     state: &Arc<State>,
     mut req: Request,
     prefix: &str,
 ) -> Result<(String, mpsc::UnboundedReceiver<Event>), ApiError> {
     let engine = state.engine()?.clone();
-    req.id = format!("{prefix}-{}", state.next_id());
+    req.id = state.new_id(prefix);
     let id = req.id.clone();
     let (tx, rx) = mpsc::unbounded_channel();
     let sink = HttpSink { tx, done: false, _guard: StreamGuard::new(state.clone()) };

@@ -78,9 +78,21 @@ impl State {
         self.engine.get().map(|(_, info)| info.name.as_str())
     }
 
-    /// A fresh request number, for ids the client did not choose.
-    pub(crate) fn next_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
+    /// A fresh request id `PREFIX-` and 128 random bits in hex, for ids the client did not choose:
+    /// no client can guess another's id (to `Abort` it).
+    pub(crate) fn new_id(&self, prefix: &str) -> String {
+        let mut bits = [0u8; 16];
+        if getrandom::fill(&mut bits).is_err() {
+            // No OS randomness (never seen on Linux): std's hasher keys are random per process.
+            use std::hash::{BuildHasher, Hasher};
+            let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+            for half in bits.chunks_mut(8) {
+                let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+                h.write_u64(n);
+                half.copy_from_slice(&h.finish().to_le_bytes());
+            }
+        }
+        format!("{prefix}-{:032x}", u128::from_le_bytes(bits))
     }
 
     pub(crate) fn streams(&self) -> watch::Receiver<usize> {
@@ -150,7 +162,7 @@ impl Service {
     async fn stream(&self, mut req: tandem_engine::Request) -> Result<Response<ResponseStream>, Status> {
         let engine = self.state.engine()?.clone();
         if req.id.is_empty() {
-            req.id = format!("req-{}", self.state.next_id.fetch_add(1, Ordering::Relaxed));
+            req.id = self.state.new_id("req");
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let sink = StreamSink {
@@ -310,5 +322,24 @@ fn model_info(engine: &EngineHandle, desc: &ModelDescription) -> pb::GetModelInf
             v
         },
         bos_token_id: tok.special_ids().bos.filter(|_| tok.add_bos()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_are_128_random_bits() {
+        let s = State::new();
+        let ids: std::collections::HashSet<String> = (0..1000).map(|_| s.new_id("req")).collect();
+        assert_eq!(ids.len(), 1000);
+        for id in &ids {
+            let hex = id.strip_prefix("req-").unwrap();
+            assert!(hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+        }
+        // Not a counter: consecutive ids share no long prefix.
+        let (a, b) = (s.new_id("x"), s.new_id("x"));
+        assert_ne!(a[..10], b[..10]);
     }
 }
