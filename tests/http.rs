@@ -312,7 +312,10 @@ async fn a_client_that_disconnects_mid_stream_frees_its_slot() {
     let endless = json!({"prompt": PROMPTS[2], "ignore_eos": true, "temperature": 0});
     let body = endless.to_string();
     let mut tcp = TcpStream::connect(s.addr).await.unwrap();
-    let head = format!("POST /completion HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n", body.len());
+    let head = format!(
+        "POST /completion HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
     tcp.write_all(head.as_bytes()).await.unwrap();
     tcp.write_all(body.as_bytes()).await.unwrap();
     let before = stats.generated_tokens.get();

@@ -248,3 +248,23 @@ async fn a_python_client_generated_with_grpcio_tools_streams_a_generation() {
     s.signal(libc::SIGTERM);
     assert_eq!(s.exit_code(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_that_cuts_streams_off_or_a_second_sigterm_exits_one() {
+    let model = fixture("llama-tiny.gguf");
+    for second_signal in [false, true] {
+        let timeout = if second_signal { "600" } else { "0.2" };
+        let mut s = Served::start(&["-m", &model, "-c", "4096", "--shutdown-timeout", timeout, "-t", "1"]);
+        let mut client = s.client().await;
+        let (_stream, _) = first_token(&mut client, endless(PROMPTS[0], 4000)).await;
+        s.signal(libc::SIGTERM);
+        s.wait_for("NOT_SERVING");
+        if second_signal {
+            s.signal(libc::SIGTERM);
+            s.wait_for("again: exiting at once");
+        } else {
+            s.wait_for("cut 1 streams off");
+        }
+        assert_eq!(s.exit_code(), 1, "second signal: {second_signal}");
+    }
+}

@@ -21,7 +21,7 @@ fn main() {
         eprintln!("error: writing the descriptor set: {e}");
         std::process::exit(1);
     }
-    if let Err(e) = tonic_prost_build::configure().compile_fds(fds) {
+    if let Err(e) = tonic_prost_build::configure().codec_path("crate::codec::ProtoCodec").compile_fds(fds) {
         eprintln!("error: generating gRPC code: {e}");
         std::process::exit(1);
     }

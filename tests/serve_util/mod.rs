@@ -50,7 +50,20 @@ pub struct TestServer {
 }
 
 pub async fn start(model: &str, n_ctx: usize, config: EngineConfig) -> TestServer {
-    let server = start_unready().await;
+    start_with(model, n_ctx, config, tandem_server::Options::default()).await
+}
+
+/// [`start`] with API keys, limits or TLS (the client is plain and carries no key: use it only
+/// where the options allow that).
+pub async fn start_with(
+    model: &str,
+    n_ctx: usize,
+    config: EngineConfig,
+    options: tandem_server::Options,
+) -> TestServer {
+    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let metrics = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let server = tandem_server::start_with(grpc, Some(metrics), options).await.unwrap();
     let engine = tokio::task::block_in_place(|| engine(model, n_ctx, config));
     let desc = ModelDescription { name: String::new(), demo: false, placement: "all tensors on CPU".into() };
     server.set_ready(engine.handle(), &desc).await;

@@ -34,6 +34,9 @@ pub struct EngineConfig {
     /// Text every Generate prompt starts with, prefilled once at start.
     pub system_prompt: Option<String>,
     pub log: Option<Logger>,
+    /// Prompt text may appear in the log (a prompt-cache divergence shows the text around it);
+    /// else only positions and hashes do, as users' prompts are not the operator's to read.
+    pub log_prompts: bool,
 }
 
 impl Default for EngineConfig {
@@ -46,6 +49,7 @@ impl Default for EngineConfig {
             slot_similarity: 0.5,
             system_prompt: None,
             log: None,
+            log_prompts: false,
         }
     }
 }
@@ -58,6 +62,7 @@ impl std::fmt::Debug for EngineConfig {
             .field("max_tokens", &self.max_tokens)
             .field("prefill_chunk", &self.prefill_chunk)
             .field("slot_similarity", &self.slot_similarity)
+            .field("log_prompts", &self.log_prompts)
             .finish()
     }
 }

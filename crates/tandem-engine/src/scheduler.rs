@@ -233,6 +233,23 @@ impl Scheduler {
         let stats = &self.shared.stats;
         stats.cache_divergences.add(1);
         stats.cache_divergence_position.observe(at as f64);
+        if !self.shared.config.log_prompts {
+            // where, and hashes that tell two prompts apart, without their text
+            let hash = |ids: &[u32]| {
+                use std::hash::{DefaultHasher, Hash, Hasher};
+                let mut h = DefaultHasher::new();
+                ids.hash(&mut h);
+                h.finish() as u32
+            };
+            let end = |ids: &[u32]| (at + DIVERGENCE_CONTEXT_TOKENS).min(ids.len());
+            self.shared.log(&format!(
+                "prompt cache: the prompt ({} tokens) diverges from {what} at token {at}: next tokens hash {:08x} cached, {:08x} prompt (--log-prompts shows the text)",
+                prompt.len(),
+                hash(&cached[at..end(cached)]),
+                hash(&prompt[at..end(prompt)]),
+            ));
+            return;
+        }
         let text = |ids: &[u32]| {
             let end = (at + DIVERGENCE_CONTEXT_TOKENS).min(ids.len());
             self.shared.tokenizer.decode(&ids[at..end], true).unwrap_or_default()

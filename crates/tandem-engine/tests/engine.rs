@@ -137,6 +137,7 @@ fn prompt_cache_and_system_prompt_are_reused() {
         n_parallel: 2,
         system_prompt: Some("You are a helpful assistant.".into()),
         log: Some(Arc::new(move |l: &str| sink.lock().unwrap().push(l.to_string()))),
+        log_prompts: true,
         ..EngineConfig::default()
     };
     let e = engine("deepseek2-mla-tiny.gguf", 512, config);
@@ -152,9 +153,32 @@ fn prompt_cache_and_system_prompt_are_reused() {
     assert_eq!(f3.usage.cached_tokens, f3.usage.prompt_tokens - 1);
     // a prompt that diverges from the cache is logged with where and what
     run(&e, greedy(&format!("{} zebra {}", &long[..60], &long[60..]), 2));
-    let lines = lines.lock().unwrap();
+    let lines = std::mem::take(&mut *lines.lock().unwrap());
     assert!(lines.iter().any(|l| l.contains("diverges") && l.contains("zebra")), "{lines:?}");
     assert!(e.handle().stats().cache_divergences.get() >= 1);
+}
+
+#[test]
+fn prompt_text_stays_out_of_the_log_by_default() {
+    let long: String = PROMPTS.iter().cycle().take(12).copied().collect::<Vec<_>>().join(" ");
+    let lines = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let sink = lines.clone();
+    let config = EngineConfig {
+        n_parallel: 2,
+        log: Some(Arc::new(move |l: &str| sink.lock().unwrap().push(l.to_string()))),
+        ..EngineConfig::default()
+    };
+    let e = engine("llama-tiny.gguf", 512, config);
+    run(&e, greedy(&long, 2));
+    run(&e, greedy(&format!("{} zebra {}", &long[..60], &long[60..]), 2));
+    let lines = lines.lock().unwrap();
+    let diverged: Vec<&String> = lines.iter().filter(|l| l.contains("diverges")).collect();
+    assert_eq!(diverged.len(), 1, "{lines:?}");
+    assert!(diverged[0].contains("hash") && !diverged[0].contains("zebra"), "{diverged:?}");
+    for word in ["quick", "brown", "Mixture", "experts", "beginning", "Language", "sequence"] {
+        assert!(long.contains(word));
+        assert!(!lines.iter().any(|l| l.contains(word)), "{word:?} in the log: {lines:?}");
+    }
 }
 
 #[test]

@@ -6,15 +6,16 @@
 //! then frees its slot, as for a gRPC cancel.
 
 use crate::openai::{self, BadParam};
-use crate::service::{State, StreamGuard};
+use crate::service::{KeyIndex, State, StreamGuard};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State as AxState};
-use axum::http::StatusCode;
+use axum::http::{header, Method, StatusCode};
+use axum::middleware::Next;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
@@ -24,7 +25,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tandem_engine::{Error as EngineError, Event, Failure, Finish, PositionLogprobs, Request, Sink};
-use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
 
@@ -33,12 +33,8 @@ pub const MAX_BODY_BYTES: usize = 16 << 20;
 /// Most token ids a /detokenize call may send.
 const MAX_DETOKENIZE_IDS: usize = 1 << 20;
 
-/// Serves the API on `listener` until the task is aborted.
-pub(crate) async fn serve(listener: TcpListener, state: Arc<State>) {
-    let _ = axum::serve(listener, router(state)).await;
-}
-
-fn router(state: Arc<State>) -> Router {
+/// The API's routes, behind [`guard`].
+pub(crate) fn router(state: Arc<State>) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
@@ -54,7 +50,39 @@ fn router(state: Arc<State>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)
+}
+
+/// Every route but health needs an API key when keys are set (401, as llama-server); a POST body
+/// must say it is JSON (415), so that a web page cannot post a "simple" cross-origin request
+/// (text/plain, form data) to a server on localhost.
+async fn guard(AxState(state): AxState<Arc<State>>, mut req: axum::extract::Request, next: Next) -> Response {
+    let path = req.uri().path();
+    if path != "/health" && path != "/v1/health" {
+        match state.authorize(req.headers().get(header::AUTHORIZATION).map(|v| v.as_bytes())) {
+            Ok(Some(k)) => {
+                req.extensions_mut().insert(k);
+            }
+            Ok(None) => {}
+            Err(msg) => {
+                let mut e = ApiError::new(StatusCode::UNAUTHORIZED, msg);
+                e.kind = "authentication_error";
+                return e.into_response();
+            }
+        }
+    }
+    if req.method() == Method::POST && !is_json(req.headers().get(header::CONTENT_TYPE)) {
+        let msg = "the body must be JSON: Content-Type: application/json";
+        return ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, msg).into_response();
+    }
+    next.run(req).await
+}
+
+/// `application/json`, with parameters or not (`; charset=utf-8`).
+fn is_json(content_type: Option<&axum::http::HeaderValue>) -> bool {
+    let Some(v) = content_type.and_then(|v| v.to_str().ok()) else { return false };
+    v.split(';').next().is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
 }
 
 /// An error in OpenAI's shape.
@@ -218,12 +246,13 @@ async fn submit(
     state: &Arc<State>,
     mut req: Request,
     prefix: &str,
+    key: Option<KeyIndex>,
 ) -> Result<(String, mpsc::UnboundedReceiver<Event>), ApiError> {
     let engine = state.engine()?.clone();
     req.id = state.new_id(prefix);
     let id = req.id.clone();
     let (tx, rx) = mpsc::unbounded_channel();
-    let sink = HttpSink { tx, done: false, _guard: StreamGuard::new(state.clone()) };
+    let sink = HttpSink { tx, done: false, _guard: StreamGuard::new(state.clone(), &id, key) };
     tokio::task::spawn_blocking(move || engine.submit(req, Box::new(sink)))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("submitting the request: {e}")))?
@@ -305,12 +334,16 @@ fn error_data(f: &Failure) -> Vec<String> {
     vec![failure(f).body().to_string()]
 }
 
-async fn chat(AxState(state): AxState<Arc<State>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn chat(
+    AxState(state): AxState<Arc<State>>,
+    key: Option<Extension<KeyIndex>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let openai::Parsed { req, stream, include_usage } = openai::chat_request(parse(body)?, arrived)?;
     let top = req.logprobs as usize;
     let want_logprobs = req.logprobs > 0;
-    let (id, rx) = submit(&state, req, "chatcmpl").await?;
+    let (id, rx) = submit(&state, req, "chatcmpl", key.map(|k| k.0)).await?;
     let model = model_name(&state);
     let created = now_secs();
     let chunk = move |delta: Value, lp: Value, reason: Value| {
@@ -382,12 +415,13 @@ fn completion_logprobs(positions: &[PositionLogprobs], offset: &mut usize) -> Va
 
 async fn completions(
     AxState(state): AxState<Arc<State>>,
+    key: Option<Extension<KeyIndex>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let openai::Parsed { req, stream, include_usage } = openai::completion_request(parse(body)?, arrived)?;
     let want_logprobs = req.logprobs > 0;
-    let (id, rx) = submit(&state, req, "cmpl").await?;
+    let (id, rx) = submit(&state, req, "cmpl", key.map(|k| k.0)).await?;
     let model = model_name(&state);
     let created = now_secs();
     let chunk = move |text: &str, lp: Value, reason: Value| {
@@ -430,6 +464,7 @@ async fn completions(
 
 async fn llama_completion(
     AxState(state): AxState<Arc<State>>,
+    key: Option<Extension<KeyIndex>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
@@ -437,7 +472,7 @@ async fn llama_completion(
     let stream = r.stream;
     let req = openai::llama_completion_request(r, arrived)?;
     let stops = req.stop.clone();
-    let (_, rx) = submit(&state, req, "cmpl").await?;
+    let (_, rx) = submit(&state, req, "cmpl", key.map(|k| k.0)).await?;
     let model = model_name(&state);
     if !stream {
         let c = collect(rx).await?;

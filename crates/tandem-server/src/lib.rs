@@ -3,6 +3,8 @@
 //! Beside it, [`http`]: the OpenAI- and llama-server-compatible HTTP API over the same engine.
 //! The server only translates: the engine owns the model and does the work.
 
+mod codec;
+mod conn;
 mod convert;
 pub mod http;
 pub mod metrics;
@@ -10,7 +12,8 @@ mod openai;
 mod server;
 mod service;
 
-pub use server::{start, Drained, RunningServer, SERVICE_NAME};
+pub use conn::{ConnStats, Limits};
+pub use server::{start, start_with, Drained, Options, RunningServer, ServerStats, TlsFiles, SERVICE_NAME};
 pub use service::ModelDescription;
 
 /// The generated messages, client and server of `tandem.v1`.
@@ -34,4 +37,6 @@ pub enum Error {
     Reflection(#[from] tonic_reflection::server::Error),
     #[error(transparent)]
     Engine(#[from] tandem_engine::Error),
+    #[error("TLS: {0}")]
+    Tls(String),
 }

@@ -3,15 +3,11 @@
 //! and ends with its unit.
 
 use crate::service::State;
-use http_body_util::Full;
-use hyper::body::Bytes;
-use hyper::{Method, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use std::fmt::Write;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tandem_engine::stats::Histogram;
 use tandem_engine::Stats;
-use tokio::net::TcpListener;
 
 const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
@@ -94,7 +90,32 @@ pub fn render(state: &State) -> String {
     g(o, "tandem_prompt_cache_hit_ratio", "Share of prompt tokens reused from the cache.", s.prompt_cache_hit_ratio());
     g(o, "tandem_slots", "Slots (-np).", engine.config().n_parallel as f64);
     device_ledgers(o, &s.device_counts());
+    if let Some(c) = state.conn_stats() {
+        connections(o, c);
+    }
     out
+}
+
+/// Each port's connections: open now, accepted, refused at the cap, closed to make room or for
+/// sending nothing in time.
+fn connections(o: &mut String, stats: &crate::ServerStats) {
+    let ports = [("grpc", &stats.grpc), ("http", &stats.http), ("metrics", &stats.metrics)];
+    header(o, "tandem_connections_open", "gauge", "Open connections, by port.");
+    for (port, c) in ports {
+        let _ = writeln!(o, "tandem_connections_open{{port=\"{port}\"}} {}", c.open.load(Ordering::Relaxed));
+    }
+    header(o, "tandem_connections_total", "counter", "Connections by port and what became of them.");
+    for (port, c) in ports {
+        for (what, n) in
+            [("accepted", &c.accepted), ("refused", &c.refused), ("evicted", &c.evicted), ("timed_out", &c.timed_out)]
+        {
+            let _ = writeln!(
+                o,
+                "tandem_connections_total{{port=\"{port}\",outcome=\"{what}\"}} {}",
+                n.load(Ordering::Relaxed)
+            );
+        }
+    }
 }
 
 /// Each device's launches, copies (each way, with bytes) and host waits since the start, labeled
@@ -125,29 +146,18 @@ fn device_ledgers(o: &mut String, devices: &[(String, tandem_engine::Counts)]) {
     each(o, "tandem_device_host_syncs_total", "Times the host waited for a device.", &|c| c.syncs);
 }
 
-/// Serves `/metrics` on `listener` until the task is aborted.
-pub async fn serve(listener: TcpListener, state: Arc<State>) {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
-        let state = state.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let state = state.clone();
-                async move {
-                    let (status, body) = match (req.method(), req.uri().path()) {
-                        (&Method::GET, "/metrics") => (StatusCode::OK, render(&state)),
-                        (&Method::GET, _) => (StatusCode::NOT_FOUND, "not found: metrics are at /metrics\n".into()),
-                        _ => (StatusCode::METHOD_NOT_ALLOWED, "only GET /metrics\n".into()),
-                    };
-                    let mut resp = Response::new(Full::new(Bytes::from(body)));
-                    *resp.status_mut() = status;
-                    if let Ok(v) = CONTENT_TYPE.parse() {
-                        resp.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-                    }
-                    Ok::<_, std::convert::Infallible>(resp)
-                }
-            });
-            let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
-        });
-    }
+/// `/metrics` (behind the API key, when keys are set).
+pub(crate) fn router(state: Arc<State>) -> axum::Router {
+    use axum::http::{header, StatusCode};
+    use axum::response::IntoResponse;
+    let metrics = |axum::extract::State(state): axum::extract::State<Arc<State>>, headers: header::HeaderMap| async move {
+        match state.authorize(headers.get(header::AUTHORIZATION).map(|v| v.as_bytes())) {
+            Ok(_) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], render(&state)).into_response(),
+            Err(msg) => (StatusCode::UNAUTHORIZED, format!("{msg}\n")).into_response(),
+        }
+    };
+    axum::Router::new()
+        .route("/metrics", axum::routing::get(metrics))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "not found: metrics are at /metrics\n") })
+        .with_state(state)
 }

@@ -279,8 +279,18 @@ pub fn llama_completion_request(r: LlamaCompletionRequest, arrived: Instant) -> 
         penalty_last_n: r.repeat_last_n.map_or(d.penalty_last_n, |n| n.max(0) as usize),
         seed: seed(r.seed, d.seed),
     };
-    // n_predict -1 (or any n <= 0) = until the server's cap or the context
-    req.max_tokens = r.n_predict.map_or(0, |n| n.clamp(0, u32::MAX as i64) as u32);
+    // n_predict -1 = until the server's cap or the context (llama-server); other negatives are
+    // mistakes, not "unlimited"
+    req.max_tokens = match r.n_predict {
+        None | Some(-1) => 0,
+        Some(n) if n < 0 => return Err(BadParam(format!("n_predict {n}: must be -1 (no limit) or >= 1"))),
+        Some(0) => {
+            return Err(BadParam(
+                "n_predict 0 (only cache the prompt) is not supported; give -1 (no limit) or >= 1".into(),
+            ))
+        }
+        Some(n) => n.min(u32::MAX as i64) as u32,
+    };
     req.stop = stops(r.stop)?;
     req.logprobs = r.n_probs.unwrap_or(0);
     req.ignore_eos = r.ignore_eos;

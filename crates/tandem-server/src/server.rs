@@ -3,36 +3,39 @@
 //! [`RunningServer::set_ready`] (SERVING), [`RunningServer::drain`] (NOT_SERVING, new calls
 //! UNAVAILABLE, open streams finish), [`RunningServer::stop`].
 
+use crate::conn::{self, ConnStats, Limits, Protocol};
 use crate::pb::inference_service_server::InferenceServiceServer;
 use crate::service::{ModelDescription, Service, State};
 use crate::{metrics, pb, Error, Result};
 use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tandem_engine::EngineHandle;
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::server::NamedService;
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
-/// How long stopping waits for connections to close after the streams are done.
-const STOP_GRACE: Duration = Duration::from_secs(2);
-
 /// The service name health checks ask about, besides "" (the whole server).
 pub const SERVICE_NAME: &str = <InferenceServiceServer<Service> as NamedService>::NAME;
+
+/// How long stopping waits for answers still being written.
+const STOP_GRACE: Duration = Duration::from_secs(2);
 
 pub struct RunningServer {
     addr: SocketAddr,
     metrics_addr: Option<SocketAddr>,
     state: Arc<State>,
     health: HealthReporter,
-    stop_tx: Option<oneshot::Sender<()>>,
-    grpc: Option<JoinHandle<std::result::Result<(), tonic::transport::Error>>>,
+    grpc: Option<JoinHandle<()>>,
     metrics: Option<JoinHandle<()>>,
     http: Option<JoinHandle<()>>,
+    limits: Limits,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    stats: ServerStats,
 }
 
 /// How a drain ended.
@@ -48,42 +51,120 @@ fn reflection() -> tonic_reflection::server::Builder<'static> {
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
 }
 
+/// How the server guards itself.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// `--api-key`s: every call but health checks must carry one (`Authorization: Bearer KEY`).
+    /// None: every client is trusted (the local default).
+    pub api_keys: Vec<String>,
+    /// Connection limits of each port.
+    pub limits: Limits,
+    /// Serve TLS on every port.
+    pub tls: Option<TlsFiles>,
+}
+
+/// A certificate chain and its private key, PEM (`--ssl-cert-file`, `--ssl-key-file`).
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// The TLS acceptor for `files`, offering HTTP/2 and HTTP/1.1 by ALPN.
+fn tls_acceptor(files: &TlsFiles) -> Result<tokio_rustls::TlsAcceptor> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let bad =
+        |what: &str, path: &PathBuf, e: &dyn std::fmt::Display| Error::Tls(format!("{what} {}: {e}", path.display()));
+    let certs = CertificateDer::pem_file_iter(&files.cert)
+        .and_then(|it| it.collect::<std::result::Result<Vec<_>, _>>())
+        .map_err(|e| bad("reading the certificate chain", &files.cert, &e))?;
+    if certs.is_empty() {
+        return Err(bad("reading the certificate chain", &files.cert, &"no CERTIFICATE in it"));
+    }
+    let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|e| bad("reading the private key", &files.key, &e))?;
+    // ring builds with a C compiler alone (aws-lc-rs, which adds post-quantum key exchange, needs
+    // more of the build machine)
+    #[allow(deprecated)]
+    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let mut config = tokio_rustls::rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::Tls(e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| bad("the certificate and key", &files.cert, &e))?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Lets health checks through; every other gRPC call needs an API key when keys are set.
+async fn grpc_auth(
+    axum::extract::State(state): axum::extract::State<Arc<State>>,
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    if !req.uri().path().starts_with("/grpc.health.v1.Health/") {
+        match state.authorize(req.headers().get("authorization").map(|v| v.as_bytes())) {
+            Ok(Some(k)) => {
+                req.extensions_mut().insert(k);
+            }
+            Ok(None) => {}
+            Err(msg) => return tonic::Status::unauthenticated(msg).into_http(),
+        }
+    }
+    next.run(req).await
+}
+
 /// Starts serving gRPC on `listener` (and metrics on `metrics`, if given) with health
 /// NOT_SERVING and every inference call UNAVAILABLE until [`RunningServer::set_ready`].
 pub async fn start(listener: TcpListener, metrics_listener: Option<TcpListener>) -> Result<RunningServer> {
+    start_with(listener, metrics_listener, Options::default()).await
+}
+
+/// [`start`] with API keys, connection limits and TLS.
+pub async fn start_with(
+    listener: TcpListener,
+    metrics_listener: Option<TcpListener>,
+    options: Options,
+) -> Result<RunningServer> {
     let addr = listener.local_addr().map_err(|e| Error::Io("reading the gRPC listener's address".into(), e))?;
-    let state = Arc::new(State::new());
+    let tls = options.tls.as_ref().map(tls_acceptor).transpose()?;
+    let state = Arc::new(State::new(options.api_keys.clone()));
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_service_status("", ServingStatus::NotServing).await;
     health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
     let reflect_v1 = reflection().build_v1()?;
     let reflect_v1alpha = reflection().build_v1alpha()?;
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let router = tonic::transport::Server::builder()
-        .add_service(health_svc)
+    let routes = tonic::service::Routes::new(health_svc)
         .add_service(reflect_v1)
         .add_service(reflect_v1alpha)
-        .add_service(InferenceServiceServer::new(Service::new(state.clone())));
-    let grpc = tokio::spawn(router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
-        let _ = stop_rx.await;
-    }));
+        .add_service(InferenceServiceServer::new(Service::new(state.clone())))
+        .prepare()
+        .into_axum_router()
+        .layer(axum::middleware::from_fn_with_state(state.clone(), grpc_auth));
+    let stats = ServerStats::default();
+    let limits = options.limits.clone();
+    let grpc =
+        tokio::spawn(conn::serve(listener, routes, Protocol::Http2, limits.clone(), tls.clone(), stats.grpc.clone()));
     let (metrics_addr, metrics) = match metrics_listener {
         Some(l) => {
             let a = l.local_addr().map_err(|e| Error::Io("reading the metrics listener's address".into(), e))?;
-            (Some(a), Some(tokio::spawn(metrics::serve(l, state.clone()))))
+            let router = metrics::router(state.clone());
+            let task = conn::serve(l, router, Protocol::Auto, limits.clone(), tls.clone(), stats.metrics.clone());
+            (Some(a), Some(tokio::spawn(task)))
         }
         None => (None, None),
     };
-    Ok(RunningServer {
-        addr,
-        metrics_addr,
-        state,
-        health,
-        stop_tx: Some(stop_tx),
-        grpc: Some(grpc),
-        metrics,
-        http: None,
-    })
+    state.set_conn_stats(stats.clone());
+    Ok(RunningServer { addr, metrics_addr, state, health, grpc: Some(grpc), metrics, http: None, limits, tls, stats })
+}
+
+/// Connection counts of each port.
+#[derive(Clone, Debug, Default)]
+pub struct ServerStats {
+    pub grpc: Arc<ConnStats>,
+    pub http: Arc<ConnStats>,
+    pub metrics: Arc<ConnStats>,
 }
 
 impl RunningServer {
@@ -99,8 +180,22 @@ impl RunningServer {
     /// `listener`, over the same engine, readiness and drain; returns its address.
     pub fn serve_http(&mut self, listener: TcpListener) -> Result<SocketAddr> {
         let addr = listener.local_addr().map_err(|e| Error::Io("reading the HTTP listener's address".into(), e))?;
-        self.http = Some(tokio::spawn(crate::http::serve(listener, self.state.clone())));
+        let router = crate::http::router(self.state.clone());
+        let task = conn::serve(
+            listener,
+            router,
+            Protocol::Auto,
+            self.limits.clone(),
+            self.tls.clone(),
+            self.stats.http.clone(),
+        );
+        self.http = Some(tokio::spawn(task));
         Ok(addr)
+    }
+
+    /// Connection counts of each port.
+    pub fn stats(&self) -> &ServerStats {
+        &self.stats
     }
 
     /// Starts answering with `engine`; health turns SERVING.
@@ -121,24 +216,18 @@ impl RunningServer {
         Drained { abandoned }
     }
 
-    /// Stops listening and waits (briefly) for connections to close.
+    /// Stops listening and closes every connection (after [`RunningServer::drain`], none has a
+    /// request of ours in flight; a client watching health is simply cut off).
     pub async fn stop(mut self) -> Result<()> {
-        if let Some(tx) = self.stop_tx.take() {
-            let _ = tx.send(());
+        // the last messages of the streams that just ended are still being written
+        let deadline = tokio::time::Instant::now() + STOP_GRACE;
+        let ports = [&self.stats.grpc, &self.stats.http, &self.stats.metrics];
+        while ports.iter().any(|p| p.active.load(Ordering::Acquire) > 0) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        if let Some(m) = self.metrics.take() {
-            m.abort();
-        }
-        if let Some(h) = self.http.take() {
-            h.abort();
-        }
-        if let Some(mut g) = self.grpc.take() {
-            // a client watching health keeps a stream open forever: do not wait for it
-            match tokio::time::timeout(STOP_GRACE, &mut g).await {
-                Ok(Ok(r)) => r?,
-                Ok(Err(_)) => {}
-                Err(_) => g.abort(),
-            }
+        for task in [self.grpc.take(), self.metrics.take(), self.http.take()].into_iter().flatten() {
+            task.abort();
+            let _ = task.await;
         }
         Ok(())
     }

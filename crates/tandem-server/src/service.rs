@@ -6,9 +6,10 @@ use crate::convert;
 use crate::pb;
 use crate::pb::inference_service_server::InferenceService;
 use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 use tandem_engine::{EngineHandle, Event, Sink};
 use tokio::sync::{mpsc, watch};
@@ -36,15 +37,86 @@ pub struct State {
     /// Streams still open (their engine requests not yet ended).
     streams: watch::Sender<usize>,
     next_id: AtomicU64,
+    /// `--api-key`s; none = every client is trusted (local use).
+    api_keys: Vec<String>,
+    /// Which key made each open request, for `Abort`.
+    owners: Mutex<HashMap<String, (usize, u32)>>,
+    conn_stats: OnceLock<crate::ServerStats>,
 }
 
+/// The API key a call was made with: its index in `--api-key`s (requests' extension).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct KeyIndex(pub usize);
+
 impl State {
-    pub(crate) fn new() -> State {
+    pub(crate) fn new(api_keys: Vec<String>) -> State {
         State {
             engine: OnceLock::new(),
             draining: AtomicBool::new(false),
             streams: watch::channel(0).0,
             next_id: AtomicU64::new(1),
+            api_keys,
+            owners: Mutex::new(HashMap::new()),
+            conn_stats: OnceLock::new(),
+        }
+    }
+
+    pub(crate) fn set_conn_stats(&self, stats: crate::ServerStats) {
+        let _ = self.conn_stats.set(stats);
+    }
+
+    pub(crate) fn conn_stats(&self) -> Option<&crate::ServerStats> {
+        self.conn_stats.get()
+    }
+
+    /// Checks an `Authorization` header's value (`Bearer KEY`): the key's index, `None` when no
+    /// keys are configured, `Err` when the key is missing or wrong.
+    pub(crate) fn authorize(&self, header: Option<&[u8]>) -> Result<Option<KeyIndex>, &'static str> {
+        if self.api_keys.is_empty() {
+            return Ok(None);
+        }
+        let Some(value) = header else { return Err("an API key is required: Authorization: Bearer KEY") };
+        let given = value.strip_prefix(b"Bearer ").unwrap_or(value).trim_ascii();
+        // compares every key in full, so that timing tells nothing of how much of a key matched
+        let mut found = None;
+        for (i, k) in self.api_keys.iter().enumerate() {
+            if constant_time_eq(k.as_bytes(), given) && found.is_none() {
+                found = Some(KeyIndex(i));
+            }
+        }
+        found.map(Some).ok_or("invalid API key")
+    }
+
+    /// Notes which key made request `id` (while it runs). A second request under the same id
+    /// (refused by the engine as already running) does not take the first one's place.
+    fn own(&self, id: &str, key: Option<KeyIndex>) {
+        if let Some(k) = key {
+            let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
+            let e = owners.entry(id.to_string()).or_insert((k.0, 0));
+            if e.0 == k.0 {
+                e.1 += 1;
+            }
+        }
+    }
+
+    fn disown(&self, id: &str, key: Option<KeyIndex>) {
+        if let Some(k) = key {
+            let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(e) = owners.get_mut(id).filter(|e| e.0 == k.0) {
+                e.1 -= 1;
+                if e.1 == 0 {
+                    owners.remove(id);
+                }
+            }
+        }
+    }
+
+    /// Whether a caller with `key` may abort request `id`: any with no keys configured, else only
+    /// one made with the same key.
+    fn may_abort(&self, id: &str, key: Option<KeyIndex>) -> bool {
+        match key {
+            None => self.api_keys.is_empty(),
+            Some(k) => self.owners.lock().unwrap_or_else(|e| e.into_inner()).get(id).is_some_and(|e| e.0 == k.0),
         }
     }
 
@@ -100,20 +172,31 @@ impl State {
     }
 }
 
-/// Counts an open stream until the engine drops its sink.
-pub(crate) struct StreamGuard(Arc<State>);
+/// Counts an open stream, and remembers which API key made it, until the engine drops its sink.
+pub(crate) struct StreamGuard(Arc<State>, String, Option<KeyIndex>);
 
 impl StreamGuard {
-    pub(crate) fn new(state: Arc<State>) -> StreamGuard {
+    pub(crate) fn new(state: Arc<State>, id: &str, key: Option<KeyIndex>) -> StreamGuard {
         state.streams.send_modify(|n| *n += 1);
-        StreamGuard(state)
+        state.own(id, key);
+        StreamGuard(state, id.to_string(), key)
     }
 }
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
+        self.0.disown(&self.1, self.2);
         self.0.streams.send_modify(|n| *n = n.saturating_sub(1));
     }
+}
+
+/// Equal bytes, in a time that depends on the lengths only.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for (i, x) in a.iter().enumerate() {
+        diff |= usize::from(x ^ b.get(i).copied().unwrap_or(0));
+    }
+    diff == 0
 }
 
 /// The engine's reply channel for one stream.
@@ -159,7 +242,11 @@ impl Service {
     }
 
     /// Submits a request (tokenizing it off the async threads) and returns its stream.
-    async fn stream(&self, mut req: tandem_engine::Request) -> Result<Response<ResponseStream>, Status> {
+    async fn stream(
+        &self,
+        mut req: tandem_engine::Request,
+        key: Option<KeyIndex>,
+    ) -> Result<Response<ResponseStream>, Status> {
         let engine = self.state.engine()?.clone();
         if req.id.is_empty() {
             req.id = self.state.new_id("req");
@@ -170,7 +257,7 @@ impl Service {
             tx,
             generated: 0,
             done: false,
-            _guard: StreamGuard::new(self.state.clone()),
+            _guard: StreamGuard::new(self.state.clone(), &req.id, key),
         };
         tokio::task::spawn_blocking(move || engine.submit(req, Box::new(sink)))
             .await
@@ -209,15 +296,17 @@ impl InferenceService for Service {
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
         let now = Instant::now();
         let deadline = convert::deadline(request.metadata(), now)?;
+        let key = request.extensions().get::<KeyIndex>().copied();
         let req = convert::generate_request(request.into_inner(), deadline, now)?;
-        self.stream(req).await
+        self.stream(req, key).await
     }
 
     async fn chat(&self, request: Request<pb::ChatRequest>) -> Result<Response<Self::ChatStream>, Status> {
         let now = Instant::now();
         let deadline = convert::deadline(request.metadata(), now)?;
+        let key = request.extensions().get::<KeyIndex>().copied();
         let req = convert::chat_request(request.into_inner(), deadline, now)?;
-        self.stream(req).await
+        self.stream(req, key).await
     }
 
     async fn tokenize(&self, request: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {
@@ -274,7 +363,11 @@ impl InferenceService for Service {
         let Some(engine) = self.state.engine_handle() else {
             return Err(Status::unavailable("the model is still loading"));
         };
-        Ok(Response::new(pb::AbortResponse { found: engine.abort(&request.into_inner().request_id) }))
+        let key = request.extensions().get::<KeyIndex>().copied();
+        let id = request.into_inner().request_id;
+        // another key's request is as good as absent
+        let found = self.state.may_abort(&id, key) && engine.abort(&id);
+        Ok(Response::new(pb::AbortResponse { found }))
     }
 }
 
@@ -331,7 +424,7 @@ mod tests {
 
     #[test]
     fn request_ids_are_128_random_bits() {
-        let s = State::new();
+        let s = State::new(Vec::new());
         let ids: std::collections::HashSet<String> = (0..1000).map(|_| s.new_id("req")).collect();
         assert_eq!(ids.len(), 1000);
         for id in &ids {
@@ -341,5 +434,28 @@ mod tests {
         // Not a counter: consecutive ids share no long prefix.
         let (a, b) = (s.new_id("x"), s.new_id("x"));
         assert_ne!(a[..10], b[..10]);
+    }
+
+    #[test]
+    fn api_keys_are_checked_and_scope_aborts() {
+        let open = State::new(Vec::new());
+        assert_eq!(open.authorize(None), Ok(None));
+        assert!(open.may_abort("x", None));
+        let s = State::new(vec!["k-one".into(), "k-two".into()]);
+        assert!(s.authorize(None).is_err());
+        assert!(s.authorize(Some(b"Bearer k-on")).is_err());
+        assert!(s.authorize(Some(b"Bearer k-one2")).is_err());
+        assert!(s.authorize(Some(b"Bearer ")).is_err());
+        assert_eq!(s.authorize(Some(b"Bearer k-two")), Ok(Some(KeyIndex(1))));
+        let g = StreamGuard::new(Arc::new(s), "r1", Some(KeyIndex(0)));
+        assert!(g.0.may_abort("r1", Some(KeyIndex(0))));
+        assert!(!g.0.may_abort("r1", Some(KeyIndex(1))));
+        assert!(!g.0.may_abort("r1", None));
+        let state = g.0.clone();
+        // the same id again under another key (the engine refuses it) changes nothing
+        drop(StreamGuard::new(state.clone(), "r1", Some(KeyIndex(1))));
+        assert!(state.may_abort("r1", Some(KeyIndex(0))));
+        drop(g);
+        assert!(!state.may_abort("r1", Some(KeyIndex(0))), "forgotten once the request ends");
     }
 }
