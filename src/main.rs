@@ -103,6 +103,8 @@ fn keep_buffers_in_the_heap() {
 fn main() -> ExitCode {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     keep_buffers_in_the_heap();
+    // a model file truncated while mapped: one line and exit 1, not a core dump (serve recovers)
+    tandem_gguf::guard::install(tandem_gguf::guard::Mode::Exit);
     let cli = match Cli::try_parse_from(tandem::cli::normalize_args(std::env::args_os())) {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(),

@@ -393,16 +393,23 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if drained.abandoned > 0 {
         log(&format!("{} streams still open after the shutdown timeout: ending them", drained.abandoned));
     }
+    let broken = engine.handle().broken();
     tokio::task::spawn_blocking(move || engine.shutdown()).await.context("stopping the engine")?;
     server.stop().await?;
     log("stopped");
     if drained.abandoned > 0 {
         bail!("--shutdown-timeout {:.1} s cut {} streams off", timeout.as_secs_f64(), drained.abandoned);
     }
+    if let Some(why) = broken {
+        bail!("{why}");
+    }
     Ok(())
 }
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    // a model page that faults (the file truncated during a batch) reads as zeros; the engine
+    // throws that batch away and stops, and the server stays up to say why
+    tandem_gguf::guard::install(tandem_gguf::guard::Mode::Recover);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         // a few long-lived blocking threads (tokenizing, submitting) rather than a churn of new

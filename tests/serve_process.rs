@@ -268,3 +268,62 @@ async fn a_drain_that_cuts_streams_off_or_a_second_sigterm_exits_one() {
         assert_eq!(s.exit_code(), 1, "second signal: {second_signal}");
     }
 }
+
+/// Health of the whole server, by a fresh client.
+async fn health_status(addr: SocketAddr) -> ServingStatus {
+    let channel = tonic::transport::Channel::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+    let r = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await.unwrap();
+    ServingStatus::try_from(r.into_inner().status).unwrap()
+}
+
+async fn wait_not_serving(addr: SocketAddr) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while health_status(addr).await != ServingStatus::NotServing {
+        assert!(std::time::Instant::now() < deadline, "health stayed SERVING after the model file was truncated");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_file_truncated_under_the_server_is_reported_not_a_crash() {
+    for while_generating in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("served.gguf");
+        std::fs::copy(serve_util::fixture("llama-tiny.gguf"), &model).unwrap();
+        let mut s = Served::start(&["-m", model.to_str().unwrap(), "-c", "4096", "-t", "1"]);
+        let mut client = s.client().await;
+        let stream =
+            if while_generating { Some(first_token(&mut client, endless(PROMPTS[0], 4000)).await.0) } else { None };
+        std::fs::OpenOptions::new().write(true).open(&model).unwrap().set_len(1000).unwrap();
+        if let Some(mut stream) = stream {
+            // the stream ends UNAVAILABLE naming the file, in well under its 4000 tokens
+            let end = loop {
+                match stream.message().await {
+                    Ok(Some(_)) => {}
+                    Ok(None) => panic!("the stream finished normally"),
+                    Err(st) => break st,
+                }
+            };
+            assert_eq!(end.code(), Code::Unavailable, "{end:?}");
+            assert!(end.message().contains("served.gguf"), "{end:?}");
+        }
+        wait_not_serving(s.addr).await;
+        let st = client.generate(greedy(PROMPTS[1], 4)).await.unwrap_err();
+        assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+        assert!(st.message().contains("served.gguf") && st.message().contains("truncated"), "{st:?}");
+        assert!(s.child.try_wait().unwrap().is_none(), "the server died");
+        // HTTP health: 503 naming the file
+        let http = s.log.iter().find_map(|l| l.split("HTTP on http://").nth(1)).unwrap().split(' ').next().unwrap();
+        let mut tcp = tokio::net::TcpStream::connect(http).await.unwrap();
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        tcp.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();
+        let mut answer = String::new();
+        tcp.read_to_string(&mut answer).await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 503") && answer.contains("served.gguf"), "{answer}");
+        s.signal(libc::SIGTERM);
+        s.wait_for("stopped");
+        let faulted = s.log.iter().any(|l| l.contains("SIGBUS"));
+        assert_eq!(s.exit_code(), 1);
+        println!("while generating: {while_generating} (a page faulted: {faulted}): UNAVAILABLE: {}", st.message());
+    }
+}

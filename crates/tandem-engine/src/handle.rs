@@ -92,6 +92,8 @@ pub(crate) struct Shared {
     pending: AtomicUsize,
     next_id: AtomicU64,
     stopped: AtomicBool,
+    /// Why the engine can no longer run (a model file changed while mapped).
+    broken: Mutex<Option<String>>,
 }
 
 impl Shared {
@@ -99,6 +101,24 @@ impl Shared {
         if let Some(l) = &self.config.log {
             l(msg);
         }
+    }
+
+    /// Stops taking requests for good because of `why` (logged once).
+    pub fn break_down(&self, why: &str) {
+        let mut broken = self.broken.lock().unwrap_or_else(|e| e.into_inner());
+        if broken.is_none() {
+            self.log(why);
+            *broken = Some(why.to_string());
+        }
+        self.stopped.store(true, Ordering::Release);
+    }
+
+    pub fn broken_reason(&self) -> Option<String> {
+        self.broken.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn unavailable(&self) -> Error {
+        Error::Unavailable(self.broken_reason().unwrap_or_else(|| "the server is shutting down".into()))
     }
 
     pub fn release(&self, id: &str) {
@@ -167,6 +187,7 @@ impl Engine {
             pending: AtomicUsize::new(0),
             next_id: AtomicU64::new(1),
             stopped: AtomicBool::new(false),
+            broken: Mutex::new(None),
             config,
         });
         let scheduler = Scheduler::new(ctx, shared.clone(), sys_seq, sys);
@@ -240,6 +261,23 @@ impl EngineHandle {
         !self.0.stopped.load(Ordering::Acquire)
     }
 
+    /// Why the engine stopped for good, if it did (not a shutdown).
+    pub fn broken(&self) -> Option<String> {
+        self.0.broken_reason()
+    }
+
+    /// Checks that the model's files are as they were mapped; when one changed, the engine stops
+    /// taking requests (its thread ends what runs with UNAVAILABLE before reading a page).
+    pub fn check_files(&self) -> std::result::Result<(), String> {
+        let r = self.0.model.gguf().check_unchanged();
+        if let Err(why) = &r {
+            self.0.break_down(why);
+            // wakes the thread, which finds the change itself before its next batch
+            let _ = self.0.tx.lock().unwrap_or_else(|e| e.into_inner()).send(Command::Stop);
+        }
+        r
+    }
+
     /// Queued plus running requests.
     pub fn pending(&self) -> usize {
         self.0.pending.load(Ordering::Acquire)
@@ -249,7 +287,7 @@ impl EngineHandle {
     pub fn submit(&self, req: Request, sink: Box<dyn Sink>) -> Result<String> {
         let s = &*self.0;
         if s.stopped.load(Ordering::Acquire) {
-            return Err(Error::Unavailable("the server is shutting down".into()));
+            return Err(s.unavailable());
         }
         let tokens = self.prompt_tokens(&req.prompt)?;
         let sampler = self.check(&req, &tokens)?;

@@ -82,7 +82,24 @@ impl Scheduler {
             self.sweep();
             self.admit();
             self.publish();
-            self.decode_step();
+            // the weights' pages are about to be read: not if the file changed under the mapping
+            if let Err(why) = self.shared.model.gguf().check_unchanged() {
+                self.shared.break_down(&why);
+            }
+            if self.shared.broken_reason().is_none() {
+                self.decode_step();
+            }
+            if let Some(why) = self.shared.broken_reason() {
+                // no more batches: what runs, is queued or is on its way ends UNAVAILABLE
+                self.end_all(&why);
+                while let Ok(cmd) = rx.try_recv() {
+                    if let Command::Submit(job) = cmd {
+                        self.release(&job.id);
+                        end_queued(*job, End::Failed(Failure::Unavailable(why.clone())), &self.shared.stats);
+                    }
+                }
+                return;
+            }
         }
     }
 
@@ -94,18 +111,24 @@ impl Scheduler {
                 true
             }
             Command::Stop => {
-                let why = || End::Failed(Failure::Unavailable("the server is shutting down".into()));
-                for job in std::mem::take(&mut self.queue) {
-                    self.release(&job.id);
-                    end_queued(job, why(), &self.shared.stats);
-                }
-                for i in 0..self.slots.len() {
-                    self.end_slot(i, why());
-                }
-                self.publish();
+                let why = self.shared.broken_reason().unwrap_or_else(|| "the server is shutting down".into());
+                self.end_all(&why);
                 false
             }
         }
+    }
+
+    /// Fails every queued and running request with UNAVAILABLE saying `why`.
+    fn end_all(&mut self, why: &str) {
+        let end = || End::Failed(Failure::Unavailable(why.to_string()));
+        for job in std::mem::take(&mut self.queue) {
+            self.release(&job.id);
+            end_queued(job, end(), &self.shared.stats);
+        }
+        for i in 0..self.slots.len() {
+            self.end_slot(i, end());
+        }
+        self.publish();
     }
 
     /// Ends requests that were aborted, whose client left, or whose deadline passed.
@@ -313,7 +336,18 @@ impl Scheduler {
             return;
         }
         self.shared.stats.steps.add(1);
+        let faults = tandem_gguf::guard::faults();
         let decoded = self.ctx.decode(&batch);
+        if tandem_gguf::guard::faults() != faults {
+            // a model page could not be read (the file was truncated during the batch): its
+            // results are zeros' work, thrown away, and the engine stops
+            let why = self.shared.model.gguf().check_unchanged().err().unwrap_or_else(|| {
+                "a model file could not be read while mapped (SIGBUS); restart the server".to_string()
+            });
+            self.shared.log("a model page faulted during a batch (SIGBUS): the batch is discarded");
+            self.shared.break_down(&why);
+            return;
+        }
         *self.shared.stats.devices.lock().unwrap_or_else(|e| e.into_inner()) = self.ctx.exec().ledgers();
         let logits = match decoded {
             Ok(l) => l,

@@ -26,7 +26,9 @@ impl Default for LoadOptions {
 }
 
 enum Storage {
-    Mmap(Mmap),
+    /// The mapping, the open file behind it (for [`GgufFile::check_unchanged`]) and what the
+    /// file was when mapped.
+    Mmap(Mmap, File, Identity),
     /// `--no-mmap`: the file read into anonymous memory, on huge pages where the kernel gives
     /// them (2 MiB pages: a decoded token streams hundreds of MiB of weights, and with 4 KiB pages
     /// every page costs a TLB miss and restarts the hardware prefetchers).
@@ -53,11 +55,33 @@ fn read_whole(mut file: File, len: u64) -> std::io::Result<Storage> {
     Ok(Storage::Read(m.make_read_only()?))
 }
 
+/// What a mapped file was: a change of size or modification time means someone wrote to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Identity {
+    size: u64,
+    mtime: (i64, i64),
+}
+
+impl Identity {
+    fn of(meta: &std::fs::Metadata) -> Identity {
+        use std::os::unix::fs::MetadataExt;
+        Identity { size: meta.len(), mtime: (meta.mtime(), meta.mtime_nsec()) }
+    }
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if let Storage::Mmap(m, ..) = self {
+            crate::guard::unregister(m.as_ptr() as usize);
+        }
+    }
+}
+
 impl Deref for Storage {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         match self {
-            Storage::Mmap(m) | Storage::Read(m) => m,
+            Storage::Mmap(m, ..) | Storage::Read(m) => m,
             Storage::Owned(v) => v,
         }
     }
@@ -103,10 +127,13 @@ impl GgufFile {
         }
         let name = path.display().to_string();
         let bytes = if opts.mmap {
-            // SAFETY: the mapping is read-only and private to this process; as with every mmap
-            // loader, the file must not be truncated while mapped (documented for users).
+            // SAFETY: the mapping is read-only and private to this process. A file truncated
+            // while mapped would fault on access: `check_unchanged` finds that before the pages
+            // are read, and `guard::install` turns a fault that still happens into one line.
             let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-            Storage::Mmap(map)
+            let id = Identity::of(&meta);
+            crate::guard::register(map.as_ptr() as usize, map.len(), &name);
+            Storage::Mmap(map, file, id)
         } else {
             read_whole(file, meta.len()).map_err(|e| Error::io(path, e))?
         };
@@ -142,7 +169,7 @@ impl GgufFile {
 
     fn lock(&self) -> Result<()> {
         let r = match &self.bytes {
-            Storage::Mmap(m) | Storage::Read(m) => m.lock(),
+            Storage::Mmap(m, ..) | Storage::Read(m) => m.lock(),
             Storage::Owned(v) if v.is_empty() => Ok(()),
             // SAFETY: the range is a live allocation owned by `self`; mlock only pins its pages.
             Storage::Owned(v) => match unsafe { libc::mlock(v.as_ptr().cast(), v.len()) } {
@@ -174,8 +201,32 @@ impl GgufFile {
         self.bytes.len() as u64
     }
 
+    /// For a mapped file: an error naming it when it was truncated or written to since it was
+    /// mapped (an `fstat` of the open file, cheap enough before every batch). Reading its pages
+    /// then would fault (truncated) or give other weights (rewritten in place). A file replaced
+    /// by rename is fine: the mapping keeps the old one.
+    pub fn check_unchanged(&self) -> std::result::Result<(), String> {
+        let Storage::Mmap(_, file, was) = &self.bytes else { return Ok(()) };
+        let now = match file.metadata() {
+            Ok(m) => Identity::of(&m),
+            Err(e) => return Err(format!("model file {}: {e}", self.path)),
+        };
+        if now == *was {
+            return Ok(());
+        }
+        let what = if now.size < was.size {
+            format!("was truncated while mapped ({} -> {} bytes)", was.size, now.size)
+        } else {
+            "was written to while mapped".to_string()
+        };
+        Err(format!(
+            "model file {} {what}; restart the server, and replace model files atomically (write a new file, then rename it over the old)",
+            self.path
+        ))
+    }
+
     pub fn is_mmapped(&self) -> bool {
-        matches!(self.bytes, Storage::Mmap(_))
+        matches!(self.bytes, Storage::Mmap(..))
     }
 
     pub fn metadata(&self) -> &Metadata {

@@ -12,6 +12,7 @@
 mod error;
 mod file;
 mod ggml_type;
+pub mod guard;
 mod metadata;
 mod model;
 pub mod naming;

@@ -156,6 +156,11 @@ impl GgufModel {
         &self.shards
     }
 
+    /// [`GgufFile::check_unchanged`] of every shard.
+    pub fn check_unchanged(&self) -> std::result::Result<(), String> {
+        self.shards.iter().try_for_each(GgufFile::check_unchanged)
+    }
+
     /// The model's metadata (the first shard holds it all).
     pub fn metadata(&self) -> &Metadata {
         self.shards[0].metadata()

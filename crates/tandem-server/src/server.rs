@@ -22,6 +22,9 @@ use tonic_health::ServingStatus;
 /// The service name health checks ask about, besides "" (the whole server).
 pub const SERVICE_NAME: &str = <InferenceServiceServer<Service> as NamedService>::NAME;
 
+/// How often an idle server checks that the model's files are unchanged.
+const FILE_CHECK_INTERVAL: Duration = Duration::from_millis(500);
+
 /// How long stopping waits for answers still being written.
 const STOP_GRACE: Duration = Duration::from_secs(2);
 
@@ -36,6 +39,8 @@ pub struct RunningServer {
     limits: Limits,
     tls: Option<tokio_rustls::TlsAcceptor>,
     stats: ServerStats,
+    /// The task that turns health NOT_SERVING when the engine can no longer run.
+    watch: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
 /// How a drain ended.
@@ -156,7 +161,20 @@ pub async fn start_with(
         None => (None, None),
     };
     state.set_conn_stats(stats.clone());
-    Ok(RunningServer { addr, metrics_addr, state, health, grpc: Some(grpc), metrics, http: None, limits, tls, stats })
+    let watch = std::sync::Mutex::new(None);
+    Ok(RunningServer {
+        addr,
+        metrics_addr,
+        state,
+        health,
+        grpc: Some(grpc),
+        metrics,
+        http: None,
+        limits,
+        tls,
+        stats,
+        watch,
+    })
 }
 
 /// Connection counts of each port.
@@ -200,9 +218,27 @@ impl RunningServer {
 
     /// Starts answering with `engine`; health turns SERVING.
     pub async fn set_ready(&self, engine: EngineHandle, desc: &ModelDescription) {
-        self.state.set_engine(engine, desc);
+        self.state.set_engine(engine.clone(), desc);
         self.health.set_service_status("", ServingStatus::Serving).await;
         self.health.set_service_status(SERVICE_NAME, ServingStatus::Serving).await;
+        // health follows the engine: NOT_SERVING once it cannot run (a model file changed under
+        // its mapping), checked here while idle and by the engine before every batch
+        let health = self.health.clone();
+        let watch = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(FILE_CHECK_INTERVAL).await;
+                let files = engine.clone();
+                let changed = tokio::task::spawn_blocking(move || files.check_files().is_err()).await.unwrap_or(true);
+                if changed || !engine.is_running() {
+                    health.set_service_status("", ServingStatus::NotServing).await;
+                    health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
+                    return;
+                }
+            }
+        });
+        if let Some(old) = self.watch.lock().unwrap_or_else(|e| e.into_inner()).replace(watch) {
+            old.abort();
+        }
     }
 
     /// Health NOT_SERVING, new calls UNAVAILABLE; waits up to `timeout` for open streams to end.
@@ -243,6 +279,9 @@ impl Drop for RunningServer {
         }
         if let Some(h) = &self.http {
             h.abort();
+        }
+        if let Some(w) = self.watch.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            w.abort();
         }
     }
 }

@@ -127,7 +127,7 @@ impl State {
         }
         match self.engine.get() {
             Some((e, _)) if e.is_running() => Ok(e),
-            Some(_) => Err(Status::unavailable("the engine has stopped")),
+            Some((e, _)) => Err(Status::unavailable(e.broken().unwrap_or_else(|| "the engine has stopped".into()))),
             None => Err(Status::unavailable("the model is still loading")),
         }
     }
