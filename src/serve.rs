@@ -352,8 +352,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let http_addr = format!("{}:{}", args.host, args.http_port);
     let http = TcpListener::bind(&http_addr).await.with_context(|| format!("listening for HTTP on {http_addr}"))?;
     let mut server = tandem_server::start_with(listener, metrics, server_options(&args)?).await?;
-    let tls = if args.ssl_cert_file.is_some() { ", TLS" } else { "" };
-    log(&format!("gRPC on {}{tls} (health NOT_SERVING until the model is ready)", server.local_addr()));
+    let tls = if args.ssl_cert_file.is_some() { "TLS; " } else { "" };
+    log(&format!("gRPC on {} ({tls}health NOT_SERVING until the model is ready)", server.local_addr()));
     let http_addr = server.serve_http(http)?;
     let scheme = if args.ssl_cert_file.is_some() { "https" } else { "http" };
     log(&format!("HTTP on {scheme}://{http_addr} (OpenAI /v1/chat/completions, /v1/completions, /v1/models; llama-server /completion, /tokenize, /detokenize, /health)"));

@@ -4,97 +4,16 @@
 
 mod serve_util;
 
-use serve_util::{drain_stream, endless, first_token, greedy, Client, Streamed, PROMPTS};
-use std::io::{BufRead, BufReader};
+use serve_util::process::Served;
+use serve_util::{drain_stream, endless, first_token, greedy, Streamed, PROMPTS};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver};
+use std::process::Command;
 use std::time::Duration;
 use tandem_server::pb;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
-
-/// How long a test waits for a line the server must print.
-const WAIT: Duration = Duration::from_secs(120);
-
-struct Served {
-    child: Child,
-    lines: Receiver<String>,
-    addr: SocketAddr,
-    /// Everything printed so far.
-    log: Vec<String>,
-}
-
-impl Served {
-    /// Starts `tandem serve ARGS --port 0` and waits until it says SERVING.
-    fn start(args: &[&str]) -> Served {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
-            .arg("serve")
-            .args(args)
-            .args(["--host", "127.0.0.1", "--port", "0", "--http-port", "0"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("starting tandem serve");
-        let stderr = child.stderr.take().unwrap();
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut s = Served { child, lines, addr: "127.0.0.1:0".parse().unwrap(), log: Vec::new() };
-        let on = s.wait_for("gRPC on ");
-        s.addr = on.split("gRPC on ").nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
-        s.wait_for("SERVING");
-        s
-    }
-
-    fn wait_for(&mut self, what: &str) -> String {
-        loop {
-            match self.lines.recv_timeout(WAIT) {
-                Ok(l) => {
-                    self.log.push(l.clone());
-                    if l.contains(what) {
-                        return l;
-                    }
-                }
-                Err(_) => panic!("tandem serve never printed {what:?}:\n{}", self.log.join("\n")),
-            }
-        }
-    }
-
-    async fn client(&self) -> Client {
-        Client::connect(format!("http://{}", self.addr)).await.unwrap()
-    }
-
-    fn signal(&self, sig: i32) {
-        // SAFETY: kill(2) with the pid of a child this test started and still owns.
-        assert_eq!(unsafe { libc::kill(self.child.id() as i32, sig) }, 0);
-    }
-
-    /// Waits for the process to exit; returns its exit code.
-    fn exit_code(mut self) -> i32 {
-        let status = self.child.wait().unwrap();
-        for l in self.lines.try_iter() {
-            self.log.push(l);
-        }
-        let log = self.log.join("\n");
-        assert!(!log.contains("panicked"), "{log}");
-        status.code().unwrap_or_else(|| panic!("killed by a signal: {status:?}\n{log}"))
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-    }
-}
 
 fn fixture(name: &str) -> String {
     serve_util::fixture(name).display().to_string()
@@ -326,4 +245,36 @@ async fn a_model_file_truncated_under_the_server_is_reported_not_a_crash() {
         assert_eq!(s.exit_code(), 1);
         println!("while generating: {while_generating} (a page faulted: {faulted}): UNAVAILABLE: {}", st.message());
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_over_tls_and_openai_over_https_with_an_api_key() {
+    let python = std::env::var("TANDEM_HTTP_PYTHON").expect(
+        "TANDEM_HTTP_PYTHON is not set: run scripts/test.sh, which installs grpcio-tools and openai into .test-venv",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into(), "127.0.0.1".into()]).unwrap();
+    let (cert_file, key_file, keys) =
+        (dir.path().join("cert.pem"), dir.path().join("key.pem"), dir.path().join("keys"));
+    std::fs::write(&cert_file, cert.cert.pem()).unwrap();
+    std::fs::write(&key_file, cert.signing_key.serialize_pem()).unwrap();
+    std::fs::write(&keys, "# one key per line\nsecret-of-the-test\n").unwrap();
+    let (c, k, f) = (cert_file.to_str().unwrap(), key_file.to_str().unwrap(), keys.to_str().unwrap());
+    let mut s =
+        Served::start(&["-c", "1024", "-t", "1", "--ssl-cert-file", c, "--ssl-key-file", k, "--api-key-file", f]);
+    let https = s.log.iter().find_map(|l| l.split("HTTP on ").nth(1)).unwrap().split(' ').next().unwrap().to_string();
+    assert!(https.starts_with("https://"), "{https}");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/secure_client_check.py");
+    let args =
+        ["--grpc", &s.addr.to_string(), "--https", &https, "--ca", c, "--key", "secret-of-the-test"].map(String::from);
+    let out = tokio::task::spawn_blocking(move || Command::new(python).arg(script).args(args).output().unwrap())
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("grpcio over TLS") && stdout.contains("openai over HTTPS"), "{stdout}");
+    s.signal(libc::SIGTERM);
+    s.wait_for("stopped");
+    assert_eq!(s.exit_code(), 0);
 }

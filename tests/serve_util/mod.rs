@@ -2,6 +2,8 @@
 //! 127.0.0.1 with a port the system chooses, a real tonic client, and request builders.
 #![allow(dead_code)]
 
+pub mod process;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use tandem_engine::{Engine, EngineConfig};

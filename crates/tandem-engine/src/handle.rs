@@ -86,6 +86,8 @@ pub(crate) struct Shared {
     pub stats: Arc<Stats>,
     pub info: EngineInfo,
     sys: Vec<u32>,
+    /// The most bytes of text one token stands for.
+    max_piece_bytes: usize,
     /// Ids of queued and running requests.
     inflight: Mutex<HashMap<String, CancelFlag>>,
     /// Queued plus running requests.
@@ -175,7 +177,15 @@ impl Engine {
         stats.kv_capacity_tokens.set((n_ctx * config.n_parallel) as u64);
         let (tx, rx) = channel();
         let info = EngineInfo { n_vocab: ctx.model().n_vocab(), n_ctx, system_prompt_tokens: sys.len() };
+        // the longest text one token stands for: a prompt of more bytes than twice that per
+        // position cannot fit, and is refused before it is tokenized
+        let max_piece_bytes = (0..tokenizer.n_vocab() as u32)
+            .map(|id| tokenizer.token_to_piece(id, true).map_or(0, <[u8]>::len))
+            .max()
+            .unwrap_or(0)
+            .max(4);
         let shared = Arc::new(Shared {
+            max_piece_bytes,
             tx: Mutex::new(tx),
             model: ctx.model().clone(),
             tokenizer: Arc::new(tokenizer),
@@ -332,6 +342,19 @@ impl EngineHandle {
     pub fn prompt_tokens(&self, prompt: &Prompt) -> Result<Vec<u32>> {
         let s = &*self.0;
         let tok = &s.tokenizer;
+        let text_bytes = match prompt {
+            Prompt::Text(text) => text.len(),
+            Prompt::Chat(messages) => messages.iter().map(|(_, c)| c.len()).sum(),
+            Prompt::Tokens(_) => 0,
+        };
+        // at least this many tokens, with room for tokenizers that map a few bytes to more
+        let fewest = text_bytes / (2 * s.max_piece_bytes);
+        if fewest >= s.info.n_ctx {
+            return Err(Error::InvalidRequest(format!(
+                "the prompt is {text_bytes} bytes, at least {fewest} tokens; the context holds {} per slot",
+                s.info.n_ctx
+            )));
+        }
         Ok(match prompt {
             Prompt::Text(text) => {
                 if text.is_empty() {

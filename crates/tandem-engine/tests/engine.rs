@@ -228,6 +228,12 @@ fn queue_full_and_bad_requests_are_refused() {
     let msg = bad(with(&|r| r.prompt = Prompt::Tokens(vec![5; 100])));
     assert!(msg.contains("100 tokens") && msg.contains("64"), "{msg}");
     assert!(bad(with(&|r| r.logprobs = 1000)).contains("logprobs"));
+    // far too long to fit: refused by its length in bytes, before it is tokenized
+    let msg = bad(with(&|r| r.prompt = Prompt::Text("lorem ipsum ".repeat(330_000))));
+    assert!(msg.contains("3960000 bytes") && msg.contains("the context holds 64"), "{msg}");
+    // too long, but not by its bytes alone: tokenized, then refused
+    let msg = bad(with(&|r| r.prompt = Prompt::Text("lorem ipsum ".repeat(40))));
+    assert!(msg.contains(" tokens, the context holds 64"), "{msg}");
     // one running, one waiting, the third refused
     let mut long = greedy(PROMPTS[0], 0);
     long.ignore_eos = true;
