@@ -272,6 +272,33 @@ pub struct PlacementArgs {
     pub no_kv_offload: bool,
 }
 
+/// The chat template, as llama.cpp takes it.
+#[derive(Args, Debug, Clone, Default)]
+pub struct TemplateArgs {
+    /// The chat template: a built-in name (chatml, llama3, deepseek3, deepseek-r1, kimi-k2, qwen,
+    /// hermes) or Jinja text, instead of the model's [default: the model's; chatml if it has none].
+    #[arg(long = "chat-template", value_name = "NAME|JINJA", conflicts_with = "chat_template_file")]
+    pub chat_template: Option<String>,
+    /// A file of Jinja to use as the chat template.
+    #[arg(long = "chat-template-file", value_name = "FILE")]
+    pub chat_template_file: Option<PathBuf>,
+}
+
+impl TemplateArgs {
+    /// The template the flags give, if any.
+    pub fn given(&self) -> anyhow::Result<Option<(String, tandem_tokenizer::TemplateSource)>> {
+        if let Some(f) = &self.chat_template_file {
+            let text =
+                crate::tokenize::read_text_file(f).map_err(|e| anyhow::anyhow!("--chat-template-file: {e:#}"))?;
+            return Ok(Some((text, tandem_tokenizer::TemplateSource::Given)));
+        }
+        match &self.chat_template {
+            Some(v) => Ok(Some(tandem_tokenizer::resolve_template_arg(v).map_err(anyhow::Error::msg)?)),
+            None => Ok(None),
+        }
+    }
+}
+
 /// llama.cpp / ik_llama.cpp flags that tandem accepts so that existing command lines work, but
 /// does not need: each one set yields a one-line note of what tandem does instead.
 #[derive(Args, Debug, Clone, Default)]
@@ -285,7 +312,7 @@ pub struct CompatArgs {
     /// ik_llama.cpp's merged Q/K/V projection (ignored).
     #[arg(long = "merge-qkv")]
     pub merge_qkv: bool,
-    /// Use the model's Jinja chat template (ignored: always on).
+    /// Render chat with Jinja templates (ignored: always on).
     #[arg(long)]
     pub jinja: bool,
     /// Continuous batching (ignored: always on).
@@ -345,7 +372,10 @@ impl CompatArgs {
         note(self.mla_use.is_some(), format!("-mla {}: ignored; tandem's MLA form is set with --mla (absorbed: over the latent KV cache, llama.cpp's arithmetic, the default; auto: keys and values rebuilt from the latent for long prompt runs)", self.mla_use.unwrap_or(0)));
         note(self.attn_max_batch.is_some(), format!("-amb {}: ignored; tandem computes attention scores in chunks of {} cached positions, so their buffer does not grow with -c", self.attn_max_batch.unwrap_or(0), tandem_plan::ATTN_KV_CHUNK));
         note(self.merge_qkv, "--merge-qkv: ignored; deepseek2 has no separate Q/K/V projections to merge and tandem reads the others as stored".into());
-        note(self.jinja, "--jinja: ignored; tandem always renders the chat template stored in the GGUF".into());
+        note(
+            self.jinja,
+            "--jinja: ignored; tandem always renders Jinja chat templates (the model's, or --chat-template)".into(),
+        );
         note(self.cont_batching, "--cont-batching: ignored; continuous batching is always on".into());
         note(self.no_cont_batching, "--no-cont-batching: ignored; continuous batching is always on".into());
         note(self.warmup_batch, "--warmup-batch: ignored; tandem runs no warm-up batch at load".into());

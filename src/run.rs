@@ -5,7 +5,7 @@
 
 use crate::cli::{CompatArgs, ModelArgs, PlacementArgs, RuntimeArgs};
 use crate::logits::open_context;
-use crate::tokenize::{input_text, read_text_file};
+use crate::tokenize::input_text;
 use anyhow::{bail, Context as _};
 use clap::Args;
 use std::io::{BufRead, Write};
@@ -67,14 +67,13 @@ pub struct RunArgs {
     /// Interactive chat on stdin, one turn per line (/exit ends it); the KV cache is kept between turns (also -cnv).
     #[arg(long, visible_alias = "conversation")]
     pub chat: bool,
-    /// A Jinja chat template file to use instead of the model's.
-    #[arg(long = "chat-template", value_name = "FILE")]
-    pub chat_template: Option<PathBuf>,
+    #[command(flatten)]
+    pub template: crate::cli::TemplateArgs,
     /// A system message to start the conversation with (also -sys).
     #[arg(long = "system-prompt", visible_alias = "system", value_name = "TEXT", allow_hyphen_values = true)]
     pub system: Option<String>,
     /// Feed the prompt as it is, without the chat template.
-    #[arg(long, conflicts_with_all = ["chat", "chat_template", "system"])]
+    #[arg(long, conflicts_with_all = ["chat", "chat_template", "chat_template_file", "system"])]
     pub raw: bool,
     #[command(flatten)]
     pub runtime: RuntimeArgs,
@@ -246,19 +245,17 @@ fn template(args: &RunArgs, tok: &Tokenizer) -> anyhow::Result<Option<ChatTempla
     if args.raw {
         return Ok(None);
     }
-    let source = match &args.chat_template {
-        Some(f) => read_text_file(f)?,
-        None => {
-            match tok.chat_template() {
-                Some(s) => s.to_string(),
-                None if args.chat || args.system.is_some() => {
-                    bail!("{}: the model has no chat template (tokenizer.chat_template); give one with --chat-template FILE", args.model.model.display())
-                }
-                None => {
-                    eprintln!("note: the model has no chat template; the prompt is used as it is");
-                    return Ok(None);
-                }
-            }
+    let given = args.template.given()?;
+    let source = match (given, tok.chat_template()) {
+        (Some((text, _)), _) => text,
+        (None, Some(s)) => s.to_string(),
+        (None, None) if args.chat || args.system.is_some() => {
+            eprintln!("note: the model has no chat template (tokenizer.chat_template): chatml, as llama.cpp; --chat-template NAME|JINJA to choose");
+            tandem_tokenizer::choose_template(None, None).0
+        }
+        (None, None) => {
+            eprintln!("note: the model has no chat template; the prompt is used as it is");
+            return Ok(None);
         }
     };
     Ok(Some(ChatTemplate::new(&source, tok.bos_text(), tok.eos_text())?))

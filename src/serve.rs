@@ -109,6 +109,8 @@ pub struct ServeArgs {
     #[arg(long = "log-prompts")]
     pub log_prompts: bool,
     #[command(flatten)]
+    pub template: crate::cli::TemplateArgs,
+    #[command(flatten)]
     pub runtime: RuntimeArgs,
     #[command(flatten)]
     pub placement: PlacementArgs,
@@ -212,6 +214,7 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
         system_prompt,
         log: Some(Arc::new(log)),
         log_prompts: args.log_prompts,
+        chat_template: args.template.given()?,
     };
     let engine = Engine::start(ctx, tok, config)?;
     let info = engine.handle().info().clone();

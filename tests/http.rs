@@ -23,7 +23,11 @@ struct Http {
 }
 
 async fn serve(n_ctx: usize, config: EngineConfig) -> Http {
-    let mut t = start("llama-tiny.gguf", n_ctx, config).await;
+    serve_model("llama-tiny.gguf", n_ctx, config).await
+}
+
+async fn serve_model(model: &str, n_ctx: usize, config: EngineConfig) -> Http {
+    let mut t = start(model, n_ctx, config).await;
     let addr = t.server.serve_http(TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap();
     Http { t, addr }
 }
@@ -350,7 +354,10 @@ async fn python_openai_and_aiohttp_clients_work() {
         "TANDEM_HTTP_PYTHON is not set: run scripts/test.sh, which installs openai and aiohttp into .test-venv and sets it",
     );
     let config = EngineConfig { n_parallel: 4, queue_size: 64, ..EngineConfig::default() };
-    let s = serve(1024, config).await;
+    // a model without a chat template: chat uses chatml, as llama-server
+    let dir = tempfile::tempdir().unwrap();
+    let model = without_chat_template(dir.path());
+    let s = serve_model(model.to_str().unwrap(), 1024, config).await;
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/http_client_check.py");
     let base = format!("http://{}", s.addr);
     let out = tokio::task::spawn_blocking(move || {
@@ -408,4 +415,58 @@ async fn the_serve_binary_answers_http_beside_grpc() {
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
     let status = tokio::task::spawn_blocking(move || child.wait().unwrap()).await.unwrap();
     assert!(status.success(), "{status:?}");
+}
+
+/// llama-tiny without `tokenizer.chat_template`, written into `dir`.
+fn without_chat_template(dir: &std::path::Path) -> std::path::PathBuf {
+    let f = tandem_gguf::GgufFile::open(serve_util::fixture("llama-tiny.gguf")).unwrap();
+    let mut w = tandem_gguf::GgufWriter::new().version(f.version()).unwrap();
+    for (k, v) in f.metadata().entries() {
+        if k != "tokenizer.chat_template" {
+            w.add(k, v.clone());
+        }
+    }
+    for t in f.tensors() {
+        w.add_tensor(&t.name, t.ty, &t.dims, f.tensor_data(&t.name).unwrap().to_vec()).unwrap();
+    }
+    let path = dir.join("no-template.gguf");
+    w.write_file(&path).unwrap();
+    path
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_without_a_template_chats_in_chatml_and_flags_choose_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = without_chat_template(dir.path());
+    let chat = json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+                      "max_tokens": 4, "temperature": 0});
+    let s = serve_model(model.to_str().unwrap(), 512, EngineConfig::default()).await;
+    let (status, v) = post_json(s.addr, "/apply-template", chat.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(
+        v["prompt"],
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let (status, v) = post_json(s.addr, "/v1/chat/completions", chat.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    let mut client = s.t.client.clone();
+    let info = client.get_model_info(tandem_server::pb::GetModelInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.chat_template_source, "chatml-fallback");
+    assert!(info.has_chat_template);
+    drop(s);
+
+    for (name, marker) in
+        [("llama3", "<|start_header_id|>user<|end_header_id|>"), ("kimi-k2", "<|im_user|>user<|im_middle|>")]
+    {
+        let given = tandem_tokenizer::resolve_template_arg(name).unwrap();
+        let config = EngineConfig { chat_template: Some(given), ..EngineConfig::default() };
+        let s = serve_model("llama-tiny.gguf", 512, config).await;
+        let (status, v) = post_json(s.addr, "/apply-template", chat.clone()).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        assert!(v["prompt"].as_str().unwrap().contains(marker), "{name}: {v}");
+        let mut client = s.t.client.clone();
+        let info = client.get_model_info(tandem_server::pb::GetModelInfoRequest {}).await.unwrap().into_inner();
+        assert_eq!(info.chat_template_source, format!("builtin:{name}"));
+    }
 }

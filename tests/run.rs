@@ -187,8 +187,10 @@ fn bad_input_gets_a_one_line_error() {
     let e = error_line(&run(&["-p", &long, "-n", "4"]));
     assert!(e.contains("context holds 512"), "{e}");
     let raises = fixtures().join("templates/raises.jinja");
-    let e = error_line(&run(&["-p", "hi", "-sys", "be nice", "--chat-template", raises.to_str().unwrap()]));
+    let e = error_line(&run(&["-p", "hi", "-sys", "be nice", "--chat-template-file", raises.to_str().unwrap()]));
     assert!(e.contains("chat template") && e.contains("Unsupported role: system"), "{e}");
+    let e = error_line(&run(&["-p", "hi", "--chat-template", "chatm"]));
+    assert!(e.contains("not a built-in template (chatml, llama3, deepseek3"), "{e}");
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("bad.txt");
     std::fs::write(&bad, b"caf\xe9 au lait").unwrap();

@@ -13,7 +13,7 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use tandem_model::{Batch, Context, Model};
-use tandem_tokenizer::{message, ChatTemplate, Tokenizer};
+use tandem_tokenizer::{message, ChatTemplate, TemplateSource, Tokenizer};
 
 /// Where the engine writes its one-line notes (prompt-cache divergences, failed batches).
 pub type Logger = Arc<dyn Fn(&str) + Send + Sync>;
@@ -34,6 +34,9 @@ pub struct EngineConfig {
     /// Text every Generate prompt starts with, prefilled once at start.
     pub system_prompt: Option<String>,
     pub log: Option<Logger>,
+    /// A chat template (and where it came from) to use instead of the model's; with none here and
+    /// none in the model, chatml.
+    pub chat_template: Option<(String, TemplateSource)>,
     /// Prompt text may appear in the log (a prompt-cache divergence shows the text around it);
     /// else only positions and hashes do, as users' prompts are not the operator's to read.
     pub log_prompts: bool,
@@ -50,6 +53,7 @@ impl Default for EngineConfig {
             system_prompt: None,
             log: None,
             log_prompts: false,
+            chat_template: None,
         }
     }
 }
@@ -83,6 +87,7 @@ pub(crate) struct Shared {
     pub model: Arc<Model>,
     pub tokenizer: Arc<Tokenizer>,
     template: Option<ChatTemplate>,
+    template_source: TemplateSource,
     pub stats: Arc<Stats>,
     pub info: EngineInfo,
     sys: Vec<u32>,
@@ -169,10 +174,14 @@ impl Engine {
         for (k, chunk) in sys.chunks(config.prefill_chunk.max(1)).enumerate() {
             ctx.decode(&Batch::sequence(chunk, (k * config.prefill_chunk.max(1)) as u32, sys_seq, false))?;
         }
-        let template = match tokenizer.chat_template() {
-            Some(src) => Some(ChatTemplate::new(src, tokenizer.bos_text(), tokenizer.eos_text())?),
-            None => None,
-        };
+        let given = config.chat_template.clone();
+        let (source, template_source) = tandem_tokenizer::choose_template(given, tokenizer.chat_template());
+        if template_source == TemplateSource::Fallback {
+            if let Some(l) = &config.log {
+                l("the model has no chat template (tokenizer.chat_template): chat uses chatml, as llama-server; --chat-template NAME|JINJA or --chat-template-file F to choose");
+            }
+        }
+        let template = Some(ChatTemplate::new(&source, tokenizer.bos_text(), tokenizer.eos_text())?);
         let stats = Arc::new(Stats::default());
         stats.kv_capacity_tokens.set((n_ctx * config.n_parallel) as u64);
         let (tx, rx) = channel();
@@ -190,6 +199,7 @@ impl Engine {
             model: ctx.model().clone(),
             tokenizer: Arc::new(tokenizer),
             template,
+            template_source,
             stats,
             info,
             sys: sys.clone(),
@@ -264,6 +274,11 @@ impl EngineHandle {
 
     pub fn has_chat_template(&self) -> bool {
         self.0.template.is_some()
+    }
+
+    /// Where the chat template came from.
+    pub fn chat_template_source(&self) -> TemplateSource {
+        self.0.template_source
     }
 
     /// False once the engine has stopped (shutdown, or a bug ended its thread).

@@ -17,6 +17,7 @@ pub use request::{
 pub use sampling::{argmax, Sampler, SamplingParams, StopMatcher, StopOutput};
 pub use stats::Stats;
 pub use tandem_model::Counts;
+pub use tandem_tokenizer::TemplateSource;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

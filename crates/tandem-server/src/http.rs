@@ -1,6 +1,6 @@
 //! The HTTP API (axum) beside gRPC, over the same engine, slots and prompt cache: OpenAI's
 //! `/v1/chat/completions`, `/v1/completions` and `/v1/models`, llama-server's `/completion`,
-//! `/tokenize`, `/detokenize` and `/health`. Errors use OpenAI's shape
+//! `/tokenize`, `/detokenize`, `/apply-template` and `/health`. Errors use OpenAI's shape
 //! (`{"error": {"message", "type", "code"}}`); streams are server-sent events. A client that
 //! disconnects drops the response body, which closes the request's reply channel: the engine
 //! then frees its slot, as for a gRPC cancel.
@@ -46,6 +46,7 @@ pub(crate) fn router(state: Arc<State>) -> Router {
         .route("/completions", post(completions))
         .route("/completion", post(llama_completion))
         .route("/tokenize", post(tokenize))
+        .route("/apply-template", post(apply_template))
         .route("/detokenize", post(detokenize))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -533,4 +534,21 @@ async fn detokenize(
     }
     let content = engine.tokenizer().decode(&r.tokens, true).map_err(|e| ApiError::bad(e.to_string()))?;
     Ok(Json(json!({"content": content})))
+}
+
+/// llama-server's `/apply-template`: the prompt a chat request's messages render to.
+async fn apply_template(
+    AxState(state): AxState<Arc<State>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let parsed = openai::chat_request(parse(body)?, Instant::now())?;
+    let engine = state.engine()?.clone();
+    let tandem_engine::Prompt::Chat(messages) = parsed.req.prompt else {
+        return Err(ApiError::bad("no messages"));
+    };
+    let prompt = tokio::task::spawn_blocking(move || engine.render_chat(&messages))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("rendering: {e}")))?
+        .map_err(|e| ApiError::from(&e))?;
+    Ok(Json(json!({"prompt": prompt})))
 }

@@ -11,6 +11,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
+use tandem_engine::TemplateSource;
 use tandem_engine::{EngineHandle, Event, Sink};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -415,6 +416,12 @@ fn model_info(engine: &EngineHandle, desc: &ModelDescription) -> pb::GetModelInf
             v
         },
         bos_token_id: tok.special_ids().bos.filter(|_| tok.add_bos()),
+        chat_template_source: match engine.chat_template_source() {
+            TemplateSource::Model => "model".into(),
+            TemplateSource::Builtin(name) => format!("builtin:{name}"),
+            TemplateSource::Given => "given".into(),
+            TemplateSource::Fallback => "chatml-fallback".into(),
+        },
     }
 }
 

@@ -31,6 +31,6 @@ pub mod vocab;
 
 pub use error::{Error, Result};
 pub use pretokenize::{supported_pre_tokenizers, PreTokenizer};
-pub use template::{message, ChatTemplate};
+pub use template::{choose_template, message, resolve_template_arg, ChatTemplate, TemplateSource, BUILTIN_TEMPLATES};
 pub use tokenizer::{StreamDecoder, Tokenizer};
 pub use vocab::{SpecialIds, VocabKind};

@@ -10,6 +10,57 @@ use serde_json::Value as Json;
 
 const NAME: &str = "chat_template";
 
+/// The built-in templates `--chat-template NAME` chooses (templates/README.md says where each
+/// comes from).
+pub const BUILTIN_TEMPLATES: [(&str, &str); 7] = [
+    ("chatml", include_str!("../templates/chatml.jinja")),
+    ("llama3", include_str!("../templates/llama3.jinja")),
+    ("deepseek3", include_str!("../templates/deepseek3.jinja")),
+    ("deepseek-r1", include_str!("../templates/deepseek-r1.jinja")),
+    ("kimi-k2", include_str!("../templates/kimi-k2.jinja")),
+    ("qwen", include_str!("../templates/qwen.jinja")),
+    ("hermes", include_str!("../templates/hermes.jinja")),
+];
+
+/// Where a chat template came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TemplateSource {
+    /// `--chat-template NAME`.
+    Builtin(&'static str),
+    /// `--chat-template JINJA` or `--chat-template-file`.
+    Given,
+    /// The GGUF's `tokenizer.chat_template`.
+    Model,
+    /// None in the model and none given: chatml, as llama-server.
+    Fallback,
+}
+
+/// The template source text for `--chat-template VALUE`: a built-in name, or Jinja (anything with
+/// `{{` or `{%`). Anything else is an error naming the built-ins.
+pub fn resolve_template_arg(value: &str) -> std::result::Result<(String, TemplateSource), String> {
+    if let Some((name, src)) = BUILTIN_TEMPLATES.iter().find(|(n, _)| *n == value.trim()) {
+        return Ok((src.to_string(), TemplateSource::Builtin(name)));
+    }
+    if value.contains("{{") || value.contains("{%") {
+        return Ok((value.to_string(), TemplateSource::Given));
+    }
+    let names: Vec<&str> = BUILTIN_TEMPLATES.iter().map(|(n, _)| *n).collect();
+    Err(format!(
+        "--chat-template {:?}: not a built-in template ({}) and not Jinja; give a file with --chat-template-file",
+        value.chars().take(80).collect::<String>(),
+        names.join(", ")
+    ))
+}
+
+/// The template to use: `given` (from the flags) if any, else the model's, else chatml.
+pub fn choose_template(given: Option<(String, TemplateSource)>, model: Option<&str>) -> (String, TemplateSource) {
+    match (given, model) {
+        (Some(g), _) => g,
+        (None, Some(m)) => (m.to_string(), TemplateSource::Model),
+        (None, None) => (BUILTIN_TEMPLATES[0].1.to_string(), TemplateSource::Fallback),
+    }
+}
+
 /// A parsed chat template and the special-token texts it is rendered with.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -242,5 +293,37 @@ mod tests {
     fn strftime_formats_dates() {
         // 2024-07-26 13:25:09 UTC, a Friday
         assert_eq!(strftime("%d %b %Y %H:%M:%S %A %B %%", 1_722_000_309), "26 Jul 2024 13:25:09 Friday July %");
+    }
+
+    #[test]
+    fn every_builtin_renders_a_tool_conversation() {
+        let tools = [serde_json::json!({"type": "function", "function": {"name": "get_weather",
+            "description": "The weather in a city", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string"}}, "required": ["city"]}}})];
+        let messages = [
+            serde_json::json!({"role": "system", "content": "You are terse."}),
+            serde_json::json!({"role": "user", "content": "Weather in Paris?"}),
+            serde_json::json!({"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}),
+            serde_json::json!({"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}),
+            serde_json::json!({"role": "assistant", "content": "Sunny, 18 C."}),
+            serde_json::json!({"role": "user", "content": "Thanks!"}),
+        ];
+        for (name, src) in BUILTIN_TEMPLATES {
+            let t = ChatTemplate::new(src, "<s>", "</s>").unwrap_or_else(|e| panic!("{name}: {e}"));
+            let with_tools = if name == "chatml" { None } else { Some(&tools[..]) };
+            let out = t.render(&messages, with_tools, true).unwrap_or_else(|e| panic!("{name}: {e}"));
+            for text in ["Weather in Paris?", "Sunny, 18 C.", "Thanks!"] {
+                assert!(out.contains(text), "{name} lost {text:?}:\n{out}");
+            }
+            if name != "chatml" {
+                assert!(out.contains("get_weather") && out.contains("18 C, sunny"), "{name}:\n{out}");
+            }
+        }
+        assert!(resolve_template_arg("kimi-k2").is_ok());
+        assert_eq!(resolve_template_arg("{{ messages }}").map(|r| r.1), Ok(TemplateSource::Given));
+        let e = resolve_template_arg("chatm").unwrap_err();
+        assert!(e.contains("chatml, llama3") && e.contains("--chat-template-file"), "{e}");
+        assert_eq!(choose_template(None, None).1, TemplateSource::Fallback);
     }
 }
