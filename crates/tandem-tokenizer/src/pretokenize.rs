@@ -16,6 +16,11 @@ use crate::{Error, Result};
 
 const DEEPSEEK3_CJK: &str = "[一-龥぀-ゟ゠-ヿ]+";
 const DEEPSEEK3_WORDS: &str = r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"##;
+/// llama.cpp's letters of `deepseek-llm` (its regexes spell the Latin, Greek, Cyrillic, ... letter
+/// ranges out instead of `\p{L}`).
+const DEEPSEEK_LLM_LETTERS: &str = r##"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+"##;
+const DEEPSEEK_LLM_PUNCT: &str = r##"\s?[!-/:-~！-／：-～‘-‟　-。]+"##;
+const DEEPSEEK_CJK: &str = "[一-龥ࠀ-一가-퟿]+";
 const GPT4O: &str = r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// One splitting step.
@@ -55,6 +60,25 @@ const FAMILIES: &[Family] = &[
         add_bos: Some(true),
     },
     Family { names: &["dbrx", "smaug-bpe"], steps: &[Llama3], ignore_merges: false, add_bos: None },
+    Family {
+        names: &["deepseek-llm"],
+        steps: &[
+            Regex("[\r\n]"),
+            Regex(DEEPSEEK_LLM_LETTERS),
+            Regex(DEEPSEEK_LLM_PUNCT),
+            Regex(r"\s+$"),
+            Regex(DEEPSEEK_CJK),
+            Regex(r"\p{N}+"),
+        ],
+        ignore_merges: false,
+        add_bos: None,
+    },
+    Family {
+        names: &["deepseek-coder"],
+        steps: &[Regex("[\r\n]"), Regex(r"\s?\p{L}+"), Regex(r"\s?\p{P}+"), Regex(DEEPSEEK_CJK), Regex(r"\p{N}")],
+        ignore_merges: false,
+        add_bos: None,
+    },
     Family {
         names: &["deepseek-v3", "hunyuan-dense", "joyai-llm"],
         steps: &[Regex(r"\p{N}{1,3}"), Regex(DEEPSEEK3_CJK), Regex(DEEPSEEK3_WORDS)],

@@ -191,3 +191,49 @@ fn smollm2_template_comes_from_the_gguf() -> Result<()> {
     assert!(s.ends_with("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), "{s}");
     Ok(())
 }
+
+/// llama.cpp's own tokenizer suite (its tests/test-tokenizer-0.cpp over models/ggml-vocab-*.gguf
+/// with their .inp/.out, committed in tests/fixtures/tokenizer/llama-cpp-vocab/, see its
+/// README): every vocabulary there, every case, the ids llama.cpp gives (add_special and
+/// parse_special false, as that test calls it).
+#[test]
+fn llama_cpp_vocab_suite_gives_llama_cpps_ids() -> Result<()> {
+    let dir = fixtures().join("llama-cpp-vocab");
+    let mut vocabs: Vec<PathBuf> =
+        std::fs::read_dir(&dir)?.map(|e| e.map(|e| e.path())).collect::<std::io::Result<_>>()?;
+    vocabs.retain(|p| p.extension().is_some_and(|e| e == "gguf"));
+    vocabs.sort();
+    let mut report = Vec::new();
+    let mut failures = Vec::new();
+    for vocab in &vocabs {
+        let name = vocab.file_name().unwrap().to_string_lossy().into_owned();
+        let inp = std::fs::read_to_string(dir.join(format!("{name}.inp")))?;
+        let out = std::fs::read_to_string(dir.join(format!("{name}.out")))?;
+        let mut texts: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();
+        if texts.last() == Some(&"") {
+            texts.pop();
+        }
+        let wants: Vec<Vec<u32>> =
+            out.lines().map(|l| l.split_whitespace().map(|t| t.parse().unwrap()).collect()).collect();
+        if texts.len() != wants.len() {
+            bail!("{name}: {} inputs, {} outputs", texts.len(), wants.len());
+        }
+        let tok = tokenizer(vocab).with_context(|| name.clone())?;
+        let mut ok = 0;
+        for (text, want) in texts.iter().zip(&wants) {
+            let got = tok.encode(text, false, false)?;
+            if &got == want {
+                ok += 1;
+            } else {
+                failures.push(format!("{name}: {text:?}\n    llama.cpp {want:?}\n    tandem    {got:?}"));
+            }
+        }
+        report.push(format!("{name}: {ok}/{}", texts.len()));
+    }
+    println!("{}", report.join("\n"));
+    assert!(vocabs.len() >= 2, "no vocabularies in {}", dir.display());
+    if !failures.is_empty() {
+        bail!("{} cases differ from llama.cpp:\n{}", failures.len(), failures.join("\n"));
+    }
+    Ok(())
+}
