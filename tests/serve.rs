@@ -309,3 +309,34 @@ async fn metrics_are_prometheus_text() {
         .and_then(|v| v.parse::<u64>().ok());
     assert!(launches.is_some_and(|n| n > 0), "CPU launches: {launches:?}\n{body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_constraint_holds_the_output_to_a_grammar_or_schema() {
+    use pb::generation_options::Constraint as C;
+    let mut s = start("llama-tiny.gguf", 512, EngineConfig::default()).await;
+    let with = |c: C| {
+        let mut r = greedy(PROMPTS[0], 32);
+        r.sampling = Some(pb::SamplingParams { temperature: Some(1.0), seed: Some(3), ..Default::default() });
+        r.options.as_mut().unwrap().constraint = Some(c);
+        r
+    };
+    let out = drain_stream(
+        s.client.generate(with(C::Grammar(r#"root ::= "yes" | "no""#.into()))).await.unwrap().into_inner(),
+        Streamed::default(),
+    )
+    .await;
+    assert!(out.text == "yes" || out.text == "no", "{out:?}");
+    assert_eq!(out.reason(), pb::FinishReason::Stop);
+    let schema = r#"{"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"], "additionalProperties": false, "x-guidance": {"whitespace_flexible": false}}"#;
+    let out = drain_stream(
+        s.client.generate(with(C::JsonSchema(schema.into()))).await.unwrap().into_inner(),
+        Streamed::default(),
+    )
+    .await;
+    let v: serde_json::Value = serde_json::from_str(&out.text).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+    assert!(v["n"].as_i64().is_some_and(|n| n <= 9), "{v}");
+    for bad in [C::JsonSchema("{not json".into()), C::Grammar("root ::= (".into())] {
+        let st = s.client.generate(with(bad)).await.unwrap_err();
+        assert_eq!(st.code(), Code::InvalidArgument, "{st:?}");
+    }
+}

@@ -101,6 +101,7 @@ pub(crate) struct Shared {
     stopped: AtomicBool,
     /// Why the engine can no longer run (a model file changed while mapped).
     broken: Mutex<Option<String>>,
+    grammars: std::sync::OnceLock<std::result::Result<crate::grammar::Grammars, String>>,
 }
 
 impl Shared {
@@ -208,6 +209,7 @@ impl Engine {
             next_id: AtomicU64::new(1),
             stopped: AtomicBool::new(false),
             broken: Mutex::new(None),
+            grammars: std::sync::OnceLock::new(),
             config,
         });
         let scheduler = Scheduler::new(ctx, shared.clone(), sys_seq, sys);
@@ -286,6 +288,13 @@ impl EngineHandle {
         !self.0.stopped.load(Ordering::Acquire)
     }
 
+    /// The vocabulary as the grammar engine sees it, made at the first constrained request.
+    fn grammars(&self) -> Result<&crate::grammar::Grammars> {
+        let g =
+            self.0.grammars.get_or_init(|| crate::grammar::Grammars::new(&self.0.tokenizer).map_err(|e| e.to_string()));
+        g.as_ref().map_err(|e| Error::InvalidRequest(e.clone()))
+    }
+
     /// Why the engine stopped for good, if it did (not a shutdown).
     pub fn broken(&self) -> Option<String> {
         self.0.broken_reason()
@@ -316,6 +325,10 @@ impl EngineHandle {
         }
         let tokens = self.prompt_tokens(&req.prompt)?;
         let sampler = self.check(&req, &tokens)?;
+        let matcher = match &req.constraint {
+            Some(c) => Some(self.grammars()?.matcher(c)?),
+            None => None,
+        };
         let id = if req.id.is_empty() {
             format!("req-{}", s.next_id.fetch_add(1, Ordering::Relaxed))
         } else {
@@ -334,7 +347,7 @@ impl EngineHandle {
             }
             inflight.insert(id.clone(), cancel.clone());
         }
-        let job = Job { id: id.clone(), req, tokens, sampler, cancel, sink };
+        let job = Job { id: id.clone(), req, tokens, sampler, cancel, sink, matcher };
         if s.tx.lock().unwrap_or_else(|e| e.into_inner()).send(Command::Submit(Box::new(job))).is_err() {
             s.release(&id);
             return Err(Error::Unavailable("the engine has stopped".into()));

@@ -2,6 +2,7 @@
 //! and stop strings); the rest comes with the serve issue.
 
 pub mod demo;
+pub mod grammar;
 mod handle;
 pub mod request;
 pub mod sampling;
@@ -9,6 +10,7 @@ mod scheduler;
 mod slot;
 pub mod stats;
 
+pub use grammar::Constraint;
 pub use handle::{Engine, EngineConfig, EngineHandle, EngineInfo, Logger};
 pub use request::{
     Event, Failure, Finish, FinishReason, LengthLimit, PositionLogprobs, Prompt, Request, Sink, Timings, TokenLogprob,

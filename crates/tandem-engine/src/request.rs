@@ -35,6 +35,8 @@ pub struct Request {
     pub logprobs: u32,
     /// Generate past end-of-generation tokens.
     pub ignore_eos: bool,
+    /// What the output must match (structured output).
+    pub constraint: Option<crate::grammar::Constraint>,
     /// When the request must be over; it then fails with [`Failure::DeadlineExceeded`].
     pub deadline: Option<Instant>,
     /// When the request arrived (queue time and time to first token count from here).
@@ -52,6 +54,7 @@ impl Request {
             stop: Vec::new(),
             logprobs: 0,
             ignore_eos: false,
+            constraint: None,
             deadline: None,
             arrived: Instant::now(),
         }

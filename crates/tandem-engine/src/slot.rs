@@ -17,6 +17,8 @@ pub(crate) struct Job {
     pub sampler: Sampler,
     pub cancel: CancelFlag,
     pub sink: Box<dyn Sink>,
+    /// The structured-output constraint, compiled.
+    pub matcher: Option<llguidance::Matcher>,
 }
 
 /// How a request left its slot (or the queue).
@@ -104,11 +106,18 @@ impl Active {
         }
         let masked;
         let mut for_sampling = logits;
-        if self.job.req.ignore_eos {
+        if self.job.req.ignore_eos || self.job.matcher.is_some() {
             let mut row = logits.to_vec();
-            for id in tok.eog_ids() {
-                if let Some(l) = row.get_mut(id as usize) {
-                    *l = f32::NEG_INFINITY;
+            if let Some(m) = self.job.matcher.as_mut() {
+                if let Err(e) = crate::grammar::apply_mask(m, &mut row, tok) {
+                    return Next::End(End::Failed(Failure::Internal(format!("structured output: {e}"))));
+                }
+            }
+            if self.job.req.ignore_eos {
+                for id in tok.eog_ids() {
+                    if let Some(l) = row.get_mut(id as usize) {
+                        *l = f32::NEG_INFINITY;
+                    }
                 }
             }
             masked = row;
@@ -130,6 +139,14 @@ impl Active {
         if tok.is_eog(t) && !self.job.req.ignore_eos {
             return Next::End(End::Finished(FinishReason::Eos));
         }
+        let mut grammar_done = false;
+        if let Some(m) = self.job.matcher.as_mut() {
+            if let Err(e) = m.consume_token(t) {
+                return Next::End(End::Failed(Failure::Internal(format!("structured output: {e}"))));
+            }
+            // nothing can follow: the output is complete
+            grammar_done = m.is_stopped();
+        }
         self.generated += 1;
         stats.generated_tokens.add(1);
         let logprobs = (self.job.req.logprobs > 0).then(|| {
@@ -142,7 +159,7 @@ impl Active {
         if !self.job.sink.send(Event::Token { id: t, text: out.text, logprobs }) {
             return Next::End(End::Disconnected);
         }
-        if out.stopped {
+        if out.stopped || grammar_done {
             return Next::End(End::Finished(FinishReason::Stop));
         }
         if self.generated >= self.limit.0 {

@@ -293,3 +293,47 @@ fn a_long_prompt_is_prefilled_in_chunks_between_decode_steps() {
     assert!(during + 1 >= computed / 16, "A generated {during} tokens while B's {computed} were prefilled");
     drop(e);
 }
+
+/// Structured output on a random-weight model (whose text is noise): every sample matches.
+#[test]
+fn constrained_output_always_matches() {
+    use tandem_engine::Constraint;
+    let e = engine("llama-tiny.gguf", 1024, EngineConfig::default());
+    let sample = |c: Constraint, seed: u64, max: u32| {
+        let mut r = greedy(PROMPTS[1], max);
+        r.sampling = SamplingParams { temperature: 1.0, seed, ..SamplingParams::default() };
+        r.constraint = Some(c);
+        run(&e, r)
+    };
+    for seed in 0..10 {
+        let (_, text, f) = sample(Constraint::Gbnf(r#"root ::= ("yes" | "no") "!"?"#.into()), seed, 16);
+        assert!(["yes", "no", "yes!", "no!"].contains(&text.as_str()), "{text:?} {f:?}");
+    }
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+            "color": {"enum": ["red", "green", "blue"]}
+        },
+        "required": ["name", "age", "color"],
+        "additionalProperties": false,
+        "x-guidance": {"whitespace_flexible": false}
+    });
+    for seed in 0..10 {
+        let (_, text, f) = sample(Constraint::JsonSchema(schema.clone()), seed, 64);
+        assert_eq!(f.reason, FinishReason::Stop, "{text:?}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        assert!(v["name"].as_str().is_some_and(|s| s.chars().count() <= 6), "{v}");
+        assert!(v["age"].as_u64().is_some_and(|a| a <= 99), "{v}");
+        assert!(["red", "green", "blue"].contains(&v["color"].as_str().unwrap_or("")), "{v}");
+        assert_eq!(v.as_object().unwrap().len(), 3, "{v}");
+    }
+    let (_, text, _) = sample(Constraint::Regex("[0-9]{3}-[0-9]{4}".into()), 7, 16);
+    assert!(text.len() == 8 && text.as_bytes()[3] == b'-', "{text:?}");
+    // a grammar that does not compile is the request's fault, named
+    let mut bad = greedy("x", 4);
+    bad.constraint = Some(Constraint::Gbnf("root ::= (\"a\"".into()));
+    let err = e.handle().submit(bad, Box::new(channel().0)).unwrap_err().to_string();
+    assert!(err.contains("grammar"), "{err}");
+}

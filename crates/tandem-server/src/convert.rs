@@ -4,8 +4,8 @@
 use crate::pb;
 use std::time::{Duration, Instant};
 use tandem_engine::{
-    Error as EngineError, Event, Failure, Finish, FinishReason, LengthLimit, PositionLogprobs, Prompt, Request,
-    SamplingParams, TokenLogprob,
+    Constraint, Error as EngineError, Event, Failure, Finish, FinishReason, LengthLimit, PositionLogprobs, Prompt,
+    Request, SamplingParams, TokenLogprob,
 };
 use tonic::metadata::MetadataMap;
 use tonic::Status;
@@ -104,6 +104,17 @@ fn request(
     if let Some(s) = o.stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
         return Err(Status::invalid_argument(format!("a stop string is {} bytes, at most {MAX_STOP_BYTES}", s.len())));
     }
+    use pb::generation_options::Constraint as C;
+    let constraint = match o.constraint {
+        None | Some(C::JsonObject(false)) => None,
+        Some(C::JsonObject(true)) => Some(Constraint::JsonObject),
+        Some(C::JsonSchema(text)) => match serde_json::from_str(&text) {
+            Ok(v) => Some(Constraint::JsonSchema(v)),
+            Err(e) => return Err(Status::invalid_argument(format!("json_schema is not JSON: {e}"))),
+        },
+        Some(C::Grammar(g)) => Some(Constraint::Gbnf(g)),
+        Some(C::Regex(r)) => Some(Constraint::Regex(r)),
+    };
     Ok(Request {
         id,
         prompt,
@@ -112,6 +123,7 @@ fn request(
         stop: o.stop,
         logprobs: o.logprobs,
         ignore_eos: o.ignore_eos,
+        constraint,
         deadline,
         arrived,
     })

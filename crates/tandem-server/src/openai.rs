@@ -6,7 +6,9 @@
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::time::Instant;
-use tandem_engine::{Finish, FinishReason, LengthLimit, PositionLogprobs, Prompt, Request, SamplingParams, Usage};
+use tandem_engine::{
+    Constraint, Finish, FinishReason, LengthLimit, PositionLogprobs, Prompt, Request, SamplingParams, Usage,
+};
 
 /// Most stop strings per request, and bytes per stop string (as over gRPC).
 const MAX_STOPS: usize = 16;
@@ -78,6 +80,59 @@ pub struct Common {
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub ignore_eos: bool,
+    /// OpenAI's structured output: `{"type": "text" | "json_object" | "json_schema", "json_schema":
+    /// {"name", "schema", "strict"}}`.
+    pub response_format: Option<Value>,
+    /// llama-server's extensions: a JSON schema, a GBNF grammar.
+    pub json_schema: Option<Value>,
+    pub grammar: Option<String>,
+}
+
+/// The output constraint of OpenAI's `response_format` or llama-server's `json_schema` / `grammar`.
+fn constraint(
+    response_format: Option<Value>,
+    json_schema: Option<Value>,
+    grammar: Option<String>,
+) -> Result<Option<Constraint>, BadParam> {
+    let given = usize::from(response_format.as_ref().is_some_and(|f| f["type"] != "text"))
+        + usize::from(json_schema.is_some())
+        + usize::from(grammar.is_some());
+    if given > 1 {
+        return Err(BadParam("give one of response_format, json_schema and grammar".into()));
+    }
+    if let Some(g) = grammar {
+        return Ok(Some(Constraint::Gbnf(g)));
+    }
+    if let Some(s) = json_schema {
+        return Ok(Some(schema_constraint(s)?));
+    }
+    let Some(f) = response_format else { return Ok(None) };
+    match f["type"].as_str() {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(match f.get("schema") {
+            // llama-server also takes a schema here
+            Some(s) => schema_constraint(s.clone())?,
+            None => Constraint::JsonObject,
+        })),
+        Some("json_schema") => {
+            let schema = f["json_schema"].get("schema").or_else(|| f.get("schema"));
+            match schema {
+                Some(s) => Ok(Some(schema_constraint(s.clone())?)),
+                None => Err(BadParam("response_format json_schema: no json_schema.schema".into())),
+            }
+        }
+        other => Err(BadParam(format!(
+            "response_format type {:?}: one of text, json_object, json_schema",
+            other.unwrap_or("(none)")
+        ))),
+    }
+}
+
+fn schema_constraint(s: Value) -> Result<Constraint, BadParam> {
+    if !s.is_object() && !s.is_boolean() {
+        return Err(BadParam(format!("json_schema: a schema is a JSON object, not {s}")));
+    }
+    Ok(Constraint::JsonSchema(s))
 }
 
 #[derive(Deserialize, Debug)]
@@ -121,6 +176,9 @@ pub struct LlamaCompletionRequest {
     pub n_probs: Option<u32>,
     #[serde(default)]
     pub ignore_eos: bool,
+    pub json_schema: Option<Value>,
+    pub grammar: Option<String>,
+    pub response_format: Option<Value>,
 }
 
 #[derive(Deserialize, Debug)]
@@ -219,6 +277,7 @@ fn common(c: Common, p: Prompt, arrived: Instant) -> Result<Request, BadParam> {
     req.max_tokens = c.max_completion_tokens.or(c.max_tokens).unwrap_or(0);
     req.stop = stops(c.stop)?;
     req.ignore_eos = c.ignore_eos;
+    req.constraint = constraint(c.response_format, c.json_schema, c.grammar)?;
     Ok(req)
 }
 
@@ -294,6 +353,7 @@ pub fn llama_completion_request(r: LlamaCompletionRequest, arrived: Instant) -> 
     req.stop = stops(r.stop)?;
     req.logprobs = r.n_probs.unwrap_or(0);
     req.ignore_eos = r.ignore_eos;
+    req.constraint = constraint(r.response_format, r.json_schema, r.grammar)?;
     let _ = r.cache_prompt;
     Ok(req)
 }
