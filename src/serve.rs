@@ -104,6 +104,10 @@ pub struct ServeArgs {
     /// Seconds a connection with no request in flight stays open (llama-server's --timeout).
     #[arg(long = "timeout", visible_alias = "idle-timeout", value_name = "SECONDS", default_value_t = 120.0)]
     pub idle_timeout: f64,
+    /// Where chat answers' thinking (`<think>…</think>`) goes: deepseek (or auto) puts it in
+    /// `reasoning_content`, none leaves it in `content` (llama-server's names).
+    #[arg(long = "reasoning-format", value_name = "FORMAT", default_value = "auto")]
+    pub reasoning_format: String,
     /// Let prompt text into the log (a prompt-cache divergence then shows the text around it);
     /// by default only positions and hashes are logged.
     #[arg(long = "log-prompts")]
@@ -303,7 +307,9 @@ fn server_options(args: &ServeArgs) -> anyhow::Result<tandem_server::Options> {
     if !keys.is_empty() {
         log(&format!("{} API key(s): every call but health checks needs one", keys.len()));
     }
-    Ok(tandem_server::Options { api_keys: keys, limits, tls })
+    let reasoning_format =
+        tandem_server::reasoning::ReasoningFormat::from_name(&args.reasoning_format).map_err(anyhow::Error::msg)?;
+    Ok(tandem_server::Options { api_keys: keys, limits, tls, reasoning_format })
 }
 
 /// `--max-connections` per port, within the open-file limit (raised to its hard maximum first):

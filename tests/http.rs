@@ -499,3 +499,45 @@ async fn structured_output_parses_and_validates_on_smollm2() {
     assert!(stdout.contains("20/20 outputs parse and validate") && stdout.contains("8/8 answers"), "{stdout}");
     println!("{stdout}");
 }
+
+/// Thinking apart from the answer: the output is forced (by a grammar) to be a thinking block and
+/// an answer; chat puts the block in `reasoning_content`, streamed and whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thinking_goes_to_reasoning_content() {
+    let s = serve(512, EngineConfig::default()).await;
+    let req = json!({"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 40, "temperature": 0,
+                     "grammar": "root ::= \"<think>\" \"Two and two. \" \"</think>\" \"\\n\\n\" \"Four.\""});
+    let (status, v) = post_json(s.addr, "/v1/chat/completions", req.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let msg = &v["choices"][0]["message"];
+    assert_eq!(
+        (msg["reasoning_content"].as_str(), msg["content"].as_str()),
+        (Some("Two and two. "), Some("Four.")),
+        "{v}"
+    );
+    let mut streamed = req;
+    streamed["stream"] = true.into();
+    let (status, text) = call(s.addr, "POST", "/v1/chat/completions", &streamed.to_string()).await;
+    assert_eq!(status, StatusCode::OK);
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for d in sse_data(&text).iter().filter(|d| *d != "[DONE]") {
+        let c: Value = serde_json::from_str(d).unwrap();
+        let delta = &c["choices"][0]["delta"];
+        reasoning += delta["reasoning_content"].as_str().unwrap_or("");
+        content += delta["content"].as_str().unwrap_or("");
+    }
+    assert_eq!((reasoning.as_str(), content.as_str()), ("Two and two. ", "Four."), "{text}");
+    drop(s);
+    // --reasoning-format none: the tags stay in the content
+    let options = tandem_server::Options {
+        reasoning_format: tandem_server::reasoning::ReasoningFormat::None,
+        ..tandem_server::Options::default()
+    };
+    let mut t = serve_util::start_with("llama-tiny.gguf", 512, EngineConfig::default(), options).await;
+    let addr = t.server.serve_http(TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap();
+    let req = json!({"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 40, "temperature": 0,
+                     "grammar": "root ::= \"<think>x</think>y\""});
+    let (_, v) = post_json(addr, "/v1/chat/completions", req).await;
+    assert_eq!(v["choices"][0]["message"]["content"], "<think>x</think>y", "{v}");
+    assert!(v["choices"][0]["message"].get("reasoning_content").is_none());
+}

@@ -6,6 +6,7 @@
 //! then frees its slot, as for a gRPC cancel.
 
 use crate::openai::{self, BadParam};
+use crate::reasoning::{ReasoningFormat, Splitter};
 use crate::service::{KeyIndex, State, StreamGuard};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -344,6 +345,21 @@ async fn chat(
     let openai::Parsed { req, stream, include_usage } = openai::chat_request(parse(body)?, arrived)?;
     let top = req.logprobs as usize;
     let want_logprobs = req.logprobs > 0;
+    let format = state.reasoning_format();
+    // does the template leave a <think> block open for the answer (DeepSeek-R1's does)?
+    let opens = match (&req.prompt, format) {
+        (tandem_engine::Prompt::Chat(messages), ReasoningFormat::Deepseek) => {
+            let engine = state.engine()?.clone();
+            let messages = messages.clone();
+            tokio::task::spawn_blocking(move || engine.render_chat(&messages))
+                .await
+                .ok()
+                .and_then(|r| r.ok())
+                .is_some_and(|p| Splitter::prompt_opens(&p))
+        }
+        _ => false,
+    };
+    let mut split = Splitter::new(format, opens);
     let (id, rx) = submit(&state, req, "chatcmpl", key.map(|k| k.0)).await?;
     let model = model_name(&state);
     let created = now_secs();
@@ -353,11 +369,18 @@ async fn chat(
     };
     if !stream {
         let c = collect(rx).await?;
+        let (mut reasoning, mut content) = split.push(&c.text);
+        let (r, t) = split.finish();
+        reasoning += &r;
+        content += &t;
         let mut body = chunk(Value::Null, Value::Null, Value::Null);
         body["object"] = "chat.completion".into();
         let choice = &mut body["choices"][0];
         choice.as_object_mut().map(|o| o.remove("delta"));
-        choice["message"] = json!({"role": "assistant", "content": c.text});
+        choice["message"] = json!({"role": "assistant", "content": content});
+        if !reasoning.is_empty() {
+            choice["message"]["reasoning_content"] = reasoning.into();
+        }
         choice["finish_reason"] = openai::finish_reason(&c.finish).into();
         if want_logprobs {
             choice["logprobs"] =
@@ -367,6 +390,18 @@ async fn chat(
         return Ok(Json(body).into_response());
     }
     let first = vec![chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null).to_string()];
+    // the deltas of a piece of text: thinking apart from the answer
+    let end = chunk.clone();
+    let deltas = move |(reasoning, content): (String, String), lp: Value| {
+        let mut out = Vec::new();
+        if !reasoning.is_empty() {
+            out.push(chunk(json!({"reasoning_content": reasoning}), Value::Null, Value::Null).to_string());
+        }
+        if !content.is_empty() || !lp.is_null() {
+            out.push(chunk(json!({"content": content}), lp, Value::Null).to_string());
+        }
+        out
+    };
     Ok(sse(rx, first, move |ev| match ev {
         Event::Token { text, logprobs, .. } => {
             if text.is_empty() && logprobs.is_none() {
@@ -376,16 +411,18 @@ async fn chat(
                 (Some(p), true) => json!({"content": [openai::chat_logprob(p, top)]}),
                 _ => Value::Null,
             };
-            (vec![chunk(json!({"content": text}), lp, Value::Null).to_string()], false)
+            let parts = split.push(&text);
+            (deltas(parts, lp), false)
         }
         Event::Finished { text, finish } => {
-            let mut out = Vec::new();
-            if !text.is_empty() {
-                out.push(chunk(json!({"content": text}), Value::Null, Value::Null).to_string());
-            }
-            out.push(chunk(json!({}), Value::Null, openai::finish_reason(&finish).into()).to_string());
+            let (mut r, mut c) = split.push(&text);
+            let (r2, c2) = split.finish();
+            r += &r2;
+            c += &c2;
+            let mut out = deltas((r, c), Value::Null);
+            out.push(end(json!({}), Value::Null, openai::finish_reason(&finish).into()).to_string());
             if include_usage {
-                let mut u = chunk(Value::Null, Value::Null, Value::Null);
+                let mut u = end(Value::Null, Value::Null, Value::Null);
                 u["choices"] = json!([]);
                 u["usage"] = openai::usage(&finish.usage);
                 out.push(u.to_string());

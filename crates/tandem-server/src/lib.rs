@@ -9,6 +9,7 @@ mod convert;
 pub mod http;
 pub mod metrics;
 mod openai;
+pub mod reasoning;
 mod server;
 mod service;
 

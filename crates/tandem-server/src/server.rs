@@ -66,6 +66,8 @@ pub struct Options {
     pub limits: Limits,
     /// Serve TLS on every port.
     pub tls: Option<TlsFiles>,
+    /// Where chat answers' thinking goes (`--reasoning-format`).
+    pub reasoning_format: crate::reasoning::ReasoningFormat,
 }
 
 /// A certificate chain and its private key, PEM (`--ssl-cert-file`, `--ssl-key-file`).
@@ -134,7 +136,7 @@ pub async fn start_with(
 ) -> Result<RunningServer> {
     let addr = listener.local_addr().map_err(|e| Error::Io("reading the gRPC listener's address".into(), e))?;
     let tls = options.tls.as_ref().map(tls_acceptor).transpose()?;
-    let state = Arc::new(State::new(options.api_keys.clone()));
+    let state = Arc::new(State::new(options.api_keys.clone(), options.reasoning_format));
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_service_status("", ServingStatus::NotServing).await;
     health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;

@@ -43,6 +43,7 @@ pub struct State {
     /// Which key made each open request, for `Abort`.
     owners: Mutex<HashMap<String, (usize, u32)>>,
     conn_stats: OnceLock<crate::ServerStats>,
+    reasoning: crate::reasoning::ReasoningFormat,
 }
 
 /// The API key a call was made with: its index in `--api-key`s (requests' extension).
@@ -50,7 +51,7 @@ pub struct State {
 pub(crate) struct KeyIndex(pub usize);
 
 impl State {
-    pub(crate) fn new(api_keys: Vec<String>) -> State {
+    pub(crate) fn new(api_keys: Vec<String>, reasoning: crate::reasoning::ReasoningFormat) -> State {
         State {
             engine: OnceLock::new(),
             draining: AtomicBool::new(false),
@@ -59,7 +60,12 @@ impl State {
             api_keys,
             owners: Mutex::new(HashMap::new()),
             conn_stats: OnceLock::new(),
+            reasoning,
         }
+    }
+
+    pub(crate) fn reasoning_format(&self) -> crate::reasoning::ReasoningFormat {
+        self.reasoning
     }
 
     pub(crate) fn set_conn_stats(&self, stats: crate::ServerStats) {
@@ -431,7 +437,7 @@ mod tests {
 
     #[test]
     fn request_ids_are_128_random_bits() {
-        let s = State::new(Vec::new());
+        let s = State::new(Vec::new(), Default::default());
         let ids: std::collections::HashSet<String> = (0..1000).map(|_| s.new_id("req")).collect();
         assert_eq!(ids.len(), 1000);
         for id in &ids {
@@ -445,10 +451,10 @@ mod tests {
 
     #[test]
     fn api_keys_are_checked_and_scope_aborts() {
-        let open = State::new(Vec::new());
+        let open = State::new(Vec::new(), Default::default());
         assert_eq!(open.authorize(None), Ok(None));
         assert!(open.may_abort("x", None));
-        let s = State::new(vec!["k-one".into(), "k-two".into()]);
+        let s = State::new(vec!["k-one".into(), "k-two".into()], Default::default());
         assert!(s.authorize(None).is_err());
         assert!(s.authorize(Some(b"Bearer k-on")).is_err());
         assert!(s.authorize(Some(b"Bearer k-one2")).is_err());
