@@ -541,3 +541,26 @@ async fn thinking_goes_to_reasoning_content() {
     assert_eq!(v["choices"][0]["message"]["content"], "<think>x</think>y", "{v}");
     assert!(v["choices"][0]["message"].get("reasoning_content").is_none());
 }
+
+/// OpenAI tool calling with the `openai` package on a Hermes-template model, the call forced
+/// by a grammar (scripts/tool_call_check.py).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_tool_calls_parse_stream_and_round_trip() {
+    let python = std::env::var("TANDEM_HTTP_PYTHON").expect(
+        "TANDEM_HTTP_PYTHON is not set: run scripts/test.sh, which installs openai into .test-venv and sets it",
+    );
+    let hermes = tandem_tokenizer::resolve_template_arg("hermes").unwrap();
+    let config = EngineConfig { chat_template: Some(hermes), ..EngineConfig::default() };
+    let s = serve(2048, config).await;
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/tool_call_check.py");
+    let base = format!("http://{}", s.addr);
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python).arg(script).args(["--base-url", &base]).output().unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("round trip"), "{stdout}");
+    println!("{stdout}");
+}

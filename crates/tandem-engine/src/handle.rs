@@ -373,6 +373,9 @@ impl EngineHandle {
         let text_bytes = match prompt {
             Prompt::Text(text) => text.len(),
             Prompt::Chat(messages) => messages.iter().map(|(_, c)| c.len()).sum(),
+            Prompt::Messages { messages, .. } => {
+                messages.iter().filter_map(|m| m.get("content").and_then(|c| c.as_str())).map(str::len).sum()
+            }
             Prompt::Tokens(_) => 0,
         };
         // at least this many tokens, with room for tokenizers that map a few bytes to more
@@ -413,6 +416,27 @@ impl EngineHandle {
                 let text = self.render_chat(messages)?;
                 tok.encode(&text, true, true)?
             }
+            Prompt::Messages { messages, tools } => {
+                if messages.is_empty() {
+                    return Err(Error::InvalidRequest("the chat has no messages".into()));
+                }
+                let text = self.render_messages(messages, tools)?;
+                tok.encode(&text, true, true)?
+            }
+        })
+    }
+
+    /// Renders OpenAI-shaped messages (tool calls and results included) and the tools offered
+    /// with the chat template and an assistant prompt.
+    pub fn render_messages(&self, messages: &[serde_json::Value], tools: &[serde_json::Value]) -> Result<String> {
+        let s = &*self.0;
+        let Some(t) = &s.template else { return Err(Error::NoChatTemplate) };
+        let tools = (!tools.is_empty()).then_some(tools);
+        let text = t.render(messages, tools, true)?;
+        let bos = s.tokenizer.bos_text();
+        Ok(match text.strip_prefix(bos) {
+            Some(rest) if s.tokenizer.add_bos() && !bos.is_empty() => rest.to_string(),
+            _ => text,
         })
     }
 

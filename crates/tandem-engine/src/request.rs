@@ -18,6 +18,9 @@ pub enum Prompt {
     Tokens(Vec<u32>),
     /// Chat messages `(role, content)`, rendered with the model's chat template.
     Chat(Vec<(String, String)>),
+    /// OpenAI-shaped chat messages (assistant `tool_calls`, `role: tool` results, ...) and the
+    /// tools offered (OpenAI's `tools`), rendered with the chat template.
+    Messages { messages: Vec<serde_json::Value>, tools: Vec<serde_json::Value> },
 }
 
 /// One generation request.
@@ -37,6 +40,9 @@ pub struct Request {
     pub ignore_eos: bool,
     /// What the output must match (structured output).
     pub constraint: Option<crate::grammar::Constraint>,
+    /// The text of control tokens the model generates is sent too (tool-call markers such as
+    /// Kimi K2's `<|tool_call_begin|>` are control tokens); end-of-generation tokens never are.
+    pub special_text: bool,
     /// When the request must be over; it then fails with [`Failure::DeadlineExceeded`].
     pub deadline: Option<Instant>,
     /// When the request arrived (queue time and time to first token count from here).
@@ -55,6 +61,7 @@ impl Request {
             logprobs: 0,
             ignore_eos: false,
             constraint: None,
+            special_text: false,
             deadline: None,
             arrived: Instant::now(),
         }

@@ -154,7 +154,7 @@ impl Active {
             // the model's distribution, before ignore_eos masked anything
             logprobs_of(logits, t, self.job.req.logprobs as usize, text)
         });
-        let piece = tok.token_to_piece(t, false).unwrap_or(&[]);
+        let piece = tok.token_to_piece(t, self.job.req.special_text).unwrap_or(&[]);
         let out = self.stops.push(&self.decoder.push(piece));
         if !self.job.sink.send(Event::Token { id: t, text: out.text, logprobs }) {
             return Next::End(End::Disconnected);

@@ -124,6 +124,7 @@ fn request(
         logprobs: o.logprobs,
         ignore_eos: o.ignore_eos,
         constraint,
+        special_text: false,
         deadline,
         arrived,
     })

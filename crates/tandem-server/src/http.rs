@@ -342,7 +342,7 @@ async fn chat(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let openai::Parsed { req, stream, include_usage } = openai::chat_request(parse(body)?, arrived)?;
+    let openai::Parsed { req, stream, include_usage, tools } = openai::chat_request(parse(body)?, arrived)?;
     let top = req.logprobs as usize;
     let want_logprobs = req.logprobs > 0;
     let format = state.reasoning_format();
@@ -352,6 +352,15 @@ async fn chat(
             let engine = state.engine()?.clone();
             let messages = messages.clone();
             tokio::task::spawn_blocking(move || engine.render_chat(&messages))
+                .await
+                .ok()
+                .and_then(|r| r.ok())
+                .is_some_and(|p| Splitter::prompt_opens(&p))
+        }
+        (tandem_engine::Prompt::Messages { messages, tools }, ReasoningFormat::Deepseek) => {
+            let engine = state.engine()?.clone();
+            let (messages, tools) = (messages.clone(), tools.clone());
+            tokio::task::spawn_blocking(move || engine.render_messages(&messages, &tools))
                 .await
                 .ok()
                 .and_then(|r| r.ok())
@@ -367,12 +376,21 @@ async fn chat(
         json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
     };
+    let ids = state.clone();
+    let mut call_id = move || ids.new_id("call");
     if !stream {
         let c = collect(rx).await?;
         let (mut reasoning, mut content) = split.push(&c.text);
         let (r, t) = split.finish();
         reasoning += &r;
         content += &t;
+        let calls = if tools {
+            let (text, calls) = crate::tools::parse(&content);
+            content = text;
+            calls
+        } else {
+            Vec::new()
+        };
         let mut body = chunk(Value::Null, Value::Null, Value::Null);
         body["object"] = "chat.completion".into();
         let choice = &mut body["choices"][0];
@@ -382,6 +400,13 @@ async fn chat(
             choice["message"]["reasoning_content"] = reasoning.into();
         }
         choice["finish_reason"] = openai::finish_reason(&c.finish).into();
+        if !calls.is_empty() {
+            choice["message"]["tool_calls"] = crate::tools::openai_calls(&calls, &mut call_id, false);
+            if choice["message"]["content"] == "" {
+                choice["message"]["content"] = Value::Null;
+            }
+            choice["finish_reason"] = "tool_calls".into();
+        }
         if want_logprobs {
             choice["logprobs"] =
                 json!({"content": c.logprobs.iter().map(|p| openai::chat_logprob(p, top)).collect::<Vec<_>>()});
@@ -392,6 +417,7 @@ async fn chat(
     let first = vec![chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null).to_string()];
     // the deltas of a piece of text: thinking apart from the answer
     let end = chunk.clone();
+    let mut calls_stream = tools.then(crate::tools::ToolStream::default);
     let deltas = move |(reasoning, content): (String, String), lp: Value| {
         let mut out = Vec::new();
         if !reasoning.is_empty() {
@@ -411,16 +437,33 @@ async fn chat(
                 (Some(p), true) => json!({"content": [openai::chat_logprob(p, top)]}),
                 _ => Value::Null,
             };
-            let parts = split.push(&text);
-            (deltas(parts, lp), false)
+            let (r, mut c) = split.push(&text);
+            if let Some(ts) = calls_stream.as_mut() {
+                c = ts.push(&c);
+            }
+            (deltas((r, c), lp), false)
         }
         Event::Finished { text, finish } => {
             let (mut r, mut c) = split.push(&text);
             let (r2, c2) = split.finish();
             r += &r2;
             c += &c2;
+            let mut calls = Vec::new();
+            if let Some(ts) = calls_stream.as_mut() {
+                let mut sent = ts.push(&c);
+                let (rest, found) = ts.finish();
+                sent += &rest;
+                c = sent;
+                calls = found;
+            }
             let mut out = deltas((r, c), Value::Null);
-            out.push(end(json!({}), Value::Null, openai::finish_reason(&finish).into()).to_string());
+            let mut reason = Value::from(openai::finish_reason(&finish));
+            if !calls.is_empty() {
+                let list = crate::tools::openai_calls(&calls, &mut call_id, true);
+                out.push(end(json!({"tool_calls": list}), Value::Null, Value::Null).to_string());
+                reason = "tool_calls".into();
+            }
+            out.push(end(json!({}), Value::Null, reason).to_string());
             if include_usage {
                 let mut u = end(Value::Null, Value::Null, Value::Null);
                 u["choices"] = json!([]);
@@ -457,7 +500,7 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let openai::Parsed { req, stream, include_usage } = openai::completion_request(parse(body)?, arrived)?;
+    let openai::Parsed { req, stream, include_usage, .. } = openai::completion_request(parse(body)?, arrived)?;
     let want_logprobs = req.logprobs > 0;
     let (id, rx) = submit(&state, req, "cmpl", key.map(|k| k.0)).await?;
     let model = model_name(&state);
@@ -580,12 +623,13 @@ async fn apply_template(
 ) -> Result<Json<Value>, ApiError> {
     let parsed = openai::chat_request(parse(body)?, Instant::now())?;
     let engine = state.engine()?.clone();
-    let tandem_engine::Prompt::Chat(messages) = parsed.req.prompt else {
-        return Err(ApiError::bad("no messages"));
-    };
-    let prompt = tokio::task::spawn_blocking(move || engine.render_chat(&messages))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("rendering: {e}")))?
-        .map_err(|e| ApiError::from(&e))?;
+    let prompt = tokio::task::spawn_blocking(move || match parsed.req.prompt {
+        tandem_engine::Prompt::Chat(messages) => engine.render_chat(&messages),
+        tandem_engine::Prompt::Messages { messages, tools } => engine.render_messages(&messages, &tools),
+        _ => Err(tandem_engine::Error::InvalidRequest("no messages".into())),
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("rendering: {e}")))?
+    .map_err(|e| ApiError::from(&e))?;
     Ok(Json(json!({"prompt": prompt})))
 }

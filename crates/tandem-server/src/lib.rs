@@ -12,6 +12,7 @@ mod openai;
 pub mod reasoning;
 mod server;
 mod service;
+pub mod tools;
 
 pub use conn::{ConnStats, Limits};
 pub use server::{start, start_with, Drained, Options, RunningServer, ServerStats, TlsFiles, SERVICE_NAME};

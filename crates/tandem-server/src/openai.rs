@@ -52,6 +52,11 @@ pub struct Message {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant's calls (OpenAI's shape, arguments as JSON text).
+    pub tool_calls: Option<Vec<Value>>,
+    /// A tool result's call.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -138,6 +143,11 @@ fn schema_constraint(s: Value) -> Result<Constraint, BadParam> {
 #[derive(Deserialize, Debug)]
 pub struct ChatRequest {
     pub messages: Vec<Message>,
+    /// OpenAI's tools: `[{"type": "function", "function": {"name", "description", "parameters"}}]`.
+    pub tools: Option<Vec<Value>>,
+    /// "auto" (the default), "none" (the tools are not offered), "required" or a function: the
+    /// tools are offered; tandem does not force a call.
+    pub tool_choice: Option<Value>,
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<u32>,
@@ -203,6 +213,8 @@ pub struct DetokenizeRequest {
 /// An OpenAI request, translated.
 pub struct Parsed {
     pub req: Request,
+    /// Tools were offered: the answer is parsed for calls.
+    pub tools: bool,
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk carries the usage.
     pub include_usage: bool,
@@ -282,7 +294,22 @@ fn common(c: Common, p: Prompt, arrived: Instant) -> Result<Request, BadParam> {
 }
 
 pub fn chat_request(r: ChatRequest, arrived: Instant) -> Result<Parsed, BadParam> {
+    let offered = match &r.tool_choice {
+        Some(Value::String(c)) if c == "none" => Vec::new(),
+        Some(Value::String(c)) if c != "auto" && c != "required" => {
+            return Err(BadParam(format!("tool_choice {c:?}: one of auto, none, required or a function")))
+        }
+        _ => r.tools.clone().unwrap_or_default(),
+    };
+    for t in &offered {
+        if t["function"]["name"].as_str().is_none_or(str::is_empty) {
+            return Err(BadParam(format!("tools: {t} has no function.name")));
+        }
+    }
+    // tool calls and results need the messages as they are, for the template
+    let rich = !offered.is_empty() || r.messages.iter().any(|m| m.tool_calls.is_some() || m.role == "tool");
     let mut messages = Vec::with_capacity(r.messages.len());
+    let mut rich_messages = Vec::new();
     for m in r.messages {
         let text = match m.content {
             None => String::new(),
@@ -301,16 +328,49 @@ pub fn chat_request(r: ChatRequest, arrived: Instant) -> Result<Parsed, BadParam
                 t
             }
         };
-        messages.push((m.role, text));
+        if rich {
+            let mut v = json!({"role": m.role, "content": text});
+            if let Some(calls) = m.tool_calls {
+                // templates read arguments as an object (Kimi's and Hermes' tojson them)
+                let calls: Vec<Value> = calls
+                    .into_iter()
+                    .map(|mut c| {
+                        if let Some(a) = c["function"]["arguments"].as_str().and_then(|a| serde_json::from_str(a).ok())
+                        {
+                            c["function"]["arguments"] = a;
+                        }
+                        c
+                    })
+                    .collect();
+                v["tool_calls"] = calls.into();
+            }
+            if let Some(id) = m.tool_call_id {
+                v["tool_call_id"] = id.into();
+            }
+            if let Some(n) = m.name {
+                v["name"] = n.into();
+            }
+            rich_messages.push(v);
+        } else {
+            messages.push((m.role, text));
+        }
     }
     let include_usage = r.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let stream = r.common.stream;
-    let mut req = common(r.common, Prompt::Chat(messages), arrived)?;
+    let prompt = if rich {
+        Prompt::Messages { messages: rich_messages, tools: offered.clone() }
+    } else {
+        Prompt::Chat(messages)
+    };
+    let mut req = common(r.common, prompt, arrived)?;
     if r.logprobs {
         // the engine reports the sampled token's log-probability with the top n (at least one)
         req.logprobs = r.top_logprobs.unwrap_or(0).max(1);
     }
-    Ok(Parsed { req, stream, include_usage })
+    let tools = !offered.is_empty();
+    // call markers are control tokens in some vocabularies (Kimi K2's)
+    req.special_text = tools;
+    Ok(Parsed { req, tools, stream, include_usage })
 }
 
 pub fn completion_request(r: CompletionRequest, arrived: Instant) -> Result<Parsed, BadParam> {
@@ -319,7 +379,7 @@ pub fn completion_request(r: CompletionRequest, arrived: Instant) -> Result<Pars
     let p = prompt(r.prompt)?;
     let mut req = common(r.common, p, arrived)?;
     req.logprobs = r.logprobs.unwrap_or(0);
-    Ok(Parsed { req, stream, include_usage })
+    Ok(Parsed { req, tools: false, stream, include_usage })
 }
 
 pub fn llama_completion_request(r: LlamaCompletionRequest, arrived: Instant) -> Result<Request, BadParam> {
@@ -445,7 +505,7 @@ mod tests {
                 "stream_options":{"include_usage":true},"logprobs":true,"top_logprobs":2}"#,
         )
         .unwrap();
-        let Parsed { req, stream, include_usage } = chat_request(r, Instant::now()).ok().unwrap();
+        let Parsed { req, stream, include_usage, .. } = chat_request(r, Instant::now()).ok().unwrap();
         assert!(stream && include_usage);
         assert_eq!(req.prompt, Prompt::Chat(vec![("user".into(), "hi".into())]));
         assert_eq!((req.max_tokens, req.sampling.temperature, req.sampling.seed, req.logprobs), (7, 0.0, 3, 2));
