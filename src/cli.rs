@@ -10,6 +10,11 @@ use std::path::PathBuf;
 
 /// llama.cpp's multi-letter single-dash flags and the long flag each one means.
 pub const MULTI_LETTER_FLAGS: &[(&str, &str)] = &[
+    ("-hf", "--hf-repo"),
+    ("-hfr", "--hf-repo"),
+    ("-hff", "--hf-file"),
+    ("-hft", "--hf-token"),
+    ("-mu", "--model-url"),
     ("-ngl", "--n-gpu-layers"),
     ("-ot", "--override-tensor"),
     ("-ctk", "--cache-type-k"),

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod hub;
 pub mod inspect;
 pub mod kernels;
 pub mod logits;

@@ -25,8 +25,10 @@ const BLOCKING_THREADS: usize = 4;
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
     /// The model: a .gguf file or any shard of a split model [default: the built-in demo model].
-    #[arg(short = 'm', long = "model", value_name = "FILE")]
+    #[arg(short = 'm', long = "model", value_name = "FILE", conflicts_with_all = ["hf_repo", "model_url"])]
     pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub hub: crate::hub::HubArgs,
     /// Read the files into memory instead of memory-mapping them.
     #[arg(long)]
     pub no_mmap: bool,
@@ -416,6 +418,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    let mut args = args.clone();
+    if args.hub.wanted() {
+        // before the async runtime starts: the download blocks
+        args.model = Some(args.hub.fetch()?);
+    }
+    let args = &args;
     // a model page that faults (the file truncated during a batch) reads as zeros; the engine
     // throws that batch away and stops, and the server stays up to say why
     tandem_gguf::guard::install(tandem_gguf::guard::Mode::Recover);

@@ -22,7 +22,13 @@ pub struct Served {
 impl Served {
     /// Starts `tandem serve ARGS --port 0` and waits until it says SERVING.
     pub fn start(args: &[&str]) -> Served {
+        Served::start_with_env(args, &[])
+    }
+
+    /// [`Served::start`] with extra environment variables.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Served {
         let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .envs(env.iter().copied())
             .arg("serve")
             .args(args)
             .args(["--host", "127.0.0.1", "--port", "0", "--http-port", "0"])
