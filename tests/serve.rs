@@ -241,7 +241,7 @@ async fn unary_calls_chat_logprobs_and_reflection() {
     assert!(info.has_chat_template && !info.quant_types.is_empty() && info.weight_bytes > 0, "{info:?}");
 
     let chat = pb::ChatRequest {
-        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hello".into() }],
+        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hello".into(), ..Default::default() }],
         sampling: Some(pb::SamplingParams { temperature: Some(0.0), ..Default::default() }),
         options: Some(pb::GenerationOptions { max_tokens: 50, logprobs: 2, ignore_eos: true, ..Default::default() }),
         ..Default::default()
@@ -339,4 +339,61 @@ async fn a_constraint_holds_the_output_to_a_grammar_or_schema() {
         let st = s.client.generate(with(bad)).await.unwrap_err();
         assert_eq!(st.code(), Code::InvalidArgument, "{st:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_with_tools_returns_parsed_calls() {
+    use pb::generation_options::Constraint as C;
+    let hermes = tandem_tokenizer::resolve_template_arg("hermes").unwrap();
+    let mut s =
+        start("llama-tiny.gguf", 2048, EngineConfig { chat_template: Some(hermes), ..EngineConfig::default() }).await;
+    let tool = pb::Tool {
+        name: "get_weather".into(),
+        description: "The weather in a city".into(),
+        parameters_json: r#"{"type": "object", "properties": {"city": {"type": "string"}}}"#.into(),
+    };
+    let user = pb::ChatMessage { role: "user".into(), content: "Weather in Paris?".into(), ..Default::default() };
+    // the call forced by a grammar: a tiny random model does not call tools by itself
+    let forced = r#"root ::= "Checking. " "<tool_call>" "\n" "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}" "\n" "</tool_call>""#;
+    let req = pb::ChatRequest {
+        messages: vec![user.clone()],
+        tools: vec![tool.clone()],
+        sampling: Some(pb::SamplingParams { temperature: Some(0.0), ..Default::default() }),
+        options: Some(pb::GenerationOptions {
+            max_tokens: 256,
+            constraint: Some(C::Grammar(forced.into())),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let out = drain_stream(s.client.chat(req).await.unwrap().into_inner(), Streamed::default()).await;
+    assert_eq!(out.reason(), pb::FinishReason::ToolCalls, "{out:?}");
+    assert_eq!(out.text.trim(), "Checking.", "{out:?}");
+    let calls = &out.finish().tool_calls;
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].name, "get_weather");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&calls[0].arguments_json).unwrap(),
+        serde_json::json!({"city": "Paris"})
+    );
+    // the call and its result go back into the conversation
+    let assistant = pb::ChatMessage { role: "assistant".into(), tool_calls: calls.clone(), ..Default::default() };
+    let result = pb::ChatMessage {
+        role: "tool".into(),
+        content: "18 C".into(),
+        tool_call_id: calls[0].id.clone(),
+        ..Default::default()
+    };
+    let req = pb::ChatRequest {
+        messages: vec![user, assistant, result],
+        tools: vec![tool],
+        options: Some(pb::GenerationOptions { max_tokens: 4, ..Default::default() }),
+        ..Default::default()
+    };
+    let out = drain_stream(s.client.chat(req).await.unwrap().into_inner(), Streamed::default()).await;
+    assert!(
+        matches!(out.reason(), pb::FinishReason::Length | pb::FinishReason::Eos | pb::FinishReason::Stop),
+        "{out:?}"
+    );
+    assert!(out.finish().usage.as_ref().unwrap().prompt_tokens > 100);
 }

@@ -120,7 +120,7 @@ async fn smollm2_chat_streams_llama_cpp_greedy_text_concurrently() {
         .map(|(prompt, _, _)| {
             let mut c = client.clone();
             let req = pb::ChatRequest {
-                messages: vec![pb::ChatMessage { role: "user".into(), content: prompt.clone() }],
+                messages: vec![pb::ChatMessage { role: "user".into(), content: prompt.clone(), ..Default::default() }],
                 sampling: Some(pb::SamplingParams { temperature: Some(0.0), ..Default::default() }),
                 options: Some(pb::GenerationOptions { max_tokens: n, ..Default::default() }),
                 ..Default::default()

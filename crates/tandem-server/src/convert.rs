@@ -144,8 +144,49 @@ pub fn generate_request(
 }
 
 pub fn chat_request(r: pb::ChatRequest, deadline: Option<Instant>, arrived: Instant) -> Result<Request, Status> {
-    let messages = r.messages.into_iter().map(|m| (m.role, m.content)).collect();
-    request(r.request_id, Prompt::Chat(messages), r.sampling, r.options, deadline, arrived)
+    let rich = !r.tools.is_empty() || r.messages.iter().any(|m| !m.tool_calls.is_empty() || m.role == "tool");
+    if !rich {
+        let messages = r.messages.into_iter().map(|m| (m.role, m.content)).collect();
+        return request(r.request_id, Prompt::Chat(messages), r.sampling, r.options, deadline, arrived);
+    }
+    let json = |what: &str, text: &str| -> Result<serde_json::Value, Status> {
+        if text.is_empty() {
+            return Ok(serde_json::json!({}));
+        }
+        serde_json::from_str(text).map_err(|e| Status::invalid_argument(format!("{what}: not JSON: {e}")))
+    };
+    let mut tools = Vec::with_capacity(r.tools.len());
+    for t in &r.tools {
+        if t.name.is_empty() {
+            return Err(Status::invalid_argument("a tool has no name"));
+        }
+        let params = json(&format!("tool {} parameters_json", t.name), &t.parameters_json)?;
+        tools.push(serde_json::json!({"type": "function", "function":
+            {"name": t.name, "description": t.description, "parameters": params}}));
+    }
+    let mut messages = Vec::with_capacity(r.messages.len());
+    for m in r.messages {
+        let mut v = serde_json::json!({"role": m.role, "content": m.content});
+        if !m.tool_calls.is_empty() {
+            let mut calls = Vec::new();
+            for c in &m.tool_calls {
+                let args = json(&format!("tool call {} arguments_json", c.name), &c.arguments_json)?;
+                calls.push(serde_json::json!({"id": c.id, "type": "function",
+                    "function": {"name": c.name, "arguments": args}}));
+            }
+            v["tool_calls"] = calls.into();
+        }
+        if !m.tool_call_id.is_empty() {
+            v["tool_call_id"] = m.tool_call_id.into();
+        }
+        messages.push(v);
+    }
+    let offered = !tools.is_empty();
+    let mut req =
+        request(r.request_id, Prompt::Messages { messages, tools }, r.sampling, r.options, deadline, arrived)?;
+    // call markers are control tokens in some vocabularies (Kimi K2's)
+    req.special_text = offered;
+    Ok(req)
 }
 
 fn logprob(t: TokenLogprob) -> pb::TokenLogprob {
@@ -185,6 +226,7 @@ fn finish(f: Finish) -> pb::Finish {
             prefill_tokens_per_second: t.prefill_tokens_per_second,
             decode_tokens_per_second: t.decode_tokens_per_second,
         }),
+        tool_calls: Vec::new(),
     }
 }
 

@@ -210,6 +210,9 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 struct StreamSink {
     id: String,
     tx: mpsc::UnboundedSender<Result<pb::GenerateResponse, Status>>,
+    /// Tools were offered: text streams until a call begins, the calls come with the finish.
+    tools: Option<crate::tools::ToolStream>,
+    state: Arc<State>,
     generated: u32,
     /// The last event was sent.
     done: bool,
@@ -228,7 +231,29 @@ impl Drop for StreamSink {
 impl Sink for StreamSink {
     fn send(&mut self, event: Event) -> bool {
         self.done |= !matches!(event, Event::Token { .. });
-        self.tx.send(convert::response(&self.id, event, &mut self.generated)).is_ok()
+        let mut calls = Vec::new();
+        let event = match (self.tools.as_mut(), event) {
+            (Some(ts), Event::Token { id, text, logprobs }) => Event::Token { id, text: ts.push(&text), logprobs },
+            (Some(ts), Event::Finished { text, finish }) => {
+                let mut t = ts.push(&text);
+                let (rest, found) = ts.finish();
+                t += &rest;
+                calls = found;
+                Event::Finished { text: t, finish }
+            }
+            (_, e) => e,
+        };
+        let mut resp = convert::response(&self.id, event, &mut self.generated);
+        if let Ok(Some(f)) = resp.as_mut().map(|r| r.finish.as_mut()) {
+            if !calls.is_empty() {
+                f.reason = pb::FinishReason::ToolCalls as i32;
+                f.tool_calls = calls
+                    .into_iter()
+                    .map(|c| pb::ToolCall { id: self.state.new_id("call"), name: c.name, arguments_json: c.arguments })
+                    .collect();
+            }
+        }
+        self.tx.send(resp).is_ok()
     }
 
     fn is_closed(&self) -> bool {
@@ -259,9 +284,12 @@ impl Service {
             req.id = self.state.new_id("req");
         }
         let (tx, rx) = mpsc::unbounded_channel();
+        let offered = matches!(&req.prompt, tandem_engine::Prompt::Messages { tools, .. } if !tools.is_empty());
         let sink = StreamSink {
             id: req.id.clone(),
             tx,
+            tools: offered.then(crate::tools::ToolStream::default),
+            state: self.state.clone(),
             generated: 0,
             done: false,
             _guard: StreamGuard::new(self.state.clone(), &req.id, key),
