@@ -306,6 +306,15 @@ pub fn chat_request(r: ChatRequest, arrived: Instant) -> Result<Parsed, BadParam
             return Err(BadParam(format!("tools: {t} has no function.name")));
         }
     }
+    if let Some(Value::Object(choice)) = &r.tool_choice {
+        // {"type": "function", "function": {"name": N}}: N must be one of the tools
+        let name = choice.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+        match name {
+            Some(n) if offered.iter().any(|t| t["function"]["name"] == n) => {}
+            Some(n) => return Err(BadParam(format!("tool_choice names {n:?}, which is not among the tools"))),
+            None => return Err(BadParam("tool_choice: an object needs function.name".into())),
+        }
+    }
     // tool calls and results need the messages as they are, for the template
     let rich = !offered.is_empty() || r.messages.iter().any(|m| m.tool_calls.is_some() || m.role == "tool");
     let mut messages = Vec::with_capacity(r.messages.len());
@@ -521,6 +530,24 @@ mod tests {
         let many: Vec<String> = (0..17).map(|i| i.to_string()).collect();
         let r: LlamaCompletionRequest = serde_json::from_value(json!({"prompt": "a", "stop": many})).unwrap();
         assert!(llama_completion_request(r, Instant::now()).err().unwrap().0.contains("stop"));
+        // tools, tool_choice and output constraints
+        let chat = |extra: Value| {
+            let mut v = json!({"messages": [{"role": "user", "content": "hi"}],
+                               "tools": [{"type": "function", "function": {"name": "f"}}]});
+            v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            chat_request(serde_json::from_value(v).unwrap(), Instant::now())
+        };
+        let err = |extra: Value| chat(extra).err().unwrap().0;
+        assert!(err(json!({"tool_choice": {"type": "function", "function": {"name": "g"}}})).contains("\"g\""));
+        assert!(err(json!({"tool_choice": "sometimes"})).contains("tool_choice"));
+        assert!(err(json!({"tools": [{"type": "function"}]})).contains("function.name"));
+        assert!(err(json!({"response_format": {"type": "xml"}})).contains("response_format"));
+        assert!(err(json!({"response_format": {"type": "json_object"}, "grammar": "root ::= \"a\""})).contains("one of"));
+        let ok = chat(json!({"tool_choice": {"type": "function", "function": {"name": "f"}}})).ok().unwrap();
+        assert!(ok.tools && ok.req.special_text);
+        assert!(matches!(&ok.req.prompt, Prompt::Messages { tools, .. } if tools.len() == 1));
+        let none = chat(json!({"tool_choice": "none"})).ok().unwrap();
+        assert!(!none.tools && matches!(none.req.prompt, Prompt::Chat(_)));
     }
 
     #[test]
