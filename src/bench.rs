@@ -27,7 +27,7 @@ const BANDWIDTH_RUNS: usize = 3;
 /// The bandwidth buffer is at least this many times the machine's total L3 cache.
 const L3_FACTOR: u64 = 4;
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
@@ -742,10 +742,10 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         // Fail now rather than after the whole benchmark.
         std::fs::File::create(p).with_context(|| format!("--plot: creating {}", p.display()))?;
     }
-    let gguf = Arc::new(GgufModel::open(&a.model.model, a.model.load_options())?);
-    let active = active_bytes_per_token(&gguf).with_context(|| format!("{}", a.model.model.display()))?;
+    let gguf = Arc::new(GgufModel::open(a.model.path(), a.model.load_options())?);
+    let active = active_bytes_per_token(&gguf).with_context(|| format!("{}", a.model.path().display()))?;
     let model = Arc::new(
-        Model::load_with(gguf, a.model.repacks()).with_context(|| format!("loading {}", a.model.model.display()))?,
+        Model::load_with(gguf, a.model.repacks()).with_context(|| format!("loading {}", a.model.path().display()))?,
     );
     let n_ctx = plan.n_ctx(model.n_ctx_train())?;
 
@@ -761,7 +761,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     let out = Out { json: a.json, pb: &pb };
     out.line(&format!(
         "model: {} ({}, {} layers, vocab {})",
-        a.model.model.display(),
+        a.model.path().display(),
         model.arch().name(),
         model.n_layer(),
         model.n_vocab()
@@ -819,13 +819,13 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     pb.finish_and_clear();
 
     if let Some(p) = &a.plot {
-        plot(p, &rows, &plan.threads, &a.model.model.display().to_string())
+        plot(p, &rows, &plan.threads, &a.model.path().display().to_string())
             .with_context(|| format!("--plot: writing {}", p.display()))?;
         out.line(&format!("plot: {}", p.display()))?;
     }
     if a.json {
         let report = Report {
-            model: a.model.model.display().to_string(),
+            model: a.model.path().display().to_string(),
             threads: &plan.threads,
             active_bytes_per_token: active,
             read_bandwidth_gbs: bandwidth.iter().map(|(t, g)| (t.to_string(), *g)).collect(),

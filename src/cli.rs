@@ -110,8 +110,11 @@ pub fn one_line(message: &str) -> String {
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// The model: a .gguf file, or any shard of a split model (NAME-00001-of-00013.gguf).
-    #[arg(short = 'm', long = "model", value_name = "FILE")]
-    pub model: PathBuf,
+    #[arg(short = 'm', long = "model", value_name = "FILE", required_unless_present_any = ["hf_repo", "model_url"],
+          conflicts_with_all = ["hf_repo", "model_url"])]
+    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub hub: crate::hub::HubArgs,
     /// Read the files into memory instead of memory-mapping them.
     #[arg(long)]
     pub no_mmap: bool,
@@ -130,6 +133,19 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// The model file (after [`ModelArgs::resolve`] for `-hf`).
+    pub fn path(&self) -> &std::path::Path {
+        self.model.as_deref().unwrap_or(std::path::Path::new(""))
+    }
+
+    /// Downloads the model `-hf` / `--model-url` names (unless cached) and points `-m` at it.
+    pub fn resolve(&mut self) -> anyhow::Result<()> {
+        if self.model.is_none() && self.hub.wanted() {
+            self.model = Some(self.hub.fetch()?);
+        }
+        Ok(())
+    }
+
     /// Whether the weights are repacked at load: unless `--no-repack` came after any `--repack`.
     pub fn repacks(&self) -> bool {
         !self.no_repack

@@ -13,7 +13,7 @@ use tandem_gguf::GgufModel;
 use tandem_model::{Batch, CacheType, Context, ContextParams, Exec, MlaMode, Model};
 use tandem_plan::{Device, GpuBudget, GpuLayers, ModelInfo, Rule};
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct LogitsArgs {
     #[command(flatten)]
     pub model: ModelArgs,
@@ -35,10 +35,10 @@ pub struct LogitsArgs {
 /// Opens the model and a context as `-t/-tb/-c/-ub/-ctk/-ctv` say, on the backend the placement
 /// flags ask for ([`select_backend`]; the fallback line, if any, goes to stderr).
 pub fn open_context(model: &ModelArgs, rt: &RuntimeArgs, placement: &PlacementArgs) -> anyhow::Result<Context> {
-    let gguf = Arc::new(GgufModel::open(&model.model, model.load_options())?);
+    let gguf = Arc::new(GgufModel::open(model.path(), model.load_options())?);
     let loaded = Arc::new(
         Model::load_with(gguf.clone(), model.repacks())
-            .with_context(|| format!("loading {}", model.model.display()))?,
+            .with_context(|| format!("loading {}", model.path().display()))?,
     );
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let t = rt.threads.unwrap_or(cores);
@@ -102,7 +102,7 @@ pub fn select_backend(
     if !wants_gpu(placement) {
         return Ok(cpu(threads, vec![]));
     }
-    match gpu_backend(gguf, &model.model, req, placement, threads.clone()) {
+    match gpu_backend(gguf, model.path(), req, placement, threads.clone()) {
         Ok(Some(exec)) => {
             let desc = exec.describe().to_string();
             Ok(BackendChoice { exec, notes: vec![format!("CUDA: {desc}")], description: desc })

@@ -100,6 +100,17 @@ fn keep_buffers_in_the_heap() {
     }
 }
 
+/// Runs a command after downloading its `-hf` / `--model-url` model, if it names one.
+fn with_model<A: Clone>(
+    args: &A,
+    model: impl Fn(&mut A) -> &mut tandem::cli::ModelArgs,
+    run: impl Fn(&A) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let mut args = args.clone();
+    model(&mut args).resolve()?;
+    run(&args)
+}
+
 fn main() -> ExitCode {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     keep_buffers_in_the_heap();
@@ -115,12 +126,12 @@ fn main() -> ExitCode {
     };
     let result = match &cli.command {
         Command::Inspect(args) => inspect(args),
-        Command::Logits(args) => tandem::logits::run(args),
-        Command::Plan(args) => tandem::plan::run(args),
-        Command::Run(args) => tandem::run::run(args),
-        Command::Tokenize(args) => tandem::tokenize::run(args),
+        Command::Logits(args) => with_model(&**args, |a| &mut a.model, tandem::logits::run),
+        Command::Plan(args) => with_model(&**args, |a| &mut a.model, tandem::plan::run),
+        Command::Run(args) => with_model(&**args, |a| &mut a.model, tandem::run::run),
+        Command::Tokenize(args) => with_model(args, |a| &mut a.model, tandem::tokenize::run),
         Command::Serve(args) => tandem::serve::run(args),
-        Command::Bench(args) => tandem::bench::run(args),
+        Command::Bench(args) => with_model(&**args, |a| &mut a.model, tandem::bench::run),
         Command::Synth(args) => tandem::synth::run(args),
     };
     match result {

@@ -14,7 +14,7 @@ use tandem_plan::{
     parse_cache_type, parse_size, GpuBudget, KvConfig, ModelInfo, PlanRequest, Rule, DEFAULT_FIT_MARGIN, MIB,
 };
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct PlanArgs {
     #[command(flatten)]
     pub model: ModelArgs,
@@ -172,7 +172,7 @@ pub(crate) fn repacking(
 
 pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     args.compat.print_notes();
-    let path = &args.model.model;
+    let path = args.model.path();
     // Headers only: always mapped, never read whole and never locked; --no-mmap and --mlock
     // change the estimate, not how the plan reads the file.
     let gguf = GgufModel::open(path, LoadOptions { mmap: true, mlock: false })?;

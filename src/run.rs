@@ -18,7 +18,7 @@ use tandem_tokenizer::{message, ChatTemplate, StreamDecoder, Tokenizer};
 /// The KV-cache sequence `tandem run` uses.
 const SEQ: usize = 0;
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArgs,

@@ -128,7 +128,8 @@ pub struct ServeArgs {
 /// build runs on (the CPU: the CUDA backend is a later issue, so `--gpu` budgets are not used here).
 fn print_load_plan(gguf: &Arc<GgufModel>, path: &std::path::Path, args: &ServeArgs) {
     let model_args = crate::cli::ModelArgs {
-        model: path.to_path_buf(),
+        model: Some(path.to_path_buf()),
+        hub: Default::default(),
         no_mmap: args.no_mmap,
         mlock: args.mlock,
         repack: args.repack,
@@ -192,7 +193,8 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
         mla: MlaMode::from_name(&rt.mla)?,
     };
     let model_args = crate::cli::ModelArgs {
-        model: args.model.clone().unwrap_or_default(),
+        model: args.model.clone(),
+        hub: Default::default(),
         no_mmap: args.no_mmap,
         mlock: args.mlock,
         repack: args.repack,

@@ -127,4 +127,17 @@ async fn hf_downloads_a_split_model_resumes_a_cut_and_serves_it() {
     s.signal(libc::SIGTERM);
     s.wait_for("stopped");
     assert_eq!(s.exit_code(), 0);
+
+    // `tandem run -hf` as llama-cli takes it, from the cache; without -m or -hf, a clear error
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_tandem")).args(args).envs(env.iter().copied()).output().unwrap()
+    };
+    let out = tokio::task::block_in_place(|| {
+        run(&["run", "-hf", "tandem/tiny-GGUF:Q4_K_M", "-p", "Hello", "-n", "2", "-t", "1"])
+    });
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(hub.requests.lock().unwrap().len(), before);
+    let out = tokio::task::block_in_place(|| run(&["run", "-p", "Hello"]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--model"), "{err}");
 }

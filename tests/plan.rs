@@ -50,7 +50,7 @@ const SEED_LINES: &[&str] = &[
 fn seed_command_lines_parse() {
     for line in SEED_LINES {
         let a = parse(line).unwrap_or_else(|e| panic!("{line}\n{e}"));
-        assert_eq!(a.model.model, PathBuf::from("X"));
+        assert_eq!(a.model.path(), PathBuf::from("X"));
     }
     let a = parse(SEED_LINES[0]).unwrap();
     assert_eq!((a.runtime.ctx_size, a.runtime.ubatch_size, a.runtime.batch_size), (131072, 4096, 4096));

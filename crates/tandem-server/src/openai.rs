@@ -542,7 +542,9 @@ mod tests {
         assert!(err(json!({"tool_choice": "sometimes"})).contains("tool_choice"));
         assert!(err(json!({"tools": [{"type": "function"}]})).contains("function.name"));
         assert!(err(json!({"response_format": {"type": "xml"}})).contains("response_format"));
-        assert!(err(json!({"response_format": {"type": "json_object"}, "grammar": "root ::= \"a\""})).contains("one of"));
+        assert!(
+            err(json!({"response_format": {"type": "json_object"}, "grammar": "root ::= \"a\""})).contains("one of")
+        );
         let ok = chat(json!({"tool_choice": {"type": "function", "function": {"name": "f"}}})).ok().unwrap();
         assert!(ok.tools && ok.req.special_text);
         assert!(matches!(&ok.req.prompt, Prompt::Messages { tools, .. } if tools.len() == 1));
