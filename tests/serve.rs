@@ -397,3 +397,26 @@ async fn chat_with_tools_returns_parsed_calls() {
     );
     assert!(out.finish().usage.as_ref().unwrap().prompt_tokens > 100);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_sends_thinking_as_reasoning_text() {
+    use pb::generation_options::Constraint as C;
+    let mut s = start("llama-tiny.gguf", 1024, EngineConfig::default()).await;
+    let forced = r#"root ::= "<think>" "Two and two." "</think>" "\n\n" "Four.""#;
+    let req = pb::ChatRequest {
+        messages: vec![pb::ChatMessage { role: "user".into(), content: "2+2?".into(), ..Default::default() }],
+        options: Some(pb::GenerationOptions {
+            max_tokens: 128,
+            constraint: Some(C::Grammar(forced.into())),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut stream = s.client.chat(req).await.unwrap().into_inner();
+    let (mut reasoning, mut text) = (String::new(), String::new());
+    while let Some(m) = stream.message().await.unwrap() {
+        reasoning += &m.reasoning_text;
+        text += &m.text;
+    }
+    assert_eq!((reasoning.as_str(), text.as_str()), ("Two and two.", "Four."));
+}

@@ -212,6 +212,8 @@ struct StreamSink {
     tx: mpsc::UnboundedSender<Result<pb::GenerateResponse, Status>>,
     /// Tools were offered: text streams until a call begins, the calls come with the finish.
     tools: Option<crate::tools::ToolStream>,
+    /// Chat: thinking text apart from the answer.
+    reasoning: Option<crate::reasoning::Splitter>,
     state: Arc<State>,
     generated: u32,
     /// The last event was sent.
@@ -232,6 +234,23 @@ impl Sink for StreamSink {
     fn send(&mut self, event: Event) -> bool {
         self.done |= !matches!(event, Event::Token { .. });
         let mut calls = Vec::new();
+        let mut thinking = String::new();
+        let event = match (self.reasoning.as_mut(), event) {
+            (Some(split), Event::Token { id, text, logprobs }) => {
+                let (r, c) = split.push(&text);
+                thinking = r;
+                Event::Token { id, text: c, logprobs }
+            }
+            (Some(split), Event::Finished { text, finish }) => {
+                let (mut r, mut c) = split.push(&text);
+                let (r2, c2) = split.finish();
+                r += &r2;
+                c += &c2;
+                thinking = r;
+                Event::Finished { text: c, finish }
+            }
+            (_, e) => e,
+        };
         let event = match (self.tools.as_mut(), event) {
             (Some(ts), Event::Token { id, text, logprobs }) => Event::Token { id, text: ts.push(&text), logprobs },
             (Some(ts), Event::Finished { text, finish }) => {
@@ -244,6 +263,9 @@ impl Sink for StreamSink {
             (_, e) => e,
         };
         let mut resp = convert::response(&self.id, event, &mut self.generated);
+        if let Ok(r) = resp.as_mut() {
+            r.reasoning_text = thinking;
+        }
         if let Ok(Some(f)) = resp.as_mut().map(|r| r.finish.as_mut()) {
             if !calls.is_empty() {
                 f.reason = pb::FinishReason::ToolCalls as i32;
@@ -278,6 +300,7 @@ impl Service {
         &self,
         mut req: tandem_engine::Request,
         key: Option<KeyIndex>,
+        reasoning: Option<crate::reasoning::Splitter>,
     ) -> Result<Response<ResponseStream>, Status> {
         let engine = self.state.engine()?.clone();
         if req.id.is_empty() {
@@ -289,6 +312,7 @@ impl Service {
             id: req.id.clone(),
             tx,
             tools: offered.then(crate::tools::ToolStream::default),
+            reasoning,
             state: self.state.clone(),
             generated: 0,
             done: false,
@@ -301,6 +325,31 @@ impl Service {
         // a stream ends after its finish message or its error
         let stream = UnboundedReceiverStream::new(rx);
         Ok(Response::new(Box::pin(stream.take_while_inclusive())))
+    }
+}
+
+impl Service {
+    /// The thinking splitter of a chat request (whether its template leaves `<think>` open).
+    async fn reasoning_splitter(
+        &self,
+        req: &tandem_engine::Request,
+    ) -> Result<Option<crate::reasoning::Splitter>, Status> {
+        use crate::reasoning::{ReasoningFormat, Splitter};
+        let format = self.state.reasoning_format();
+        if format == ReasoningFormat::None {
+            return Ok(None);
+        }
+        let engine = self.state.engine()?.clone();
+        let prompt = req.prompt.clone();
+        let rendered = tokio::task::spawn_blocking(move || match &prompt {
+            tandem_engine::Prompt::Chat(m) => engine.render_chat(m).ok(),
+            tandem_engine::Prompt::Messages { messages, tools } => engine.render_messages(messages, tools).ok(),
+            _ => None,
+        })
+        .await
+        .ok()
+        .flatten();
+        Ok(Some(Splitter::new(format, rendered.is_some_and(|p| Splitter::prompt_opens(&p)))))
     }
 }
 
@@ -333,7 +382,7 @@ impl InferenceService for Service {
         let deadline = convert::deadline(request.metadata(), now)?;
         let key = request.extensions().get::<KeyIndex>().copied();
         let req = convert::generate_request(request.into_inner(), deadline, now)?;
-        self.stream(req, key).await
+        self.stream(req, key, None).await
     }
 
     async fn chat(&self, request: Request<pb::ChatRequest>) -> Result<Response<Self::ChatStream>, Status> {
@@ -341,7 +390,8 @@ impl InferenceService for Service {
         let deadline = convert::deadline(request.metadata(), now)?;
         let key = request.extensions().get::<KeyIndex>().copied();
         let req = convert::chat_request(request.into_inner(), deadline, now)?;
-        self.stream(req, key).await
+        let split = self.reasoning_splitter(&req).await?;
+        self.stream(req, key, split).await
     }
 
     async fn tokenize(&self, request: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {
