@@ -4,7 +4,8 @@ request with `tools` whose answer holds a Hermes-style `<tool_call>` (forced wit
 `grammar`, passed as extra_body, since a tiny test model will not call tools by itself) comes back
 as a parsed `tool_calls` entry with finish_reason "tool_calls", streamed and not; then the call
 and its result go back in the conversation and render through the template. Exits non-zero on
-the first failure.
+the first failure. Last, `tool_choice` "required" and a named function force a call with no
+grammar from the client: the tiny model's call parses and its arguments fit the tool's schema.
 
     python scripts/tool_call_check.py --base-url http://127.0.0.1:8080
 """
@@ -19,6 +20,14 @@ import openai
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+BOUNDED = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}},
+]
 FORCED = ('root ::= "I will check. " "<tool_call>" "\\n" '
           '"{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"Paris\\"}}" "\\n" "</tool_call>"')
 
@@ -72,6 +81,36 @@ def main() -> int:
         prompt = json.loads(resp.read())["prompt"]
     check("18 C and sunny" in prompt and "get_weather" in prompt, f"rendered: {prompt!r}")
     print("round trip: the call and its result render through the template")
+
+    def fits(call):
+        args = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            return set(args) == {"city"} and isinstance(args["city"], str) and len(args["city"]) <= 12
+        return call.function.name == "get_time" and args == {"zone": args.get("zone")} and args["zone"] in ("UTC", "CET")
+
+    for seed in range(3):
+        r = client.chat.completions.create(model="any", messages=messages, tools=BOUNDED, tool_choice="required",
+                                           max_tokens=300, temperature=1.0, seed=seed)
+        calls = r.choices[0].message.tool_calls or []
+        check(r.choices[0].finish_reason == "tool_calls" and len(calls) == 1 and fits(calls[0]),
+              f"tool_choice required: {r}")
+        print(f"tool_choice required (seed {seed}): {calls[0].function.name}({calls[0].function.arguments})")
+    named = {"type": "function", "function": {"name": "get_time"}}
+    stream = client.chat.completions.create(model="any", messages=messages, tools=BOUNDED, tool_choice=named,
+                                            max_tokens=300, temperature=1.0, stream=True)
+    streamed, finish = [], None
+    for chunk in stream:
+        streamed += chunk.choices[0].delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    check(finish == "tool_calls" and len(streamed) == 1 and streamed[0].function.name == "get_time"
+          and fits(streamed[0]), f"named tool_choice, streamed: {finish} {streamed}")
+    print(f"tool_choice get_time, streamed: get_time({streamed[0].function.arguments})")
+    try:
+        client.chat.completions.create(model="any", messages=messages, tools=BOUNDED, tool_choice="required",
+                                       response_format={"type": "json_object"}, max_tokens=8)
+        check(False, "tool_choice required with response_format was taken")
+    except openai.BadRequestError as e:
+        print(f"tool_choice required with response_format: 400 {e.body}")
     return 0
 
 

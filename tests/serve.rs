@@ -398,6 +398,75 @@ async fn chat_with_tools_returns_parsed_calls() {
     assert!(out.finish().usage.as_ref().unwrap().prompt_tokens > 100);
 }
 
+/// tool_choice forces a call in each template's format: a tiny random model writes a call of a
+/// tool offered (the one named, when one is), with arguments its schema allows, that parses back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_choice_forces_a_call_in_the_templates_format() {
+    let tools = vec![
+        pb::Tool {
+            name: "get_weather".into(),
+            parameters_json: r#"{"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                                "required": ["city"], "additionalProperties": false}"#
+                .into(),
+            ..Default::default()
+        },
+        pb::Tool {
+            name: "get_time".into(),
+            parameters_json: r#"{"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                "required": ["zone"], "additionalProperties": false}"#
+                .into(),
+            ..Default::default()
+        },
+    ];
+    let user = pb::ChatMessage { role: "user".into(), content: "Weather in Paris?".into(), ..Default::default() };
+    // (deepseek-r1 opens a <think> block first, which a random model does not close: see
+    // tests/tool_transcripts.rs for that grammar)
+    for template in ["hermes", "kimi-k2", "deepseek3", "llama3"] {
+        let t = tandem_tokenizer::resolve_template_arg(template).unwrap();
+        let mut s =
+            start("llama-tiny.gguf", 2048, EngineConfig { chat_template: Some(t), ..EngineConfig::default() }).await;
+        for (choice, seed) in [("required", 1), ("required", 2), ("get_time", 3), ("get_weather", 4)] {
+            let req = pb::ChatRequest {
+                messages: vec![user.clone()],
+                tools: tools.clone(),
+                tool_choice: choice.into(),
+                sampling: Some(pb::SamplingParams { temperature: Some(1.0), seed: Some(seed), ..Default::default() }),
+                options: Some(pb::GenerationOptions { max_tokens: 400, ..Default::default() }),
+                ..Default::default()
+            };
+            let out = drain_stream(s.client.chat(req).await.unwrap().into_inner(), Streamed::default()).await;
+            assert_eq!(out.reason(), pb::FinishReason::ToolCalls, "{template} {choice}: {out:?}");
+            let calls = &out.finish().tool_calls;
+            assert!(!calls.is_empty() && (choice == "required" || calls.len() == 1), "{template} {choice}: {calls:?}");
+            for c in calls {
+                let args: serde_json::Value = serde_json::from_str(&c.arguments_json).unwrap();
+                match c.name.as_str() {
+                    "get_weather" => assert!(args["city"].as_str().is_some_and(|c| c.chars().count() <= 12)),
+                    "get_time" => assert!(args["zone"] == "UTC" || args["zone"] == "CET", "{args}"),
+                    n => panic!("{template}: a call of {n:?}"),
+                }
+                assert!(choice == "required" || c.name == choice, "{template} {choice}: {calls:?}");
+                assert_eq!(args.as_object().unwrap().len(), 1, "{template}: {args}");
+            }
+            println!(
+                "{template} {choice}: {:?}",
+                calls.iter().map(|c| format!("{}({})", c.name, c.arguments_json)).collect::<Vec<_>>()
+            );
+        }
+        // a name not among the tools, and "required" without tools, are the request's fault
+        for (choice, tools) in [("get_date", tools.clone()), ("required", vec![])] {
+            let req = pb::ChatRequest {
+                messages: vec![user.clone()],
+                tools,
+                tool_choice: choice.into(),
+                ..Default::default()
+            };
+            let st = s.client.chat(req).await.unwrap_err();
+            assert_eq!(st.code(), Code::InvalidArgument, "{st:?}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_sends_thinking_as_reasoning_text() {
     use pb::generation_options::Constraint as C;

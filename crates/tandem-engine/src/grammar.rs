@@ -25,6 +25,9 @@ pub enum Constraint {
     Lark(String),
     /// A regular expression the whole output matches.
     Regex(String),
+    /// A call of one of these tools (OpenAI's `tool_choice: "required"`; one or more with
+    /// `parallel`), or of the tool named (a named `tool_choice`), in the chat template's format.
+    ToolCall { tools: Vec<serde_json::Value>, name: Option<String>, parallel: bool },
 }
 
 /// The compiled grammars' shared part: the vocabulary as llguidance sees it.
@@ -64,17 +67,28 @@ impl Grammars {
     /// A fresh matcher for `c`; a grammar that does not compile is the request's fault.
     pub fn matcher(&self, c: &Constraint) -> Result<Matcher> {
         let grammar = match c {
+            Constraint::ToolCall { .. } => {
+                return Err(Error::InvalidRequest("tool_choice: the call grammar is made by the engine".into()))
+            }
             Constraint::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
             Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(s.clone()),
             Constraint::Gbnf(g) => TopLevelGrammar::from_lark(gbnf_to_lark(g)?),
             Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
             Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
         };
-        let parser =
-            self.factory.create_parser(grammar).map_err(|e| Error::InvalidRequest(format!("{}: {e}", what(c))))?;
+        self.compile(grammar, what(c))
+    }
+
+    /// A fresh matcher for a Lark grammar the engine made; `what` names it in errors.
+    pub fn lark_matcher(&self, lark: String, what: &str) -> Result<Matcher> {
+        self.compile(TopLevelGrammar::from_lark(lark), what)
+    }
+
+    fn compile(&self, grammar: TopLevelGrammar, what: &str) -> Result<Matcher> {
+        let parser = self.factory.create_parser(grammar).map_err(|e| Error::InvalidRequest(format!("{what}: {e}")))?;
         let m = Matcher::new(Ok(parser));
         if let Some(e) = m.get_error() {
-            return Err(Error::InvalidRequest(format!("{}: {e}", what(c))));
+            return Err(Error::InvalidRequest(format!("{what}: {e}")));
         }
         Ok(m)
     }
@@ -87,6 +101,7 @@ fn what(c: &Constraint) -> &'static str {
         Constraint::Gbnf(_) => "grammar",
         Constraint::Lark(_) => "lark grammar",
         Constraint::Regex(_) => "regex",
+        Constraint::ToolCall { .. } => "tool_choice",
     }
 }
 

@@ -6,7 +6,7 @@ use crate::request::{CancelFlag, Prompt, Request, Sink, MAX_LOGPROBS};
 use crate::scheduler::{Command, Scheduler};
 use crate::slot::Job;
 use crate::stats::Stats;
-use crate::{Error, Result, Sampler};
+use crate::{Constraint, Error, Result, Sampler};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Sender};
@@ -88,6 +88,8 @@ pub(crate) struct Shared {
     pub tokenizer: Arc<Tokenizer>,
     template: Option<ChatTemplate>,
     template_source: TemplateSource,
+    /// How the template writes tool calls.
+    tool_format: crate::tool_format::ToolFormat,
     pub stats: Arc<Stats>,
     pub info: EngineInfo,
     sys: Vec<u32>,
@@ -183,6 +185,7 @@ impl Engine {
             }
         }
         let template = Some(ChatTemplate::new(&source, tokenizer.bos_text(), tokenizer.eos_text())?);
+        let tool_format = crate::tool_format::ToolFormat::of_template(&source);
         let stats = Arc::new(Stats::default());
         stats.kv_capacity_tokens.set((n_ctx * config.n_parallel) as u64);
         let (tx, rx) = channel();
@@ -201,6 +204,7 @@ impl Engine {
             tokenizer: Arc::new(tokenizer),
             template,
             template_source,
+            tool_format,
             stats,
             info,
             sys: sys.clone(),
@@ -326,6 +330,24 @@ impl EngineHandle {
         let tokens = self.prompt_tokens(&req.prompt)?;
         let sampler = self.check(&req, &tokens)?;
         let matcher = match &req.constraint {
+            Some(Constraint::ToolCall { tools, name, parallel }) => {
+                // a forced call follows a thinking block the prompt left open
+                let think_open = match &req.prompt {
+                    Prompt::Messages { messages, tools } => {
+                        self.render_messages(messages, tools)?.trim_end().ends_with("<think>")
+                    }
+                    _ => false,
+                };
+                let lark = crate::tool_format::call_grammar(
+                    s.tool_format,
+                    tools,
+                    name.as_deref(),
+                    *parallel,
+                    &s.tokenizer,
+                    think_open,
+                )?;
+                Some(self.grammars()?.lark_matcher(lark, "tool_choice")?)
+            }
             Some(c) => Some(self.grammars()?.matcher(c)?),
             None => None,
         };

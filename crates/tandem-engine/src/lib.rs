@@ -9,6 +9,7 @@ pub mod sampling;
 mod scheduler;
 mod slot;
 pub mod stats;
+pub mod tool_format;
 
 pub use grammar::Constraint;
 pub use handle::{Engine, EngineConfig, EngineHandle, EngineInfo, Logger};

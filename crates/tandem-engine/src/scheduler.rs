@@ -175,6 +175,8 @@ impl Scheduler {
     fn end_slot(&mut self, i: usize, end: End) {
         if let Some(a) = self.slots[i].active.take() {
             self.release(&a.job.id);
+            // the gauges count the slot free before the client hears the end
+            self.publish();
             a.end(end, &self.shared.stats);
         }
     }

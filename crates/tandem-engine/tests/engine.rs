@@ -198,7 +198,7 @@ fn abort_and_deadline_free_the_slot() {
     assert!(!h.abort("long-one"));
     // the one slot is free again: a deadline ends the next request
     let (tx, rx) = channel();
-    r.deadline = Some(Instant::now() + Duration::from_millis(50));
+    r.deadline = Some(Instant::now() + Duration::from_millis(5));
     h.submit(r, Box::new(tx)).unwrap();
     assert_eq!(collect(&rx).2, Err(Failure::DeadlineExceeded));
     assert_eq!(run(&e, greedy(PROMPTS[0], 2)).0.len(), 2);

@@ -143,7 +143,22 @@ pub fn generate_request(
     request(r.request_id, prompt, r.sampling, r.options, deadline, arrived)
 }
 
-pub fn chat_request(r: pb::ChatRequest, deadline: Option<Instant>, arrived: Instant) -> Result<Request, Status> {
+pub fn chat_request(mut r: pb::ChatRequest, deadline: Option<Instant>, arrived: Instant) -> Result<Request, Status> {
+    let forced = match r.tool_choice.as_str() {
+        "" | "auto" => None,
+        "none" => {
+            r.tools.clear();
+            None
+        }
+        "required" if r.tools.is_empty() => {
+            return Err(Status::invalid_argument("tool_choice \"required\" needs tools"))
+        }
+        "required" => Some(None),
+        name if r.tools.iter().any(|t| t.name == name) => Some(Some(name.to_string())),
+        name => {
+            return Err(Status::invalid_argument(format!("tool_choice names {name:?}, which is not among the tools")))
+        }
+    };
     let rich = !r.tools.is_empty() || r.messages.iter().any(|m| !m.tool_calls.is_empty() || m.role == "tool");
     if !rich {
         let messages = r.messages.into_iter().map(|m| (m.role, m.content)).collect();
@@ -182,8 +197,18 @@ pub fn chat_request(r: pb::ChatRequest, deadline: Option<Instant>, arrived: Inst
         messages.push(v);
     }
     let offered = !tools.is_empty();
+    let parallel = r.parallel_tool_calls;
+    let call = forced.map(|name| tandem_engine::Constraint::ToolCall { tools: tools.clone(), name, parallel });
     let mut req =
         request(r.request_id, Prompt::Messages { messages, tools }, r.sampling, r.options, deadline, arrived)?;
+    if let Some(c) = call {
+        if req.constraint.is_some() {
+            return Err(Status::invalid_argument(
+                "tool_choice \"required\" or a tool's name cannot be combined with an output constraint",
+            ));
+        }
+        req.constraint = Some(c);
+    }
     // call markers are control tokens in some vocabularies (Kimi K2's)
     req.special_text = offered;
     Ok(req)

@@ -145,9 +145,13 @@ pub struct ChatRequest {
     pub messages: Vec<Message>,
     /// OpenAI's tools: `[{"type": "function", "function": {"name", "description", "parameters"}}]`.
     pub tools: Option<Vec<Value>>,
-    /// "auto" (the default), "none" (the tools are not offered), "required" or a function: the
-    /// tools are offered; tandem does not force a call.
+    /// "auto" (the default), "none" (the tools are not offered), "required" (the answer is one
+    /// or more calls) or `{"type": "function", "function": {"name": N}}` (one call of N): a
+    /// call is forced by a grammar in the chat template's call format.
     pub tool_choice: Option<Value>,
+    /// With a forced call, several calls may follow one another (llama-server's default: one).
+    #[serde(default)]
+    pub parallel_tool_calls: bool,
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<u32>,
@@ -301,20 +305,39 @@ pub fn chat_request(r: ChatRequest, arrived: Instant) -> Result<Parsed, BadParam
         }
         _ => r.tools.clone().unwrap_or_default(),
     };
-    for t in &offered {
+    let mut offered = offered;
+    for t in &mut offered {
         if t["function"]["name"].as_str().is_none_or(str::is_empty) {
             return Err(BadParam(format!("tools: {t} has no function.name")));
         }
-    }
-    if let Some(Value::Object(choice)) = &r.tool_choice {
-        // {"type": "function", "function": {"name": N}}: N must be one of the tools
-        let name = choice.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
-        match name {
-            Some(n) if offered.iter().any(|t| t["function"]["name"] == n) => {}
-            Some(n) => return Err(BadParam(format!("tool_choice names {n:?}, which is not among the tools"))),
-            None => return Err(BadParam("tool_choice: an object needs function.name".into())),
+        // as llama-server hands tools to templates: a description and parameters always there
+        // (templates concatenate the description)
+        let f = &mut t["function"];
+        if !f["description"].is_string() {
+            f["description"] = "".into();
+        }
+        if f["parameters"].is_null() {
+            f["parameters"] = json!({"type": "object", "properties": {}});
         }
     }
+    let forced = match &r.tool_choice {
+        Some(Value::Object(choice)) => {
+            // {"type": "function", "function": {"name": N}}: N must be one of the tools
+            let name = choice.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+            match name {
+                Some(n) if offered.iter().any(|t| t["function"]["name"] == n) => Some(Some(n.to_string())),
+                Some(n) => return Err(BadParam(format!("tool_choice names {n:?}, which is not among the tools"))),
+                None => return Err(BadParam("tool_choice: an object needs function.name".into())),
+            }
+        }
+        Some(Value::String(c)) if c == "required" => {
+            if offered.is_empty() {
+                return Err(BadParam("tool_choice \"required\" needs tools".into()));
+            }
+            Some(None)
+        }
+        _ => None,
+    };
     // tool calls and results need the messages as they are, for the template
     let rich = !offered.is_empty() || r.messages.iter().any(|m| m.tool_calls.is_some() || m.role == "tool");
     let mut messages = Vec::with_capacity(r.messages.len());
@@ -372,6 +395,14 @@ pub fn chat_request(r: ChatRequest, arrived: Instant) -> Result<Parsed, BadParam
         Prompt::Chat(messages)
     };
     let mut req = common(r.common, prompt, arrived)?;
+    if let Some(name) = forced {
+        if req.constraint.is_some() {
+            return Err(BadParam(
+                "tool_choice \"required\" or a function cannot be combined with response_format".into(),
+            ));
+        }
+        req.constraint = Some(Constraint::ToolCall { tools: offered.clone(), name, parallel: r.parallel_tool_calls });
+    }
     if r.logprobs {
         // the engine reports the sampled token's log-probability with the top n (at least one)
         req.logprobs = r.top_logprobs.unwrap_or(0).max(1);
@@ -547,7 +578,21 @@ mod tests {
         );
         let ok = chat(json!({"tool_choice": {"type": "function", "function": {"name": "f"}}})).ok().unwrap();
         assert!(ok.tools && ok.req.special_text);
-        assert!(matches!(&ok.req.prompt, Prompt::Messages { tools, .. } if tools.len() == 1));
+        let Prompt::Messages { tools, .. } = &ok.req.prompt else { panic!("{:?}", ok.req.prompt) };
+        // templates get a description and parameters even when the client sent none
+        assert_eq!(tools[0]["function"]["description"], "");
+        assert_eq!(tools[0]["function"]["parameters"]["type"], "object");
+        let forced = |c: &Option<Constraint>| match c {
+            Some(Constraint::ToolCall { tools, name, parallel }) => Some((tools.len(), name.clone(), *parallel)),
+            _ => None,
+        };
+        assert_eq!(forced(&ok.req.constraint), Some((1, Some("f".into()), false)));
+        let required = chat(json!({"tool_choice": "required", "parallel_tool_calls": true})).ok().unwrap();
+        assert_eq!(forced(&required.req.constraint), Some((1, None, true)));
+        assert_eq!(forced(&chat(json!({"tool_choice": "auto"})).ok().unwrap().req.constraint), None);
+        assert!(err(json!({"tool_choice": "required", "response_format": {"type": "json_object"}}))
+            .contains("cannot be combined"));
+        assert!(err(json!({"tool_choice": "required", "tools": []})).contains("needs tools"));
         let none = chat(json!({"tool_choice": "none"})).ok().unwrap();
         assert!(!none.tools && matches!(none.req.prompt, Prompt::Chat(_)));
     }

@@ -15,18 +15,10 @@ pub struct ToolCall {
     pub arguments: String,
 }
 
-const KIMI_BEGIN: &str = "<|tool_calls_section_begin|>";
-const KIMI_END: &str = "<|tool_calls_section_end|>";
-const KIMI_CALL: &str = "<|tool_call_begin|>";
-const KIMI_ARGS: &str = "<|tool_call_argument_begin|>";
-const KIMI_CALL_END: &str = "<|tool_call_end|>";
-const DS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
-const DS_END: &str = "<｜tool▁calls▁end｜>";
-const DS_CALL: &str = "<｜tool▁call▁begin｜>";
-const DS_SEP: &str = "<｜tool▁sep｜>";
-const DS_CALL_END: &str = "<｜tool▁call▁end｜>";
-const HERMES: &str = "<tool_call>";
-const HERMES_END: &str = "</tool_call>";
+use tandem_engine::tool_format::{
+    DS_BEGIN, DS_CALL, DS_CALL_END, DS_END, DS_SEP, HERMES, HERMES_END, KIMI_ARGS, KIMI_BEGIN, KIMI_CALL,
+    KIMI_CALL_END, KIMI_END,
+};
 
 /// Where a block of calls may begin.
 const STARTS: [&str; 3] = [KIMI_BEGIN, DS_BEGIN, HERMES];
