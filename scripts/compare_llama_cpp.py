@@ -4,7 +4,7 @@
     /work/venv/bin/python scripts/compare_llama_cpp.py [--out results.json]
         [--models Q4_K_M,Q8_0] [--threads 1,2] [--depths 0,3072] [--tests tg32,pp256,pp512]
         [--rounds 5] [--pair] [--fa off,on] [--model-dir /work/bench-models] [--tandem target/release/tandem]
-        [--cache-type-k f16] [--cache-type-v f16]
+        [--cache-type-k f16] [--cache-type-v f16] [--parallel N]
 
 For every model x threads x depth x test, each round runs, as separate subprocesses and in an
 order that rotates from round to round:
@@ -13,6 +13,10 @@ order that rotates from round to round:
              -ctk K -ctv V [--tandem-args]
   llama.cpp  scripts/llama_cpp_bench.py --model F --threads T --pp P --tg N --depth D --reps 1
              --ubatch 512 --flash-attn off -ctk K -ctv V   (and again with --flash-attn on)
+
+With --parallel N (depth 0 only) both measure N sequences batched together, as
+llama-batched-bench: tandem `bench --parallel N`, llama.cpp `llama_cpp_bench.py --parallel N`;
+the t/s are aggregates over the N sequences.
 
 (llama.cpp refuses a quantized V cache without flash attention: pass --fa on for -ctv q8_0; a
 failed engine is reported as errors and left out of the ratio.)
@@ -148,6 +152,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
     ap.add_argument("--cache-type-k", "-ctk", default="f16", help="KV cache type for K, for both engines (default f16)")
     ap.add_argument("--cache-type-v", "-ctv", default="f16", help="KV cache type for V, for both engines (default f16)")
+    ap.add_argument("--parallel", type=int, default=1, help="sequences batched together (depth 0 only)")
     ap.add_argument("--out", type=Path, help="JSON with every raw sample")
     ap.add_argument("--from", dest="from_file", type=Path, help="print the table of an earlier --out file and exit")
     args = ap.parse_args()
@@ -164,6 +169,8 @@ def main() -> int:
         return 0
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    if args.parallel < 1 or (args.parallel > 1 and any(args.depths)):
+        ap.error("--parallel N needs N >= 1 and --depths 0")
     for fa in args.fa:
         if fa not in ("on", "off"):
             ap.error(f"--fa takes on/off, got {fa!r}")
@@ -185,16 +192,18 @@ def main() -> int:
         if engine == "tandem":
             return [args.tandem, "bench", "-m", str(model), "-t", str(t), "-p", str(pp), "-n", str(tg),
                     "-d", str(d), "-r", "1", "--json", "--no-progress", "-ctk", args.cache_type_k,
-                    "-ctv", args.cache_type_v] + shlex.split(args.tandem_args)
+                    "-ctv", args.cache_type_v] + (["--parallel", str(args.parallel)] if args.parallel > 1 else []) + \
+                shlex.split(args.tandem_args)
         fa = engine.split("=")[1]
         return [args.python, str(LLAMA_BENCH), "--model", str(model), "--threads", str(t), "--pp", str(pp),
                 "--tg", str(tg), "--depth", str(d), "--reps", "1", "--ubatch", str(args.ubatch), "--flash-attn", fa,
-                "--cache-type-k", args.cache_type_k, "--cache-type-v", args.cache_type_v]
+                "--cache-type-k", args.cache_type_k, "--cache-type-v", args.cache_type_v] + \
+            (["--parallel", str(args.parallel)] if args.parallel > 1 else [])
 
     samples: list[dict] = []
     config = dict(models={m: str(p) for m, p in models.items()}, threads=args.threads, depths=args.depths,
                   tests=[f"{k}{n}" for k, n in args.tests], rounds=args.rounds, pair=args.pair, engines=engines,
-                  ubatch=args.ubatch, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, tandem=args.tandem, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), host=os.uname().nodename, cpus=os.cpu_count(),
+                  ubatch=args.ubatch, parallel=args.parallel, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, tandem=args.tandem, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), host=os.uname().nodename, cpus=os.cpu_count(),
                   started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     def save(summary: list[dict] | None = None) -> None:

@@ -5,6 +5,11 @@ through llama-cpp-python's low-level API (llama_decode on explicit batches).
     /work/venv/bin/python scripts/llama_cpp_bench.py --model F --threads 2 --pp 512 --tg 32 \
         --depth 3072 --reps 3 [--ubatch 512] [--flash-attn off|on] [--cache-type-k f16] [--cache-type-v f16]
 
+--parallel N measures as llama-batched-bench does (`tandem bench --parallel N` the same): N
+sequences (n_seq_max N) each get P random ids, all in one batch (logits of each sequence's last
+token), then N decode steps of one token per sequence in one batch each (logits for all N); the
+rates count every sequence's tokens, and rows carry "n_parallel". Only at depth 0.
+
 --pp and --threads take comma lists (--pp 256,512: one row per size, the decode test on the
 first row, all from one depth fill).
 
@@ -65,13 +70,13 @@ class Bench:
         self.ctx = None
 
     def new_context(self, threads: int, n_ctx: int, n_batch: int, n_ubatch: int, flash_attn: bool,
-                    cache: tuple[int, int]) -> None:
+                    cache: tuple[int, int], n_seq: int = 1) -> None:
         self.free_context()
         cp = L.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = n_batch
         cp.n_ubatch = n_ubatch
-        cp.n_seq_max = 1
+        cp.n_seq_max = n_seq
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -111,6 +116,65 @@ class Bench:
         for _ in range(n):
             self.decode(1)
             L.llama_synchronize(self.ctx)
+
+    def batched(self, seqs: int, n: int, logits_all: bool) -> None:
+        """n random ids for each of sequences 0..seqs (positions follow each sequence's cache), in
+        one batch split at n_batch; logits for every token or each sequence's last."""
+        entries = []
+        for s in range(seqs):
+            start = L.llama_memory_seq_pos_max(self.mem, s) + 1
+            ids = self.rng.integers(0, self.n_vocab, n).tolist()
+            entries += [(t, start + i, s, logits_all or i == n - 1) for i, t in enumerate(ids)]
+        for at in range(0, len(entries), self.n_batch):
+            part = entries[at: at + self.n_batch]
+            batch = L.llama_batch_init(len(part), 0, 1)
+            try:
+                for i, (t, pos, s, want) in enumerate(part):
+                    batch.token[i] = t
+                    batch.pos[i] = pos
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = s
+                    batch.logits[i] = want
+                batch.n_tokens = len(part)
+                rc = L.llama_decode(self.ctx, batch)
+                if rc != 0:
+                    raise SystemExit(f"llama_decode failed with {rc} ({len(part)} tokens of {seqs} sequences)")
+            finally:
+                L.llama_batch_free(batch)
+        L.llama_synchronize(self.ctx)
+
+    def run_parallel(self, threads: int, seqs: int, pp: int, tg: int, reps: int, ubatch: int, flash_attn: bool,
+                     cache: tuple[int, int]) -> list[dict]:
+        """llama-batched-bench: seqs prompts of pp tokens in one batch, then tg steps of seqs tokens."""
+        n_batch = max(seqs * pp, ubatch)
+        self.new_context(threads, seqs * (pp + tg) + seqs, n_batch, ubatch, flash_attn, cache, n_seq=seqs)
+        # warmup: one prompt batch and one step, then an empty cache
+        self.batched(seqs, max(1, min(pp, ubatch // seqs or 1)), False)
+        self.batched(seqs, 1, True)
+        t_pp: list[float] = []
+        t_tg: list[float] = []
+        for r in range(reps):
+            L.llama_memory_clear(self.mem, False)
+            msg = []
+            if pp > 0:
+                t0 = time.perf_counter()
+                self.batched(seqs, pp, False)
+                t_pp.append(time.perf_counter() - t0)
+                msg.append(f"pp{pp} x {seqs} {seqs * pp / t_pp[-1]:.2f} t/s")
+            if tg > 0:
+                t0 = time.perf_counter()
+                for _ in range(tg):
+                    self.batched(seqs, 1, True)
+                t_tg.append(time.perf_counter() - t0)
+                msg.append(f"tg{tg} x {seqs} {seqs * tg / t_tg[-1]:.2f} t/s")
+            log(f"  rep {r + 1}/{reps}: t={threads} npl={seqs} fa={'on' if flash_attn else 'off'}: " + ", ".join(msg))
+        self.free_context()
+        mp = statistics.median(t_pp) if t_pp else 0.0
+        mt = statistics.median(t_tg) if t_tg else 0.0
+        return [dict(threads=threads, n_parallel=seqs, n_kv=0, pp=pp, tg=tg,
+                     t_pp_s=mp, s_pp_tps=seqs * pp / mp if mp > 0 else 0.0,
+                     t_tg_s=mt, s_tg_tps=seqs * tg / mt if mt > 0 else 0.0,
+                     t_pp_samples_s=t_pp, t_tg_samples_s=t_tg)]
 
     def truncate(self, depth: int) -> None:
         if depth == 0:
@@ -203,6 +267,8 @@ def main() -> int:
     ap.add_argument("--flash-attn", "-fa", type=on_off, default=False, help="on|off (default off)")
     ap.add_argument("--cache-type-k", "-ctk", default="f16", help="KV cache type for K (default f16)")
     ap.add_argument("--cache-type-v", "-ctv", default="f16", help="KV cache type for V (default f16)")
+    ap.add_argument("--parallel", "-npl", type=int, default=1,
+                    help="sequences batched together, as llama-batched-bench (depth 0, one --pp)")
     ap.add_argument("--verbose", action="store_true", help="keep llama.cpp's own log on stderr")
     args = ap.parse_args()
     if args.reps < 1 or min(args.pp) < 0 or args.tg < 0 or args.depth < 0 or (max(args.pp) == 0 and args.tg == 0):
@@ -215,7 +281,13 @@ def main() -> int:
     t0 = time.perf_counter()
     b = Bench(args.model, quiet=not args.verbose)
     log(f"llama.cpp (llama-cpp-python {L.__version__}): loaded {args.model} in {time.perf_counter() - t0:.1f} s")
-    rows = [r for t in args.threads for r in b.run(t, args.pp, args.tg, args.depth, args.reps, args.ubatch, args.flash_attn, cache)]
+    if args.parallel > 1:
+        if args.depth != 0 or len(args.pp) != 1:
+            ap.error("--parallel runs at depth 0 with one --pp")
+        rows = [r for t in args.threads for r in
+                b.run_parallel(t, args.parallel, args.pp[0], args.tg, args.reps, args.ubatch, args.flash_attn, cache)]
+    else:
+        rows = [r for t in args.threads for r in b.run(t, args.pp, args.tg, args.depth, args.reps, args.ubatch, args.flash_attn, cache)]
     L.llama_model_free(b.model)
     out = dict(model=args.model, threads=args.threads, rows=rows, engine=f"llama.cpp (llama-cpp-python {L.__version__})",
                flash_attn=args.flash_attn, ubatch=args.ubatch, reps=args.reps,

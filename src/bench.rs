@@ -2,6 +2,10 @@
 //! or as llama-sweep-bench does (`--sweep -c -ub -n`), with the decode roofline: the weight bytes one
 //! decoded token reads, over the memory read bandwidth measured on this machine.
 //!
+//! With `--parallel N,...` (llama-batched-bench's `-npl`), N sequences of `-p` prompt tokens are
+//! prefilled in one batch, then decoded together `-n` steps, one token of each per step: the
+//! aggregate and per-sequence speeds a batch pipeline sees.
+//!
 //! Every timed step runs on random tokens (seeded, uniform in the vocabulary) through
 //! [`Context::decode`]; the KV cache is filled to the depth untimed and truncated back between steps.
 
@@ -88,6 +92,10 @@ pub struct BenchArgs {
     /// prefill to 32K would take too long, such as `tandem synth` ones.
     #[arg(long)]
     pub zero_depth: bool,
+    /// Sequences batched together, comma-separated (llama-batched-bench's -npl): each has -p
+    /// prompt tokens prefilled in one batch, then -n decode steps of one token per sequence.
+    #[arg(long = "parallel", value_name = "N,...", value_delimiter = ',', allow_negative_numbers = true)]
+    pub parallel: Vec<i64>,
     /// Seed of the random tokens.
     #[arg(long, value_name = "N", default_value_t = 42)]
     pub seed: u64,
@@ -102,6 +110,8 @@ pub struct BenchArgs {
 #[derive(Clone, Debug, Serialize)]
 pub struct Row {
     pub threads: usize,
+    /// Sequences batched together (1 but with --parallel); S_PP and S_TG are their sums.
+    pub n_parallel: usize,
     pub n_kv: usize,
     pub pp: usize,
     pub tg: usize,
@@ -186,6 +196,8 @@ struct Plan {
     cache_type_k: CacheType,
     cache_type_v: CacheType,
     mla: MlaMode,
+    /// `--parallel`: the batch widths to test (empty: the single-sequence tests).
+    parallel: Vec<usize>,
 }
 
 fn count(flag: &str, v: i64) -> anyhow::Result<usize> {
@@ -236,7 +248,31 @@ impl Plan {
             }
             (pp, tg, if depths.is_empty() { vec![0] } else { depths }, reps.unwrap_or(3))
         };
-        Ok(Plan { threads, sweep: a.sweep, pp, tg, depths, reps, ctx, batch, ubatch, cache_type_k, cache_type_v, mla })
+        let parallel: Vec<usize> =
+            a.parallel.iter().map(|&n| positive("--parallel", n)).collect::<anyhow::Result<_>>()?;
+        if !parallel.is_empty() {
+            if a.sweep {
+                bail!("--parallel does not apply to --sweep");
+            }
+            if depths.iter().any(|&d| d > 0) {
+                bail!("-d does not apply to --parallel: each sequence starts empty, as in llama-batched-bench");
+            }
+        }
+        Ok(Plan {
+            threads,
+            sweep: a.sweep,
+            pp,
+            tg,
+            depths,
+            reps,
+            ctx,
+            batch,
+            ubatch,
+            cache_type_k,
+            cache_type_v,
+            mla,
+            parallel,
+        })
     }
 
     /// The context to allocate, given the model's training context (for `-c 0`).
@@ -257,7 +293,11 @@ impl Plan {
             }
             return Ok(c);
         }
-        let need = self.depths.iter().max().copied().unwrap_or(0) + self.pp.max(self.tg);
+        // each sequence of --parallel keeps its prompt while it decodes
+        let need = match self.parallel.is_empty() {
+            true => self.depths.iter().max().copied().unwrap_or(0) + self.pp.max(self.tg),
+            false => self.pp + self.tg,
+        };
         match ctx {
             Some(c) if c < need => bail!(
                 "-c {c} is too small: -d {} + max(-p {}, -n {}) = {need} positions are needed",
@@ -511,6 +551,47 @@ impl Runner<'_> {
         Ok(())
     }
 
+    /// Sequences `0..np`, each appending `n` random tokens, in one batch (decode calls of at most
+    /// `-b` tokens), logits for each sequence's last token, as llama-batched-bench.
+    fn prefill_all(&mut self, np: usize, n: usize) -> anyhow::Result<()> {
+        let mut all = Batch::default();
+        for seq in 0..np {
+            let b = Batch::sequence(&self.rng.tokens(n, self.n_vocab), self.ctx.seq_len(seq) as u32, seq, false);
+            all.tokens.extend(b.tokens);
+            all.pos.extend(b.pos);
+            all.seq.extend(b.seq);
+            all.logits.extend(b.logits);
+        }
+        for start in (0..all.len()).step_by(self.batch.max(1)) {
+            let end = (start + self.batch).min(all.len());
+            let chunk = Batch {
+                tokens: all.tokens[start..end].to_vec(),
+                pos: all.pos[start..end].to_vec(),
+                seq: all.seq[start..end].to_vec(),
+                logits: all.logits[start..end].to_vec(),
+            };
+            self.ctx.decode(&chunk)?;
+            self.pb.inc(chunk.len() as u64);
+        }
+        Ok(())
+    }
+
+    /// `n` steps, each decoding one random token of every sequence `0..np` together.
+    fn generate_all(&mut self, np: usize, n: usize) -> anyhow::Result<()> {
+        for _ in 0..n {
+            let mut b = Batch::default();
+            for seq in 0..np {
+                b.tokens.push(self.rng.below(self.n_vocab));
+                b.pos.push(self.ctx.seq_len(seq) as u32);
+                b.seq.push(seq);
+                b.logits.push(true);
+            }
+            self.ctx.decode(&b)?;
+            self.pb.inc(np as u64);
+        }
+        Ok(())
+    }
+
     /// Brings the cache to exactly `depth` tokens (untimed): by a prefill, or with zero rows.
     fn fill_to(&mut self, depth: usize, zeros: bool) -> anyhow::Result<()> {
         let len = self.ctx.seq_len(SEQ);
@@ -534,17 +615,23 @@ impl Runner<'_> {
 
 /// Builds a row from the times of the repetitions.
 fn row(threads: usize, n_kv: usize, pp: usize, tg: usize, t_pp: &mut [f64], t_tg: &mut [f64]) -> Row {
+    batch_row(threads, 1, n_kv, pp, tg, t_pp, t_tg)
+}
+
+/// A row of `np` sequences: the speeds count every sequence's tokens.
+fn batch_row(threads: usize, np: usize, n_kv: usize, pp: usize, tg: usize, t_pp: &mut [f64], t_tg: &mut [f64]) -> Row {
     let part = |n: usize, times: &mut [f64]| {
         if n == 0 || times.is_empty() {
             return (None, None);
         }
         let t = median(times).max(1e-9);
-        (Some(t), Some(n as f64 / t))
+        (Some(t), Some((n * np) as f64 / t))
     };
     let (t_pp_s, s_pp_tps) = part(pp, t_pp);
     let (t_tg_s, s_tg_tps) = part(tg, t_tg);
     Row {
         threads,
+        n_parallel: np,
         n_kv,
         pp,
         tg,
@@ -560,6 +647,30 @@ fn row(threads: usize, n_kv: usize, pp: usize, tg: usize, t_pp: &mut [f64], t_tg
 
 const TABLE_HEADER: &str = "|    PP |     TG |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |\n\
                             |-------|--------|--------|----------|----------|----------|----------|";
+
+const BATCH_HEADER: &str =
+    "|    PP |     TG |    B |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s | S_TG/seq |      T s |    S t/s |\n\
+     |-------|--------|------|----------|----------|----------|----------|----------|----------|----------|";
+
+/// llama-batched-bench's line, with the decode speed each sequence sees.
+fn batch_line(r: &Row) -> String {
+    let f = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$}"));
+    let total = r.t_pp_s.unwrap_or(0.0) + r.t_tg_s.unwrap_or(0.0);
+    let tokens = r.n_parallel * (r.pp + r.tg);
+    format!(
+        "|{:>6} | {:>6} | {:>4} | {:>8} | {:>8} | {:>8} | {:>8} | {:>8} | {:>8} | {:>8} |",
+        r.pp,
+        r.tg,
+        r.n_parallel,
+        f(r.t_pp_s, 3),
+        f(r.s_pp_tps, 2),
+        f(r.t_tg_s, 3),
+        f(r.s_tg_tps, 2),
+        f(r.s_tg_tps.map(|s| s / r.n_parallel as f64), 2),
+        f(Some(total), 3),
+        f((total > 0.0).then(|| tokens as f64 / total), 2)
+    )
+}
 
 fn table_line(r: &Row) -> String {
     let f = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$}"));
@@ -604,6 +715,9 @@ fn progress_total(plan: &Plan, n_ctx: usize, warmup: bool) -> u64 {
     let timed = (plan.reps * (plan.pp + plan.tg)) as u64;
     if plan.sweep {
         return warm + plan.sweep_depths(n_ctx).len() as u64 * timed;
+    }
+    if !plan.parallel.is_empty() {
+        return warm + plan.parallel.iter().map(|&np| (np * plan.reps * (plan.pp + plan.tg)) as u64).sum::<u64>();
     }
     let mut len = 0usize;
     let mut fill = 0u64;
@@ -661,13 +775,16 @@ fn run_threads(
         plan.mla.name(),
         plan.reps
     ))?;
-    out.line(TABLE_HEADER)?;
+    out.line(if plan.parallel.is_empty() { TABLE_HEADER } else { BATCH_HEADER })?;
     if !a.no_warmup {
         out.pb.set_message(format!("-t {t}: warm-up"));
         r.prefill(plan.pp.min(plan.ubatch))?;
         r.ctx.truncate(SEQ, 0);
         r.generate(plan.tg.min(1))?;
         r.ctx.truncate(SEQ, 0);
+    }
+    if !plan.parallel.is_empty() {
+        return run_parallel(&mut r, plan, t, out);
     }
     let mut rows = Vec::new();
     let depths = if plan.sweep { plan.sweep_depths(n_ctx) } else { plan.depths.clone() };
@@ -718,6 +835,33 @@ fn run_threads(
             ))?;
             row.cpu_busy_s_per_token = Some(busy);
         }
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+/// The `--parallel` rows of one thread count.
+fn run_parallel(r: &mut Runner, plan: &Plan, t: usize, out: &Out) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for &np in &plan.parallel {
+        let (mut t_pp, mut t_tg) = (Vec::new(), Vec::new());
+        for rep in 0..plan.reps {
+            out.pb.set_message(format!("-t {t}: {np} sequences, repetition {}/{}", rep + 1, plan.reps));
+            for seq in 0..np {
+                r.ctx.truncate(seq, 0);
+            }
+            if plan.pp > 0 {
+                t_pp.push(r.timed(|r| r.prefill_all(np, plan.pp))?);
+            }
+            if plan.tg > 0 {
+                t_tg.push(r.timed(|r| r.generate_all(np, plan.tg))?);
+            }
+        }
+        for seq in 0..np {
+            r.ctx.truncate(seq, 0);
+        }
+        let row = batch_row(t, np, 0, plan.pp, plan.tg, &mut t_pp, &mut t_tg);
+        out.line(&batch_line(&row))?;
         rows.push(row);
     }
     Ok(rows)
@@ -801,10 +945,11 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             bandwidth.insert(t, before.max(after));
         }
         if let Some(&gbs) = bandwidth.get(&t) {
-            for r in &mut rs {
+            // (one sequence's decode: the weights one token reads, per token)
+            for r in rs.iter_mut().filter(|r| r.n_parallel == 1) {
                 r.roofline_pct = r.s_tg_tps.map(|s| active as f64 * s / (gbs * 1e9) * 100.0);
             }
-            if plan.tg > 0 {
+            if plan.tg > 0 && plan.parallel.is_empty() {
                 let pct: Vec<String> = rs.iter().filter_map(|r| r.roofline_pct).map(|p| format!("{p:.1}%")).collect();
                 out.line(&format!(
                     "\ndecode roofline, -t {t}: {gbs:.2} GB/s / {} per token = {:.2} t/s; S_TG by row: {}",

@@ -22,6 +22,7 @@ pub const MULTI_LETTER_FLAGS: &[(&str, &str)] = &[
     ("-tb", "--threads-batch"),
     ("-ub", "--ubatch-size"),
     ("-np", "--parallel"),
+    ("-npl", "--parallel"),
     ("-ncmoe", "--n-cpu-moe"),
     ("-cmoe", "--cpu-moe"),
     ("-mla", "--mla-use"),

@@ -51,8 +51,10 @@ fn check_rows(v: &Value) {
     assert!(active > 0.0);
     for r in v["rows"].as_array().unwrap() {
         let t = r["threads"].as_u64().unwrap();
+        // --parallel: the rates count the tokens of every sequence
+        let np = r["n_parallel"].as_u64().unwrap() as f64;
         for (n, time, rate) in [("pp", "t_pp_s", "s_pp_tps"), ("tg", "t_tg_s", "s_tg_tps")] {
-            let n = r[n].as_u64().unwrap() as f64;
+            let n = r[n].as_u64().unwrap() as f64 * np;
             if n == 0.0 {
                 assert!(r[time].is_null() && r[rate].is_null(), "skipped part has numbers: {r}");
                 continue;
@@ -63,7 +65,7 @@ fn check_rows(v: &Value) {
         }
         let bw = f(&v["read_bandwidth_gbs"][t.to_string()]);
         assert!(bw > 0.0);
-        if r["tg"].as_u64().unwrap() == 0 {
+        if r["tg"].as_u64().unwrap() == 0 || np > 1.0 {
             assert!(r["roofline_pct"].is_null(), "{r}");
         } else {
             let want = active * f(&r["s_tg_tps"]) / (bw * 1e9) * 100.0;
@@ -116,6 +118,27 @@ fn sweep_rows_step_by_ubatch_until_the_context_is_full() {
     assert!(v["rows"].as_array().unwrap().iter().all(|r| r["pp"] == 4 && r["tg"] == 2));
     assert_eq!(table_rows(&se).len(), 4, "{se}");
     check_rows(&v);
+}
+
+#[test]
+fn parallel_rows_batch_the_sequences() {
+    let args = ["-t", "1", "-npl", "1,3", "-p", "6", "-n", "3", "-r", "2", "-ub", "8"];
+    let (v, se) = json("deepseek2-mla-tiny.gguf", &args);
+    assert!(se.contains("|    B |") && se.contains("S_TG/seq"), "llama-batched-bench's table:\n{se}");
+    let rows = v["rows"].as_array().unwrap();
+    let np: Vec<u64> = rows.iter().map(|r| r["n_parallel"].as_u64().unwrap()).collect();
+    assert_eq!(np, [1, 3]);
+    assert!(rows.iter().all(|r| r["pp"] == 6 && r["tg"] == 3 && r["n_kv"] == 0), "{v}");
+    check_rows(&v);
+    let lines = table_rows(&se);
+    assert_eq!(lines.len(), 2, "{se}");
+    // S_TG/seq is the aggregate over the sequences; S is all tokens over all time
+    let cells: Vec<f64> = lines[1].trim_matches('|').split('|').map(|c| c.trim().parse().unwrap()).collect();
+    assert_eq!(cells[2], 3.0);
+    let r = &rows[1];
+    assert!((cells[7] - f(&r["s_tg_tps"]) / 3.0).abs() < 0.01, "{}", lines[1]);
+    let s = 3.0 * 9.0 / (f(&r["t_pp_s"]) + f(&r["t_tg_s"]));
+    assert!((cells[9] - s).abs() < 0.01, "{} vs {s}", lines[1]);
 }
 
 #[test]
@@ -268,6 +291,9 @@ fn bad_flags_give_one_line_errors() {
         (&["--sweep", "-c", "8", "-ub", "4", "-n", "6"], "no sweep row"),
         (&["--sweep", "-c", "64", "-p", "8"], "-p does not apply"),
         (&["-ctk", "q9_9"], "-ctk q9_9"),
+        (&["--parallel", "0"], "--parallel 0"),
+        (&["-npl", "2", "-d", "4"], "-d does not apply to --parallel"),
+        (&["-npl", "2", "--sweep", "-c", "64"], "--parallel does not apply to --sweep"),
     ];
     for (args, want) in cases {
         let out = bench("llama-tiny.gguf", args);
