@@ -329,7 +329,7 @@ fn repacked_weights_match_llama_cpp_and_are_invariant() {
         let gguf = GgufModel::open(&f.model, LoadOptions::default()).unwrap();
         let model = Arc::new(Model::load_with(Arc::new(gguf), true).unwrap());
         if model.packed_bytes(&|_| false) == 0 {
-            // At TANDEM_CPU_ISA=avx2 only Q4_0 and Q4_K have packed kernels.
+            // At TANDEM_CPU_ISA=avx2 Q8_0, IQ4_XS, IQ4_NL, Q2_K, Q3_K and Q5_K have no packed kernel.
             println!("SKIPPED {name} --repack: none of its types has a packed kernel at this instruction-set level");
             continue;
         }
@@ -359,7 +359,14 @@ fn repacked_weights_match_llama_cpp_and_are_invariant() {
         let gguf = GgufModel::open(&f.model, LoadOptions { mmap: false, mlock: false }).unwrap();
         let read = Arc::new(Model::load_with(Arc::new(gguf), true).unwrap());
         let expected = read.packed_sources(&|_| false);
-        assert!(read.repack_need(&|_| false) < expected.packed_bytes || expected.releasable_bytes == 0, "{expected:?}");
+        // (a single tensor packed needs its whole copy before its read bytes can go)
+        let need = read.repack_need(&|_| false);
+        assert!(
+            need < expected.packed_bytes
+                || expected.releasable_bytes == 0
+                || (expected.tensors == 1 && need == expected.packed_bytes),
+            "{expected:?}"
+        );
         let r3 = read.pack_weights(&|_| false, &mut |_, _| {});
         assert_eq!(r3.tensors, n, "{name}");
         assert!(r3.released_tensors > 0 && r3.released_tensors <= n, "{name}: {r3:?}");

@@ -10,6 +10,8 @@
 //! (element `4q + k` of row `r` at byte `64q + 4r + k`), then every block's factors `d[block][16]`
 //! (fp16), then for Q5_1 every block's minimums `m[block][16]` (fp16). Q8_0 keeps its 34 bytes per
 //! row and block; Q5_0 grows from 22 to 34, Q5_1 from 24 to 36.
+//!
+//! Kernels: AVX-512 VNNI for all three; AVX2 for Q5_0 and Q5_1 (`vpmaddubsw` on levels <= 31).
 
 use super::{f16_at, GroupActs, GroupFn, PACK_ROWS};
 use tandem_quant::blocks::{BlockQ8_0, BlockQ8_1};
@@ -112,6 +114,16 @@ pub(super) const SIMD_Q8_0: Option<GroupFn> = Some(x86::group_vnni::<128>);
 pub(super) const SIMD_Q5_0: Option<GroupFn> = Some(x86::group_vnni::<16>);
 #[cfg(target_arch = "x86_64")]
 pub(super) const SIMD_Q5_1: Option<GroupFn> = Some(x86::group_vnni::<Q5_1_OFF>);
+/// The AVX2 kernels of Q5_0 and Q5_1, where this build has them (Q8_0's levels up to 255 would
+/// overflow `vpmaddubsw`'s i16 pair sums).
+#[cfg(target_arch = "x86_64")]
+pub(super) const AVX2_Q5_0: Option<GroupFn> = Some(x86::group_avx2::<16>);
+#[cfg(target_arch = "x86_64")]
+pub(super) const AVX2_Q5_1: Option<GroupFn> = Some(x86::group_avx2::<Q5_1_OFF>);
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const AVX2_Q5_0: Option<GroupFn> = None;
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const AVX2_Q5_1: Option<GroupFn> = None;
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) const SIMD_Q8_0: Option<GroupFn> = None;
 #[cfg(not(target_arch = "x86_64"))]
@@ -171,7 +183,7 @@ pub(super) unsafe fn group_scalar<const OFF: i32>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, prefetch_ahead};
+    use super::super::x86::{bcast, bcast8, prefetch_ahead};
     use super::{sizes, GroupActs, LEVELS, PACK_ROWS, Q5_1_OFF, Q8_1_S};
     use std::arch::x86_64::*;
 
@@ -255,6 +267,94 @@ mod x86 {
         }
         // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
         unsafe { super::super::x86::store(&acc, out, ostride) };
+    }
+
+    /// A [`super::GroupFn`] for AVX2 (`OFF` 16 for Q5_0, [`Q5_1_OFF`] for Q5_1): each half of the
+    /// 16 rows in a ymm register; `vpmaddubsw` takes the 5-bit levels (<= 31, so four of its i16
+    /// pair sums added stay below 2^15) and one `vpmaddwd` by ones per four makes them the exact
+    /// integer sums of the VNNI kernel.
+    ///
+    /// # Safety
+    /// As [`super::GroupFn`] (Q8_0 activations with their block sums; Q8_1 activations for Q5_1),
+    /// and the machine has AVX2.
+    pub(super) unsafe fn group_avx2<const OFF: i32>(
+        nb: usize,
+        w: *const u8,
+        a: GroupActs,
+        ny: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
+        // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
+        unsafe { by_ny_pf!(ny, group2[OFF](nb, w, a, out, ostride)) }
+    }
+
+    /// # Safety
+    /// As [`group_avx2`] with `ny == NY`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
+    unsafe fn group2<const OFF: i32, const PF: u8, const NY: usize>(
+        nb: usize,
+        w: *const u8,
+        a: GroupActs,
+        out: *mut f32,
+        ostride: usize,
+    ) {
+        let (_, ab, qs) = const { sizes(OFF) };
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); 2]; NY];
+        // SAFETY: the factors follow the levels of all `nb` blocks, Q5_1's minimums the factors
+        // (see the layout).
+        let factors = unsafe { w.add(nb * LEVELS) };
+        let mins = factors.wrapping_add(nb * 2 * PACK_ROWS);
+        let half = |p: *const u8| {
+            // SAFETY: the callers pass fp16 values in bounds.
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(unsafe { (p as *const u16).read_unaligned() } as i32)))
+        };
+        for b in 0..nb {
+            // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
+            unsafe {
+                let wb = w.add(b * LEVELS);
+                if NY == 1 {
+                    prefetch_ahead::<PF>(wb, LEVELS);
+                }
+                for hf in 0..2 {
+                    let mut wv = [_mm256_setzero_si256(); 8];
+                    for (q, v) in wv.iter_mut().enumerate() {
+                        *v = _mm256_loadu_si256(wb.add(64 * q + 32 * hf) as *const __m256i);
+                    }
+                    let d =
+                        _mm256_cvtph_ps(_mm_loadu_si128(factors.add(b * 2 * PACK_ROWS + 16 * hf) as *const __m128i));
+                    let m = if OFF == Q5_1_OFF {
+                        _mm256_cvtph_ps(_mm_loadu_si128(mins.add(b * 2 * PACK_ROWS + 16 * hf) as *const __m128i))
+                    } else {
+                        d
+                    };
+                    for t in 0..NY {
+                        let y = a.ys.add(t * a.yb + b * ab);
+                        let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                        for q in 0..4 {
+                            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[q], bcast8(y.add(qs + 4 * q))));
+                            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wv[q + 4], bcast8(y.add(qs + 16 + 4 * q))));
+                        }
+                        let sum = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+                        let isum = if OFF == Q5_1_OFF {
+                            sum
+                        } else {
+                            _mm256_sub_epi32(sum, _mm256_set1_epi32(OFF * *a.sums.add(t * nb + b)))
+                        };
+                        let da = half(y);
+                        acc[t][hf] =
+                            _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(da)), _mm256_cvtepi32_ps(isum), acc[t][hf]);
+                        if OFF == Q5_1_OFF {
+                            acc[t][hf] = _mm256_fmadd_ps(m, _mm256_set1_ps(half(y.add(Q8_1_S))), acc[t][hf]);
+                        }
+                    }
+                }
+            }
+        }
+        // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
+        unsafe { super::super::x86::store_halves(&acc, out, ostride) };
     }
 }
 

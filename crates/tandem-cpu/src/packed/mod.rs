@@ -82,7 +82,7 @@ pub fn packable(ty: GgmlType, rows: usize, cols: usize) -> bool {
 }
 
 /// Whether packing pays on this machine for some type (see [`packing_pays_for`]): every type has
-/// an AVX-512 VNNI kernel, Q4_0, Q4_1 and Q4_K an AVX2 one too.
+/// an AVX-512 VNNI kernel, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0 and Q5_1 an AVX2 one too.
 pub fn packing_pays() -> bool {
     !paying_types().is_empty()
 }
@@ -358,13 +358,13 @@ fn simd_kernels(ty: GgmlType) -> (Option<GroupFn>, Option<GroupFn>) {
         GgmlType::Q3_K => (q3k::SIMD, None),
         GgmlType::Q4_K => (q4k::SIMD, q4k::AVX2),
         GgmlType::Q5_K => (q4k::SIMD_Q5K, None),
-        GgmlType::Q6_K => (q6k::simd(), None),
+        GgmlType::Q6_K => (q6k::simd(), q6k::AVX2),
         GgmlType::IQ4_XS => (iq4xs::SIMD, None),
         GgmlType::Q4_0 => (q40::SIMD, q40::AVX2),
         GgmlType::IQ4_NL => (q40::SIMD_NL, None),
         GgmlType::Q4_1 => (q40::SIMD_Q4_1, q40::AVX2_Q4_1),
-        GgmlType::Q5_0 => (b32::SIMD_Q5_0, None),
-        GgmlType::Q5_1 => (b32::SIMD_Q5_1, None),
+        GgmlType::Q5_0 => (b32::SIMD_Q5_0, b32::AVX2_Q5_0),
+        GgmlType::Q5_1 => (b32::SIMD_Q5_1, b32::AVX2_Q5_1),
         GgmlType::Q8_0 => (b32::SIMD_Q8_0, None),
         _ => (None, None),
     }

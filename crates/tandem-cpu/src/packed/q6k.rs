@@ -108,6 +108,12 @@ pub(super) fn simd() -> Option<GroupFn> {
     None
 }
 
+/// The AVX2 kernel, where this build has one.
+#[cfg(target_arch = "x86_64")]
+pub(super) const AVX2: Option<GroupFn> = Some(x86::group_avx2);
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const AVX2: Option<GroupFn> = None;
+
 /// Both copies of the AVX-512 VNNI kernel, each with whether this machine runs it (besides AVX-512
 /// VNNI), for the tests to check each whatever the machine picks.
 #[cfg(all(test, target_arch = "x86_64"))]
@@ -148,7 +154,7 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, prefetch_part};
+    use super::super::x86::{bcast, bcast8, prefetch_part};
     use super::{GroupActs, D, GROUP_BLOCK, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QH, QL, SC, SUBS};
     use std::arch::x86_64::*;
 
@@ -279,6 +285,104 @@ mod x86 {
         let matrix = ((1u64 << (2 * l + 1)) << 16) | ((1u64 << (2 * l)) << 24);
         // SAFETY: as the caller guarantees.
         unsafe { _mm512_gf2p8affine_epi64_epi8::<0>(h, _mm512_set1_epi64(matrix as i64)) }
+    }
+
+    /// A [`super::GroupFn`] for AVX2: each half of the 16 rows in a ymm register. `vpmaddubsw`
+    /// takes the 6-bit codes (<= 63) against the activations; two of its i16 pair sums added
+    /// stay within i16 (2 x 2 x 63 x 128 = 32256), then one `vpmaddwd` against the (scale,
+    /// scale) pair makes them i32: the exact integer sums of the VNNI kernel.
+    ///
+    /// # Safety
+    /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX2.
+    pub(super) unsafe fn group_avx2(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+        // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
+        unsafe { by_ny_pf!(ny, group2[](nb, w, a, out, ostride)) }
+    }
+
+    /// # Safety
+    /// As [`group_avx2`] with `ny == NY`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
+    unsafe fn group2<const PF: u8, const NY: usize>(
+        nb: usize,
+        w: *const u8,
+        a: GroupActs,
+        out: *mut f32,
+        ostride: usize,
+    ) {
+        let nib = _mm256_set1_epi8(0x0F);
+        let two = _mm256_set1_epi8(0x30);
+        let low16 = _mm256_set1_epi32(0xFFFF);
+        let mut acc = [[_mm256_setzero_ps(); 2]; NY];
+        for b in 0..nb {
+            // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
+            unsafe {
+                let wb = w.add(b * GROUP_BLOCK);
+                let y: [*const u8; NY] = std::array::from_fn(|t| a.ys.add(t * a.yb + b * Q8K_BYTES));
+                for hf in 0..2 {
+                    let mut isum = [_mm256_setzero_si256(); NY];
+                    let mut imin = [_mm256_setzero_si256(); NY];
+                    for j in 0..SUBS {
+                        if NY == 1 {
+                            prefetch_part::<PF>(wb, GROUP_BLOCK, hf * SUBS + j, 2 * SUBS);
+                        }
+                        // (sc[2j], sc[2j + 1]) of this half's 8 rows as an i16 pair per lane; each
+                        // alone as the pair (sc, sc) for `vpmaddwd`.
+                        let pair =
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(wb.add(SC + 32 * j + 16 * hf) as *const __m128i));
+                        let sc0 = _mm256_srai_epi32::<16>(_mm256_slli_epi32::<16>(pair));
+                        let sc1 = _mm256_srai_epi32::<16>(pair);
+                        let scsc0 = _mm256_or_si256(_mm256_and_si256(sc0, low16), _mm256_slli_epi32::<16>(sc0));
+                        let scsc1 = _mm256_or_si256(_mm256_and_si256(sc1, low16), _mm256_slli_epi32::<16>(sc1));
+                        let h0 = _mm256_loadu_si256(wb.add(QH + 128 * j + 32 * hf) as *const __m256i);
+                        let h1 = _mm256_loadu_si256(wb.add(QH + 128 * j + 64 + 32 * hf) as *const __m256i);
+                        // Bits 2l..2l+2 of a high-bit byte moved to bits 4..6.
+                        let high = |h: __m256i, l: usize| -> __m256i {
+                            let s = match l {
+                                0 => _mm256_slli_epi16::<4>(h),
+                                1 => _mm256_slli_epi16::<2>(h),
+                                2 => h,
+                                _ => _mm256_srli_epi16::<2>(h),
+                            };
+                            _mm256_and_si256(s, two)
+                        };
+                        let mut lo = [_mm256_setzero_si256(); 4];
+                        let mut hi = [_mm256_setzero_si256(); 4];
+                        for l in 0..4 {
+                            let raw = _mm256_loadu_si256(wb.add(QL + 256 * j + 64 * l + 32 * hf) as *const __m256i);
+                            lo[l] = _mm256_or_si256(_mm256_and_si256(raw, nib), high(h0, l));
+                            hi[l] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(raw), nib), high(h1, l));
+                        }
+                        for t in 0..NY {
+                            let q = y[t].add(Q8K_QS + 32 * j);
+                            // Loads 0, 1: elements 0..16 (scale sc0); loads 2, 3: 16..32 (sc1).
+                            let mut s = _mm256_setzero_si256();
+                            for l in 0..4 {
+                                let p = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(lo[l], bcast8(q.add(8 * l))),
+                                    _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))),
+                                );
+                                s = _mm256_add_epi32(s, _mm256_madd_epi16(p, if l < 2 { scsc0 } else { scsc1 }));
+                            }
+                            isum[t] = _mm256_add_epi32(isum[t], s);
+                            let bs = _mm256_set1_epi32((y[t].add(Q8K_BSUMS + 4 * j) as *const i32).read_unaligned());
+                            imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(pair, bs));
+                        }
+                    }
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(D + 16 * hf) as *const __m128i));
+                    for t in 0..NY {
+                        let v = _mm256_mul_ps(
+                            _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[t], _mm256_slli_epi32::<5>(imin[t]))),
+                            d,
+                        );
+                        let yd = _mm256_set1_ps((y[t] as *const f32).read_unaligned());
+                        acc[t][hf] = _mm256_fmadd_ps(v, yd, acc[t][hf]);
+                    }
+                }
+            }
+        }
+        // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
+        unsafe { super::super::x86::store_halves(&acc, out, ostride) };
     }
 }
 
