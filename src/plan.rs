@@ -111,6 +111,8 @@ pub fn request(placement: &PlacementArgs, model: &ModelArgs, rt: &RuntimeArgs) -
         ubatch: u32_flag("--ubatch-size", rt.ubatch_size)?.max(1),
         mmap: !model.no_mmap,
         mlock: model.mlock,
+        // the types the CUDA runtime multiplies: the plan keeps the others on the CPU
+        gpu_types: Some(tandem_cuda::MATVEC_TYPES.to_vec()),
     })
 }
 

@@ -45,6 +45,9 @@ pub struct PlanRequest {
     /// `false` with `--no-mmap`.
     pub mmap: bool,
     pub mlock: bool,
+    /// The matrix types the GPU runtime multiplies (its caller knows them: tandem-cuda's
+    /// `MATVEC_TYPES`); matrices of other types stay on the CPU. `None`: no such limit.
+    pub gpu_types: Option<Vec<GgmlType>>,
 }
 
 impl Default for PlanRequest {
@@ -60,6 +63,7 @@ impl Default for PlanRequest {
             ubatch: 512,
             mmap: true,
             mlock: false,
+            gpu_types: None,
         }
     }
 }
@@ -90,8 +94,8 @@ pub fn plan(model: &ModelInfo, req: &PlanRequest) -> Result<Plan> {
     let mut placed = apply_rules(model, req, &rule_devices, &mut warnings);
     // Matrices of a type the CUDA runtime has no kernel for run on the CPU wherever a rule or
     // their layer would put them (the runtime keeps them there), so they take no GPU memory.
-    if !req.gpus.is_empty() {
-        keep_kernelless_on_cpu(model, &mut placed, &mut decisions, &mut warnings);
+    if let (false, Some(types)) = (req.gpus.is_empty(), &req.gpu_types) {
+        keep_kernelless_on_cpu(model, types, &mut placed, &mut decisions, &mut warnings);
     }
 
     // 2. Everything else follows its layer, placed by -ngl or by --fit.
@@ -351,16 +355,12 @@ fn apply_rules(
     placed
 }
 
-/// Whether the CUDA runtime multiplies matrices of type `ty` (`tandem_cuda::MATVEC_TYPES`); it
-/// keeps a matrix of any other type on the CPU wherever the plan puts it.
-fn has_gpu_kernel(ty: GgmlType) -> bool {
-    tandem_cuda::MATVEC_TYPES.contains(&ty)
-}
-
 /// Places on the CPU every matrix (two or more dimensions, as the runtime uploads them) whose type
-/// has no CUDA kernel, including those a rule sent to a GPU, and says so.
+/// is not one of `gpu_types` (the types the GPU runtime multiplies; it keeps a matrix of any other
+/// type on the CPU wherever the plan puts it), including those a rule sent to a GPU, and says so.
 fn keep_kernelless_on_cpu(
     model: &ModelInfo,
+    gpu_types: &[GgmlType],
     placed: &mut [Option<Device>],
     decisions: &mut Vec<String>,
     warnings: &mut Vec<String>,
@@ -369,7 +369,7 @@ fn keep_kernelless_on_cpu(
     let (mut n, mut bytes) = (0usize, 0u64);
     let mut overruled: Vec<&str> = Vec::new();
     for (t, p) in model.tensors.iter().zip(placed.iter_mut()) {
-        if t.dims.len() < 2 || has_gpu_kernel(t.ty) || *p == Some(Device::Cpu) {
+        if t.dims.len() < 2 || gpu_types.contains(&t.ty) || *p == Some(Device::Cpu) {
             continue;
         }
         if p.is_some() {

@@ -203,6 +203,14 @@ fn matrices_without_a_cuda_kernel_stay_on_the_cpu() {
     }
     let shexp: u64 = m.tensors.iter().filter(|t| t.name.contains("_shexp.")).map(|t| t.bytes).sum();
     let moved = shexp + m.tensors.iter().find(|t| t.name == "blk.2.ffn_down_exps.weight").unwrap().bytes;
+    // the caller says which types its GPU runtime multiplies (tandem: tandem-cuda's MATVEC_TYPES)
+    let req = |gpus: &[&str], ot: &[&str], ngl: Option<u32>| PlanRequest {
+        gpu_types: Some({
+            use GgmlType::*;
+            vec![F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS]
+        }),
+        ..req(gpus, ot, ngl)
+    };
     let all = plan(&mla(), &req(&["CUDA0=1GiB"], &[], Some(999))).unwrap();
     let p = plan(&m, &req(&["CUDA0=1GiB"], &[], Some(999))).unwrap();
     assert_eq!(dev(&p, "blk.1.ffn_up_shexp.weight"), CPU);
