@@ -245,8 +245,9 @@ fn repack_says_what_it_packed() {
     assert!(!out.status.success() && se.contains("--no-repack") && se.contains("--run-time-repack"), "{se}");
 }
 
-/// `--repack` at lower instruction-set levels (`TANDEM_CPU_ISA`): with AVX2 only Q4_K (and Q4_0)
-/// have packed kernels, so only the Q4_K matrices of the fixture are repacked; with none, nothing.
+/// `--repack` at lower instruction-set levels (`TANDEM_CPU_ISA`): with AVX2 the fixture's Q6_K,
+/// Q4_K and Q5_0 matrices have packed kernels and its Q8_0 ones none, so those stay; with none,
+/// nothing.
 #[test]
 fn repack_follows_the_instruction_set() {
     let run = |isa: &str| {
@@ -266,7 +267,7 @@ fn repack_follows_the_instruction_set() {
     if tandem_cpu::Isa::Avx2.supported() {
         let (on, line) = run("avx2");
         assert_eq!(on, Value::Bool(true), "{line}");
-        assert!(line.contains("tensors repacked (Q4_K;"), "only Q4_K at avx2: {line}");
+        assert!(line.contains("tensors repacked (Q6_K, Q4_K, Q5_0;"), "Q8_0 has no AVX2 kernel: {line}");
     } else {
         println!("SKIPPED --repack at avx2: this machine has no AVX2");
     }
