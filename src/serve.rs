@@ -166,7 +166,7 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
             let opts = LoadOptions { mmap: !args.no_mmap, mlock: args.mlock };
             (GgufModel::open(path, opts)?, false)
         }
-        None => (tandem_engine::demo::demo_model()?, true),
+        None => (tandem_model::demo::demo_model()?, true),
     };
     let gguf = Arc::new(gguf);
     let name = args.model.as_ref().map_or("the demo model".into(), |p| p.display().to_string());

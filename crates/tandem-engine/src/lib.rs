@@ -1,7 +1,8 @@
-//! Slots, continuous batching, prompt cache and sampling. So far: [`sampling`] (the sampler chain
-//! and stop strings); the rest comes with the serve issue.
+//! The serving engine: slots, continuous batching, the prompt cache, sampling and stop strings
+//! ([`sampling`]), structured output ([`grammar`]), tool-call formats ([`tool_format`]) and the
+//! request / event types the servers use ([`request`]). It sees models through tandem-model and
+//! text through tandem-tokenizer, nothing lower.
 
-pub mod demo;
 pub mod grammar;
 mod handle;
 pub mod request;
@@ -50,6 +51,4 @@ pub enum Error {
     Model(#[from] tandem_model::Error),
     #[error(transparent)]
     Tokenizer(#[from] tandem_tokenizer::Error),
-    #[error(transparent)]
-    Gguf(#[from] tandem_gguf::Error),
 }

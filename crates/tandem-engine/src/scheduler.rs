@@ -338,9 +338,9 @@ impl Scheduler {
             return;
         }
         self.shared.stats.steps.add(1);
-        let faults = tandem_gguf::guard::faults();
+        let faults = tandem_model::guard::faults();
         let decoded = self.ctx.decode(&batch);
-        if tandem_gguf::guard::faults() != faults {
+        if tandem_model::guard::faults() != faults {
             // a model page could not be read (the file was truncated during the batch): its
             // results are zeros' work, thrown away, and the engine stops
             let why = self.shared.model.gguf().check_unchanged().err().unwrap_or_else(|| {

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use tandem_engine::{
     Engine, EngineConfig, Error, Event, Failure, Finish, FinishReason, LengthLimit, Prompt, Request, SamplingParams,
 };
-use tandem_gguf::{GgufModel, LoadOptions};
 use tandem_model::{Context, ContextParams, Exec, Model};
+use tandem_model::{GgufModel, LoadOptions};
 use tandem_tokenizer::Tokenizer;
 
 fn fixture(name: &str) -> PathBuf {

@@ -91,10 +91,10 @@ impl Builder {
     }
 
     fn tensor(&mut self, name: &str, dims: &[usize], ty: GgmlType, values: &[f32], cols: usize) -> Result<()> {
-        let rb = row_size(ty, cols).map_err(tandem_model::Error::from)?;
+        let rb = row_size(ty, cols).map_err(crate::Error::from)?;
         let mut data = vec![0u8; rb * (values.len() / cols)];
         for (src, dst) in values.chunks_exact(cols).zip(data.chunks_exact_mut(rb)) {
-            quantize_row(ty, src, dst).map_err(tandem_model::Error::from)?;
+            quantize_row(ty, src, dst).map_err(crate::Error::from)?;
         }
         let dims: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
         self.w.add_tensor(name, ty, &dims, data)?;
@@ -190,8 +190,8 @@ pub fn demo_model() -> Result<GgufModel> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{Batch, Context, ContextParams, Exec, Model};
     use std::sync::Arc;
-    use tandem_model::{Batch, Context, ContextParams, Exec, Model};
 
     #[test]
     fn demo_model_loads_tokenizes_and_is_deterministic() {

@@ -9,6 +9,7 @@ mod config;
 mod context;
 mod cuda;
 mod deepseek2;
+pub mod demo;
 mod device;
 mod exec;
 mod host;
@@ -22,6 +23,8 @@ pub use config::{Arch, RopeConfig};
 pub use context::{Batch, Context, ContextParams, MlaMode, Model, PackReport, PackedSources};
 pub use exec::{Counts, DevId, Exec, Ledger, Tensor, CPU};
 pub use kv_cache::{CacheType, KvCache};
+/// What the engine and its tests name of the file layer: models open through these.
+pub use tandem_gguf::{guard, GgufModel, LoadOptions};
 pub use weights::{Vector, Weight, WeightLoader};
 
 #[derive(Debug, thiserror::Error)]

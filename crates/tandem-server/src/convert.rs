@@ -27,7 +27,7 @@ pub fn status(e: &EngineError) -> Status {
         EngineError::AlreadyRunning(_) => Status::already_exists(msg),
         EngineError::Unavailable(_) => Status::unavailable(msg),
         EngineError::NoChatTemplate => Status::failed_precondition(msg),
-        EngineError::Model(_) | EngineError::Gguf(_) => Status::internal(msg),
+        EngineError::Model(_) => Status::internal(msg),
     }
 }
 

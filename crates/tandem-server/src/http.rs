@@ -142,7 +142,7 @@ impl From<&EngineError> for ApiError {
             EngineError::QueueFull(_) => ApiError::new(StatusCode::TOO_MANY_REQUESTS, msg),
             EngineError::AlreadyRunning(_) => ApiError::new(StatusCode::CONFLICT, msg),
             EngineError::Unavailable(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, msg),
-            EngineError::Model(_) | EngineError::Gguf(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg),
+            EngineError::Model(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg),
         };
         // llama-server's type for a prompt longer than the context
         if matches!(e, EngineError::InvalidRequest(m) if m.contains("the context holds")) {
