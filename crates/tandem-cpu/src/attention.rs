@@ -530,8 +530,8 @@ fn weighted_values(
     out.fill(0.0);
     #[cfg(target_arch = "x86_64")]
     if level != Level::Scalar && a.dv.is_multiple_of(32) {
-        // SAFETY: the level's instructions are present; `check` bounded every row read below.
         let avx2 = level == Level::Avx2;
+        // SAFETY: the level's instructions are present; `check` bounded every row read below.
         unsafe { x86::weighted_values(v, a.v_type, v_row, kvh * v_head, a.dv, p, n, stride, rows, out, avx2) };
         return;
     }
@@ -734,45 +734,51 @@ pub(crate) mod x86 {
     /// [`exp_sub`] with AVX2: the same bits.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn exp_sub_avx2(x: &mut [f32], max: f32) -> f64 {
-        let mut sum = 0f64;
-        let m = _mm256_set1_ps(max);
-        let mut chunks = x.chunks_exact_mut(16);
-        for c in &mut chunks {
-            let p = c.as_mut_ptr();
-            let lo = expf8(_mm256_sub_ps(_mm256_loadu_ps(p), m));
-            let hi = expf8(_mm256_sub_ps(_mm256_loadu_ps(p.add(8)), m));
-            _mm256_storeu_ps(p, lo);
-            _mm256_storeu_ps(p.add(8), hi);
-            sum += sum16(lo, hi) as f64;
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let mut sum = 0f64;
+            let m = _mm256_set1_ps(max);
+            let mut chunks = x.chunks_exact_mut(16);
+            for c in &mut chunks {
+                let p = c.as_mut_ptr();
+                let lo = expf8(_mm256_sub_ps(_mm256_loadu_ps(p), m));
+                let hi = expf8(_mm256_sub_ps(_mm256_loadu_ps(p.add(8)), m));
+                _mm256_storeu_ps(p, lo);
+                _mm256_storeu_ps(p.add(8), hi);
+                sum += sum16(lo, hi) as f64;
+            }
+            for v in chunks.into_remainder() {
+                *v = (*v - max).exp();
+                sum += *v as f64;
+            }
+            sum
         }
-        for v in chunks.into_remainder() {
-            *v = (*v - max).exp();
-            sum += *v as f64;
-        }
-        sum
     }
 
     /// [`scale_round`] with AVX2 and F16C: the same bits.
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn scale_round_avx2(x: &mut [f32], s: f32, v_type: KvType) {
-        let sv = _mm256_set1_ps(s);
-        let mut chunks = x.chunks_exact_mut(8);
-        for c in &mut chunks {
-            let v = _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), sv);
-            let r = match v_type {
-                KvType::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)),
-                KvType::BF16 => {
-                    let u = _mm256_castps_si256(v);
-                    let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(u), _mm256_set1_epi32(1));
-                    let up = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-                    _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(0xffff_0000u32 as i32)))
-                }
-                KvType::F32 | KvType::Q8_0 => v,
-            };
-            _mm256_storeu_ps(c.as_mut_ptr(), r);
-        }
-        for v in chunks.into_remainder() {
-            *v = super::round_p(*v * s, v_type);
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let sv = _mm256_set1_ps(s);
+            let mut chunks = x.chunks_exact_mut(8);
+            for c in &mut chunks {
+                let v = _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), sv);
+                let r = match v_type {
+                    KvType::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)),
+                    KvType::BF16 => {
+                        let u = _mm256_castps_si256(v);
+                        let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(u), _mm256_set1_epi32(1));
+                        let up = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+                        _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(0xffff_0000u32 as i32)))
+                    }
+                    KvType::F32 | KvType::Q8_0 => v,
+                };
+                _mm256_storeu_ps(c.as_mut_ptr(), r);
+            }
+            for v in chunks.into_remainder() {
+                *v = super::round_p(*v * s, v_type);
+            }
         }
     }
 
@@ -801,44 +807,52 @@ pub(crate) mod x86 {
     /// `x = e^(x - max)` in place; returns the sum, as `ggml_vec_soft_max_f32` (AVX-512).
     #[target_feature(enable = "avx512f,avx512dq")]
     pub(super) unsafe fn exp_sub(x: &mut [f32], max: f32) -> f64 {
-        let mut sum = 0f64;
-        let m = _mm512_set1_ps(max);
-        let mut chunks = x.chunks_exact_mut(16);
-        for c in &mut chunks {
-            let v = expf(_mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), m));
-            _mm512_storeu_ps(c.as_mut_ptr(), v);
-            sum += sum16(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v)) as f64;
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let mut sum = 0f64;
+            let m = _mm512_set1_ps(max);
+            let mut chunks = x.chunks_exact_mut(16);
+            for c in &mut chunks {
+                let v = expf(_mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), m));
+                _mm512_storeu_ps(c.as_mut_ptr(), v);
+                sum += sum16(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v)) as f64;
+            }
+            for v in chunks.into_remainder() {
+                *v = (*v - max).exp();
+                sum += *v as f64;
+            }
+            sum
         }
-        for v in chunks.into_remainder() {
-            *v = (*v - max).exp();
-            sum += *v as f64;
-        }
-        sum
     }
 
     /// `x = x * s` as V's dot type holds it: rounded to nearest even f16 or bf16 (ggml's
     /// conversions), or kept.
     #[target_feature(enable = "avx512f,avx512dq,f16c")]
     pub(super) unsafe fn scale_round(x: &mut [f32], s: f32, v_type: KvType) {
-        let sv = _mm512_set1_ps(s);
-        let mut chunks = x.chunks_exact_mut(16);
-        for c in &mut chunks {
-            let v = _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), sv);
-            let r = match v_type {
-                KvType::F16 => _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v)),
-                KvType::BF16 => {
-                    // ggml_compute_fp32_to_bf16 for the finite values probabilities are.
-                    let u = _mm512_castps_si512(v);
-                    let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(u), _mm512_set1_epi32(1));
-                    let up = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-                    _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(0xffff_0000u32 as i32)))
-                }
-                KvType::F32 | KvType::Q8_0 => v,
-            };
-            _mm512_storeu_ps(c.as_mut_ptr(), r);
-        }
-        for v in chunks.into_remainder() {
-            *v = super::round_p(*v * s, v_type);
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let sv = _mm512_set1_ps(s);
+            let mut chunks = x.chunks_exact_mut(16);
+            for c in &mut chunks {
+                let v = _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), sv);
+                let r = match v_type {
+                    KvType::F16 => {
+                        _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v))
+                    }
+                    KvType::BF16 => {
+                        // ggml_compute_fp32_to_bf16 for the finite values probabilities are.
+                        let u = _mm512_castps_si512(v);
+                        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(u), _mm512_set1_epi32(1));
+                        let up = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+                        _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(0xffff_0000u32 as i32)))
+                    }
+                    KvType::F32 | KvType::Q8_0 => v,
+                };
+                _mm512_storeu_ps(c.as_mut_ptr(), r);
+            }
+            for v in chunks.into_remainder() {
+                *v = super::round_p(*v * s, v_type);
+            }
         }
     }
 
@@ -886,19 +900,22 @@ pub(crate) mod x86 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,f16c")]
     unsafe fn load16<const T: u8>(row: *const u8, d: usize) -> __m512 {
-        match T {
-            F32 => _mm512_loadu_ps(row.add(4 * d) as *const f32),
-            F16 => _mm512_cvtph_ps(_mm256_loadu_si256(row.add(2 * d) as *const __m256i)),
-            BF16 => {
-                let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(row.add(2 * d) as *const __m256i));
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
-            }
-            _ => {
-                let b = row.add(d / 32 * 34);
-                let scale = (b as *const u16).read_unaligned();
-                let d16 = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(scale as i32)));
-                let q = _mm_loadu_si128(b.add(2 + d % 32) as *const __m128i);
-                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d16)
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            match T {
+                F32 => _mm512_loadu_ps(row.add(4 * d) as *const f32),
+                F16 => _mm512_cvtph_ps(_mm256_loadu_si256(row.add(2 * d) as *const __m256i)),
+                BF16 => {
+                    let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(row.add(2 * d) as *const __m256i));
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
+                }
+                _ => {
+                    let b = row.add(d / 32 * 34);
+                    let scale = (b as *const u16).read_unaligned();
+                    let d16 = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(scale as i32)));
+                    let q = _mm_loadu_si128(b.add(2 + d % 32) as *const __m128i);
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d16)
+                }
             }
         }
     }
@@ -981,56 +998,59 @@ pub(crate) mod x86 {
         out: &mut [f32],
         stride: usize,
     ) {
-        let dk = a.dk;
-        let kp = a.k.as_ptr();
-        let row_ptr = |j: usize| unsafe { kp.add(bytes::<T>(j * a.k_row + kvh * dk)) };
-        // A prefetch per 64 bytes of a row (q8_0: per 34-byte block, which touches every line).
-        let pf_every = if T == F32 { 16 } else { 32 };
-        let qb = q.as_ptr();
-        let op = out.as_mut_ptr();
-        let mut j = rows.start;
-        while j < rows.end {
-            let two = j + 1 < rows.end;
-            let (k0, k1) = (row_ptr(j), row_ptr(if two { j + 1 } else { j }));
-            let mut acc0 = [_mm512_setzero_ps(); HB];
-            let mut acc1 = [_mm512_setzero_ps(); HB];
-            // The rows stream from memory: ask for the pair eight rows ahead (the hardware
-            // prefetchers stop at every 4 KiB page).
-            let ahead = (j + 8).min(rows.end - 1);
-            let (p0, p1) = (row_ptr(ahead), row_ptr((ahead + 1).min(rows.end - 1)));
-            let mut d = 0;
-            while d < dk {
-                if d % pf_every == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(p0.add(offset::<T>(d)) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T0>(p1.add(offset::<T>(d)) as *const i8);
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let dk = a.dk;
+            let kp = a.k.as_ptr();
+            let row_ptr = |j: usize| kp.add(bytes::<T>(j * a.k_row + kvh * dk));
+            // A prefetch per 64 bytes of a row (q8_0: per 34-byte block, which touches every line).
+            let pf_every = if T == F32 { 16 } else { 32 };
+            let qb = q.as_ptr();
+            let op = out.as_mut_ptr();
+            let mut j = rows.start;
+            while j < rows.end {
+                let two = j + 1 < rows.end;
+                let (k0, k1) = (row_ptr(j), row_ptr(if two { j + 1 } else { j }));
+                let mut acc0 = [_mm512_setzero_ps(); HB];
+                let mut acc1 = [_mm512_setzero_ps(); HB];
+                // The rows stream from memory: ask for the pair eight rows ahead (the hardware
+                // prefetchers stop at every 4 KiB page).
+                let ahead = (j + 8).min(rows.end - 1);
+                let (p0, p1) = (row_ptr(ahead), row_ptr((ahead + 1).min(rows.end - 1)));
+                let mut d = 0;
+                while d < dk {
+                    if d % pf_every == 0 {
+                        _mm_prefetch::<_MM_HINT_T0>(p0.add(offset::<T>(d)) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(p1.add(offset::<T>(d)) as *const i8);
+                    }
+                    let x0 = load16::<T>(k0, d);
+                    let x1 = load16::<T>(k1, d);
+                    for h in 0..HB {
+                        let qv = _mm512_loadu_ps(qb.add(h * dk + d));
+                        acc0[h] = _mm512_fmadd_ps(x0, qv, acc0[h]);
+                        acc1[h] = _mm512_fmadd_ps(x1, qv, acc1[h]);
+                    }
+                    d += 16;
                 }
-                let x0 = load16::<T>(k0, d);
-                let x1 = load16::<T>(k1, d);
-                for h in 0..HB {
-                    let qv = _mm512_loadu_ps(qb.add(h * dk + d));
-                    acc0[h] = _mm512_fmadd_ps(x0, qv, acc0[h]);
-                    acc1[h] = _mm512_fmadd_ps(x1, qv, acc1[h]);
-                }
-                d += 16;
-            }
-            let at = j - rows.start;
-            if HB == 8 && two {
-                let v: [__m512; 16] = std::array::from_fn(|i| if i < 8 { acc0[i % HB] } else { acc1[i % HB] });
-                let mut sums = [0f32; 16];
-                _mm512_storeu_ps(sums.as_mut_ptr(), _mm512_mul_ps(reduce16(&v), _mm512_set1_ps(a.scale)));
-                for h in 0..8 {
-                    *op.add(h * stride + at) = sums[h];
-                    *op.add(h * stride + at + 1) = sums[8 + h];
-                }
-            } else {
-                for h in 0..HB {
-                    *op.add(h * stride + at) = hsum(acc0[h]) * a.scale;
-                    if two {
-                        *op.add(h * stride + at + 1) = hsum(acc1[h]) * a.scale;
+                let at = j - rows.start;
+                if HB == 8 && two {
+                    let v: [__m512; 16] = std::array::from_fn(|i| if i < 8 { acc0[i % HB] } else { acc1[i % HB] });
+                    let mut sums = [0f32; 16];
+                    _mm512_storeu_ps(sums.as_mut_ptr(), _mm512_mul_ps(reduce16(&v), _mm512_set1_ps(a.scale)));
+                    for h in 0..8 {
+                        *op.add(h * stride + at) = sums[h];
+                        *op.add(h * stride + at + 1) = sums[8 + h];
+                    }
+                } else {
+                    for h in 0..HB {
+                        *op.add(h * stride + at) = hsum(acc0[h]) * a.scale;
+                        if two {
+                            *op.add(h * stride + at + 1) = hsum(acc1[h]) * a.scale;
+                        }
                     }
                 }
+                j += 2;
             }
-            j += 2;
         }
     }
 
@@ -1085,44 +1105,47 @@ pub(crate) mod x86 {
         rows: std::ops::Range<usize>,
         o: &mut [f32],
     ) {
-        let vp = v.as_ptr();
-        let row_ptr = |j: usize| unsafe { vp.add(bytes::<T>(j * v_row + head_off)) };
-        let pp: [*const f32; HB] = std::array::from_fn(|h| p.as_ptr().wrapping_add(h * stride));
-        // Blocks of rows small enough to stay in the first-level cache while every 32 values of
-        // them are added into the output; the next block is fetched meanwhile.
-        const BLOCK: usize = 16;
-        let mut b0 = rows.start;
-        while b0 < rows.end {
-            let b1 = (b0 + BLOCK).min(rows.end);
-            let next = b1.min(rows.end - 1)..(b1 + BLOCK).min(rows.end);
-            let mut d = 0;
-            while d < dv {
-                for j in next.clone() {
-                    _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d)) as *const i8);
-                    if T == F32 {
-                        _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d + 16)) as *const i8);
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let vp = v.as_ptr();
+            let row_ptr = |j: usize| vp.add(bytes::<T>(j * v_row + head_off));
+            let pp: [*const f32; HB] = std::array::from_fn(|h| p.as_ptr().wrapping_add(h * stride));
+            // Blocks of rows small enough to stay in the first-level cache while every 32 values of
+            // them are added into the output; the next block is fetched meanwhile.
+            const BLOCK: usize = 16;
+            let mut b0 = rows.start;
+            while b0 < rows.end {
+                let b1 = (b0 + BLOCK).min(rows.end);
+                let next = b1.min(rows.end - 1)..(b1 + BLOCK).min(rows.end);
+                let mut d = 0;
+                while d < dv {
+                    for j in next.clone() {
+                        _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d)) as *const i8);
+                        if T == F32 {
+                            _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d + 16)) as *const i8);
+                        }
                     }
-                }
-                let mut acc = [[_mm512_setzero_ps(); 2]; HB];
-                for j in b0..b1 {
-                    let i = j - rows.start;
-                    let r = row_ptr(j);
-                    let x0 = load16::<T>(r, d);
-                    let x1 = load16::<T>(r, d + 16);
-                    for h in 0..HB {
-                        let pj = _mm512_set1_ps(*pp[h].add(i));
-                        acc[h][0] = _mm512_fmadd_ps(pj, x0, acc[h][0]);
-                        acc[h][1] = _mm512_fmadd_ps(pj, x1, acc[h][1]);
+                    let mut acc = [[_mm512_setzero_ps(); 2]; HB];
+                    for j in b0..b1 {
+                        let i = j - rows.start;
+                        let r = row_ptr(j);
+                        let x0 = load16::<T>(r, d);
+                        let x1 = load16::<T>(r, d + 16);
+                        for h in 0..HB {
+                            let pj = _mm512_set1_ps(*pp[h].add(i));
+                            acc[h][0] = _mm512_fmadd_ps(pj, x0, acc[h][0]);
+                            acc[h][1] = _mm512_fmadd_ps(pj, x1, acc[h][1]);
+                        }
                     }
+                    for (h, acc) in acc.iter().enumerate() {
+                        let dst = o.as_mut_ptr().add(h * dv + d);
+                        _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), acc[0]));
+                        _mm512_storeu_ps(dst.add(16), _mm512_add_ps(_mm512_loadu_ps(dst.add(16)), acc[1]));
+                    }
+                    d += 32;
                 }
-                for (h, acc) in acc.iter().enumerate() {
-                    let dst = o.as_mut_ptr().add(h * dv + d);
-                    _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), acc[0]));
-                    _mm512_storeu_ps(dst.add(16), _mm512_add_ps(_mm512_loadu_ps(dst.add(16)), acc[1]));
-                }
-                d += 32;
+                b0 = b1;
             }
-            b0 = b1;
         }
     }
 
@@ -1130,19 +1153,22 @@ pub(crate) mod x86 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load8<const T: u8>(row: *const u8, d: usize) -> __m256 {
-        match T {
-            F32 => _mm256_loadu_ps(row.add(4 * d) as *const f32),
-            F16 => _mm256_cvtph_ps(_mm_loadu_si128(row.add(2 * d) as *const __m128i)),
-            BF16 => {
-                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(row.add(2 * d) as *const __m128i));
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
-            }
-            _ => {
-                let b = row.add(d / 32 * 34);
-                let scale = (b as *const u16).read_unaligned();
-                let d16 = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(scale as i32)));
-                let q = _mm_loadl_epi64(b.add(2 + d % 32) as *const __m128i);
-                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d16)
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            match T {
+                F32 => _mm256_loadu_ps(row.add(4 * d) as *const f32),
+                F16 => _mm256_cvtph_ps(_mm_loadu_si128(row.add(2 * d) as *const __m128i)),
+                BF16 => {
+                    let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(row.add(2 * d) as *const __m128i));
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+                }
+                _ => {
+                    let b = row.add(d / 32 * 34);
+                    let scale = (b as *const u16).read_unaligned();
+                    let d16 = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(scale as i32)));
+                    let q = _mm_loadl_epi64(b.add(2 + d % 32) as *const __m128i);
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d16)
+                }
             }
         }
     }
@@ -1170,31 +1196,34 @@ pub(crate) mod x86 {
         out: &mut [f32],
         stride: usize,
     ) {
-        let dk = a.dk;
-        let kp = a.k.as_ptr();
-        let row_ptr = |j: usize| unsafe { kp.add(bytes::<T>(j * a.k_row + kvh * dk)) };
-        let pf_every = if T == F32 { 16 } else { 32 };
-        let qb = q.as_ptr();
-        let op = out.as_mut_ptr();
-        for j in rows.clone() {
-            let k = row_ptr(j);
-            let pf = row_ptr((j + 8).min(rows.end - 1));
-            let mut lo = [_mm256_setzero_ps(); HB];
-            let mut hi = [_mm256_setzero_ps(); HB];
-            let mut d = 0;
-            while d < dk {
-                if d % pf_every == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(pf.add(offset::<T>(d)) as *const i8);
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let dk = a.dk;
+            let kp = a.k.as_ptr();
+            let row_ptr = |j: usize| kp.add(bytes::<T>(j * a.k_row + kvh * dk));
+            let pf_every = if T == F32 { 16 } else { 32 };
+            let qb = q.as_ptr();
+            let op = out.as_mut_ptr();
+            for j in rows.clone() {
+                let k = row_ptr(j);
+                let pf = row_ptr((j + 8).min(rows.end - 1));
+                let mut lo = [_mm256_setzero_ps(); HB];
+                let mut hi = [_mm256_setzero_ps(); HB];
+                let mut d = 0;
+                while d < dk {
+                    if d % pf_every == 0 {
+                        _mm_prefetch::<_MM_HINT_T0>(pf.add(offset::<T>(d)) as *const i8);
+                    }
+                    let (x0, x1) = (load8::<T>(k, d), load8::<T>(k, d + 8));
+                    for h in 0..HB {
+                        lo[h] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(qb.add(h * dk + d)), lo[h]);
+                        hi[h] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(qb.add(h * dk + d + 8)), hi[h]);
+                    }
+                    d += 16;
                 }
-                let (x0, x1) = (load8::<T>(k, d), load8::<T>(k, d + 8));
                 for h in 0..HB {
-                    lo[h] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(qb.add(h * dk + d)), lo[h]);
-                    hi[h] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(qb.add(h * dk + d + 8)), hi[h]);
+                    *op.add(h * stride + j - rows.start) = hsum16(lo[h], hi[h]) * a.scale;
                 }
-                d += 16;
-            }
-            for h in 0..HB {
-                *op.add(h * stride + j - rows.start) = hsum16(lo[h], hi[h]) * a.scale;
             }
         }
     }
@@ -1213,44 +1242,47 @@ pub(crate) mod x86 {
         rows: std::ops::Range<usize>,
         o: &mut [f32],
     ) {
-        let vp = v.as_ptr();
-        let row_ptr = |j: usize| unsafe { vp.add(bytes::<T>(j * v_row + head_off)) };
-        let pp: [*const f32; HB] = std::array::from_fn(|h| p.as_ptr().wrapping_add(h * stride));
-        const BLOCK: usize = 16;
-        let mut b0 = rows.start;
-        while b0 < rows.end {
-            let b1 = (b0 + BLOCK).min(rows.end);
-            let next = b1.min(rows.end - 1)..(b1 + BLOCK).min(rows.end);
-            let mut d = 0;
-            while d < dv {
-                if d % 32 == 0 {
-                    for j in next.clone() {
-                        _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d)) as *const i8);
-                        if T == F32 {
-                            _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d + 16)) as *const i8);
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let vp = v.as_ptr();
+            let row_ptr = |j: usize| vp.add(bytes::<T>(j * v_row + head_off));
+            let pp: [*const f32; HB] = std::array::from_fn(|h| p.as_ptr().wrapping_add(h * stride));
+            const BLOCK: usize = 16;
+            let mut b0 = rows.start;
+            while b0 < rows.end {
+                let b1 = (b0 + BLOCK).min(rows.end);
+                let next = b1.min(rows.end - 1)..(b1 + BLOCK).min(rows.end);
+                let mut d = 0;
+                while d < dv {
+                    if d % 32 == 0 {
+                        for j in next.clone() {
+                            _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d)) as *const i8);
+                            if T == F32 {
+                                _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d + 16)) as *const i8);
+                            }
                         }
                     }
-                }
-                let mut acc = [[_mm256_setzero_ps(); 2]; HB];
-                for j in b0..b1 {
-                    let i = j - rows.start;
-                    let r = row_ptr(j);
-                    let x0 = load8::<T>(r, d);
-                    let x1 = load8::<T>(r, d + 8);
-                    for h in 0..HB {
-                        let pj = _mm256_set1_ps(*pp[h].add(i));
-                        acc[h][0] = _mm256_fmadd_ps(pj, x0, acc[h][0]);
-                        acc[h][1] = _mm256_fmadd_ps(pj, x1, acc[h][1]);
+                    let mut acc = [[_mm256_setzero_ps(); 2]; HB];
+                    for j in b0..b1 {
+                        let i = j - rows.start;
+                        let r = row_ptr(j);
+                        let x0 = load8::<T>(r, d);
+                        let x1 = load8::<T>(r, d + 8);
+                        for h in 0..HB {
+                            let pj = _mm256_set1_ps(*pp[h].add(i));
+                            acc[h][0] = _mm256_fmadd_ps(pj, x0, acc[h][0]);
+                            acc[h][1] = _mm256_fmadd_ps(pj, x1, acc[h][1]);
+                        }
                     }
+                    for (h, acc) in acc.iter().enumerate() {
+                        let dst = o.as_mut_ptr().add(h * dv + d);
+                        _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), acc[0]));
+                        _mm256_storeu_ps(dst.add(8), _mm256_add_ps(_mm256_loadu_ps(dst.add(8)), acc[1]));
+                    }
+                    d += 16;
                 }
-                for (h, acc) in acc.iter().enumerate() {
-                    let dst = o.as_mut_ptr().add(h * dv + d);
-                    _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), acc[0]));
-                    _mm256_storeu_ps(dst.add(8), _mm256_add_ps(_mm256_loadu_ps(dst.add(8)), acc[1]));
-                }
-                d += 16;
+                b0 = b1;
             }
-            b0 = b1;
         }
     }
 }

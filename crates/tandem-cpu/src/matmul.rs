@@ -130,41 +130,44 @@ mod q8k_avx512 {
     /// One block: 256 values into 292 bytes (f32 d, 256 i8, 16 i16 sums of 16).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
     pub(super) unsafe fn block(x: &[f32], y: &mut [u8]) {
-        assert!(x.len() == 256 && y.len() == 292);
-        let p = x.as_ptr();
-        let mut amax = _mm512_setzero_ps();
-        for i in 0..16 {
-            amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(p.add(16 * i))));
-        }
-        let amax = _mm512_reduce_max_ps(amax);
-        if amax == 0.0 {
-            y.fill(0);
-            return;
-        }
-        // The first value whose magnitude is the largest, as the reference's strict `>` keeps it.
-        let target = _mm512_set1_ps(amax);
-        let mut max = 0f32;
-        for i in 0..16 {
-            let m = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(_mm512_loadu_ps(p.add(16 * i))), target);
-            if m != 0 {
-                max = x[16 * i + m.trailing_zeros() as usize];
-                break;
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            assert!(x.len() == 256 && y.len() == 292);
+            let p = x.as_ptr();
+            let mut amax = _mm512_setzero_ps();
+            for i in 0..16 {
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(p.add(16 * i))));
             }
+            let amax = _mm512_reduce_max_ps(amax);
+            if amax == 0.0 {
+                y.fill(0);
+                return;
+            }
+            // The first value whose magnitude is the largest, as the reference's strict `>` keeps it.
+            let target = _mm512_set1_ps(amax);
+            let mut max = 0f32;
+            for i in 0..16 {
+                let m = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(_mm512_loadu_ps(p.add(16 * i))), target);
+                if m != 0 {
+                    max = x[16 * i + m.trailing_zeros() as usize];
+                    break;
+                }
+            }
+            let iscale = -127.0 / max;
+            let sv = _mm512_set1_ps(iscale);
+            let top = _mm512_set1_epi32(127);
+            for i in 0..16 {
+                let v = _mm512_mul_ps(_mm512_loadu_ps(p.add(16 * i)), sv);
+                let q = _mm512_min_epi32(
+                    _mm512_cvtps_epi32(_mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v)),
+                    top,
+                );
+                _mm_storeu_si128(y.as_mut_ptr().add(4 + 16 * i) as *mut __m128i, _mm512_cvtepi32_epi8(q));
+                let sum = _mm512_reduce_add_epi32(q) as i16;
+                y[260 + 2 * i..262 + 2 * i].copy_from_slice(&sum.to_le_bytes());
+            }
+            y[..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
         }
-        let iscale = -127.0 / max;
-        let sv = _mm512_set1_ps(iscale);
-        let top = _mm512_set1_epi32(127);
-        for i in 0..16 {
-            let v = _mm512_mul_ps(_mm512_loadu_ps(p.add(16 * i)), sv);
-            let q = _mm512_min_epi32(
-                _mm512_cvtps_epi32(_mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v)),
-                top,
-            );
-            _mm_storeu_si128(y.as_mut_ptr().add(4 + 16 * i) as *mut __m128i, _mm512_cvtepi32_epi8(q));
-            let sum = _mm512_reduce_add_epi32(q) as i16;
-            y[260 + 2 * i..262 + 2 * i].copy_from_slice(&sum.to_le_bytes());
-        }
-        y[..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
     }
 }
 

@@ -288,48 +288,51 @@ mod x86 {
         max: &mut [f32],
         sum: &mut [f64],
     ) {
-        let tb = n_kv.len();
-        let rows = s.len() / tb;
-        let mut lens = [0i32; 16];
-        for (l, n) in lens.iter_mut().zip(&n_kv[l0..l1]) {
-            *l = (*n).min(rows) as i32;
-        }
-        let lens = _mm512_loadu_si512(lens.as_ptr().cast());
-        let lanes: __mmask16 = ((1u32 << (l1 - l0)) - 1) as u16;
-        let sc = _mm512_set1_ps(scale);
-        let rows_of = |r: usize| _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(r as i32)) & lanes;
-        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
-        for r in 0..rows {
-            let k = rows_of(r);
-            // SAFETY: lanes below l1 of row r.
-            let v = unsafe { _mm512_maskz_loadu_ps(lanes, s.as_ptr().add(r * tb + l0)) };
-            m = _mm512_mask_max_ps(m, k, m, _mm512_mul_ps(v, sc));
-        }
-        let mut part = _mm512_setzero_ps();
-        let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
-        for r in 0..rows {
-            let k = rows_of(r);
-            // SAFETY: lanes below l1 of row r.
-            unsafe {
-                let p = s.as_mut_ptr().add(r * tb + l0);
-                let v = _mm512_maskz_loadu_ps(lanes, p);
-                let e = _mm512_maskz_mov_ps(k, expf(_mm512_sub_ps(_mm512_mul_ps(v, sc), m)));
-                _mm512_mask_storeu_ps(p, lanes, e);
-                part = _mm512_add_ps(part, e);
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let tb = n_kv.len();
+            let rows = s.len() / tb;
+            let mut lens = [0i32; 16];
+            for (l, n) in lens.iter_mut().zip(&n_kv[l0..l1]) {
+                *l = (*n).min(rows) as i32;
             }
-            if (r + 1) % SUM_ROWS == 0 || r + 1 == rows {
-                lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(part)));
-                hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps::<1>(part)));
-                part = _mm512_setzero_ps();
+            let lens = _mm512_loadu_si512(lens.as_ptr().cast());
+            let lanes: __mmask16 = ((1u32 << (l1 - l0)) - 1) as u16;
+            let sc = _mm512_set1_ps(scale);
+            let rows_of = |r: usize| _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(r as i32)) & lanes;
+            let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+            for r in 0..rows {
+                let k = rows_of(r);
+                // SAFETY: lanes below l1 of row r.
+                let v = _mm512_maskz_loadu_ps(lanes, s.as_ptr().add(r * tb + l0));
+                m = _mm512_mask_max_ps(m, k, m, _mm512_mul_ps(v, sc));
             }
-        }
-        let (mut mx, mut sl, mut sh) = ([0f32; 16], [0f64; 8], [0f64; 8]);
-        _mm512_storeu_ps(mx.as_mut_ptr(), m);
-        _mm512_storeu_pd(sl.as_mut_ptr(), lo);
-        _mm512_storeu_pd(sh.as_mut_ptr(), hi);
-        for (i, (mo, so)) in max.iter_mut().zip(sum.iter_mut()).enumerate() {
-            *mo = mx[i];
-            *so = if i < 8 { sl[i] } else { sh[i - 8] };
+            let mut part = _mm512_setzero_ps();
+            let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
+            for r in 0..rows {
+                let k = rows_of(r);
+                // SAFETY: lanes below l1 of row r.
+                {
+                    let p = s.as_mut_ptr().add(r * tb + l0);
+                    let v = _mm512_maskz_loadu_ps(lanes, p);
+                    let e = _mm512_maskz_mov_ps(k, expf(_mm512_sub_ps(_mm512_mul_ps(v, sc), m)));
+                    _mm512_mask_storeu_ps(p, lanes, e);
+                    part = _mm512_add_ps(part, e);
+                }
+                if (r + 1) % SUM_ROWS == 0 || r + 1 == rows {
+                    lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(part)));
+                    hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps::<1>(part)));
+                    part = _mm512_setzero_ps();
+                }
+            }
+            let (mut mx, mut sl, mut sh) = ([0f32; 16], [0f64; 8], [0f64; 8]);
+            _mm512_storeu_ps(mx.as_mut_ptr(), m);
+            _mm512_storeu_pd(sl.as_mut_ptr(), lo);
+            _mm512_storeu_pd(sh.as_mut_ptr(), hi);
+            for (i, (mo, so)) in max.iter_mut().zip(sum.iter_mut()).enumerate() {
+                *mo = mx[i];
+                *so = if i < 8 { sl[i] } else { sh[i - 8] };
+            }
         }
     }
 
@@ -344,50 +347,53 @@ mod x86 {
         max: &mut [f32],
         sum: &mut [f64],
     ) {
-        let tb = n_kv.len();
-        let rows = s.len() / tb;
-        let mut lens = [0i32; 8];
-        for (l, n) in lens.iter_mut().zip(&n_kv[l0..l1]) {
-            *l = (*n).min(rows) as i32;
-        }
-        let lens = _mm256_loadu_si256(lens.as_ptr().cast());
-        let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        let lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((l1 - l0) as i32), idx);
-        let sc = _mm256_set1_ps(scale);
-        let rows_of = |r: usize| _mm256_castsi256_ps(_mm256_cmpgt_epi32(lens, _mm256_set1_epi32(r as i32)));
-        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
-        for r in 0..rows {
-            let k = rows_of(r);
-            // SAFETY: lanes below l1 of row r.
-            let v = unsafe { _mm256_maskload_ps(s.as_ptr().add(r * tb + l0), lanes) };
-            // max(m, x) where the row is attended, as the AVX-512 masked max.
-            m = _mm256_blendv_ps(m, _mm256_max_ps(m, _mm256_mul_ps(v, sc)), k);
-        }
-        let mut part = _mm256_setzero_ps();
-        let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
-        for r in 0..rows {
-            let k = rows_of(r);
-            // SAFETY: lanes below l1 of row r.
-            unsafe {
-                let p = s.as_mut_ptr().add(r * tb + l0);
-                let v = _mm256_maskload_ps(p, lanes);
-                let e = _mm256_and_ps(k, expf8(_mm256_sub_ps(_mm256_mul_ps(v, sc), m)));
-                _mm256_maskstore_ps(p, lanes, e);
-                part = _mm256_add_ps(part, e);
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let tb = n_kv.len();
+            let rows = s.len() / tb;
+            let mut lens = [0i32; 8];
+            for (l, n) in lens.iter_mut().zip(&n_kv[l0..l1]) {
+                *l = (*n).min(rows) as i32;
             }
-            if (r + 1) % SUM_ROWS == 0 || r + 1 == rows {
-                lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(part)));
-                hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(part)));
-                part = _mm256_setzero_ps();
+            let lens = _mm256_loadu_si256(lens.as_ptr().cast());
+            let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((l1 - l0) as i32), idx);
+            let sc = _mm256_set1_ps(scale);
+            let rows_of = |r: usize| _mm256_castsi256_ps(_mm256_cmpgt_epi32(lens, _mm256_set1_epi32(r as i32)));
+            let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+            for r in 0..rows {
+                let k = rows_of(r);
+                // SAFETY: lanes below l1 of row r.
+                let v = _mm256_maskload_ps(s.as_ptr().add(r * tb + l0), lanes);
+                // max(m, x) where the row is attended, as the AVX-512 masked max.
+                m = _mm256_blendv_ps(m, _mm256_max_ps(m, _mm256_mul_ps(v, sc)), k);
             }
-        }
-        let (mut mx, mut sl, mut sh) = ([0f32; 8], [0f64; 4], [0f64; 4]);
-        _mm256_storeu_ps(mx.as_mut_ptr(), m);
-        _mm256_storeu_pd(sl.as_mut_ptr(), lo);
-        _mm256_storeu_pd(sh.as_mut_ptr(), hi);
-        for (i, (mo, so)) in max.iter_mut().zip(sum.iter_mut()).enumerate() {
-            *mo = mx[i];
-            *so = if i < 4 { sl[i] } else { sh[i - 4] };
+            let mut part = _mm256_setzero_ps();
+            let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+            for r in 0..rows {
+                let k = rows_of(r);
+                // SAFETY: lanes below l1 of row r.
+                {
+                    let p = s.as_mut_ptr().add(r * tb + l0);
+                    let v = _mm256_maskload_ps(p, lanes);
+                    let e = _mm256_and_ps(k, expf8(_mm256_sub_ps(_mm256_mul_ps(v, sc), m)));
+                    _mm256_maskstore_ps(p, lanes, e);
+                    part = _mm256_add_ps(part, e);
+                }
+                if (r + 1) % SUM_ROWS == 0 || r + 1 == rows {
+                    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(part)));
+                    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(part)));
+                    part = _mm256_setzero_ps();
+                }
+            }
+            let (mut mx, mut sl, mut sh) = ([0f32; 8], [0f64; 4], [0f64; 4]);
+            _mm256_storeu_ps(mx.as_mut_ptr(), m);
+            _mm256_storeu_pd(sl.as_mut_ptr(), lo);
+            _mm256_storeu_pd(sh.as_mut_ptr(), hi);
+            for (i, (mo, so)) in max.iter_mut().zip(sum.iter_mut()).enumerate() {
+                *mo = mx[i];
+                *so = if i < 4 { sl[i] } else { sh[i - 4] };
+            }
         }
     }
 }

@@ -215,9 +215,10 @@ impl Kernel {
     pub unsafe fn run_unchecked(&self, n: usize, w: &[u8], ys: &[u8], out: &mut [f32]) {
         let ny = out.len();
         match (self.f, self.wide) {
-            // SAFETY (both): the caller checked the lengths; `kernel` only hands out code the
-            // machine supports.
+            // SAFETY: the caller checked the lengths; `kernel` only hands out code the machine
+            // supports.
             (_, Some(wide)) if ny > MAX_NY => unsafe { wide(n, w, ys, ny, out) },
+            // SAFETY: as above.
             (Some(f), _) => unsafe { f(n, w, ys, ny, out) },
             (None, _) => {
                 let yb = ys.len() / ny.max(1);
@@ -328,9 +329,10 @@ impl Kernel {
     #[inline]
     pub unsafe fn run_tile_unchecked(&self, n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
         match (self.tile, self.wide_tile) {
-            // SAFETY (both): the caller checked the lengths; `kernel` only hands out code the
-            // machine supports.
+            // SAFETY: the caller checked the lengths; `kernel` only hands out code the machine
+            // supports.
             (_, Some(f)) if ny > MAX_NY => unsafe { f(n, w, ys, ny, out) },
+            // SAFETY: as above.
             (Some(f), _) if ny <= MAX_NY => unsafe { f(n, w, ys, ny, out) },
             _ => {
                 let nr = out.len() / ny;

@@ -274,8 +274,11 @@ mod x86 {
     /// `p` points at 4 readable bytes.
     #[inline(always)]
     pub(super) unsafe fn bcast(p: *const u8) -> __m512i {
-        // SAFETY: the caller guarantees 4 readable bytes.
-        _mm512_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            // SAFETY: the caller guarantees 4 readable bytes.
+            _mm512_set1_epi32((p as *const i32).read_unaligned())
+        }
     }
 
     /// Prefetch hints for the `len` bytes 4 KiB past `p`, all at once: for the blocks of a few
@@ -316,8 +319,11 @@ mod x86 {
     /// `p` points at 4 readable bytes.
     #[inline(always)]
     pub(super) unsafe fn bcast8(p: *const u8) -> __m256i {
-        // SAFETY: the caller guarantees 4 readable bytes.
-        _mm256_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            // SAFETY: the caller guarantees 4 readable bytes.
+            _mm256_set1_epi32((p as *const i32).read_unaligned())
+        }
     }
 
     /// Each token's 16 results, held as two halves of 8, into `out` (`ostride` floats apart).

@@ -177,8 +177,11 @@ mod x86 {
     /// `p` points at 2 readable bytes.
     #[inline(always)]
     unsafe fn half(p: *const u8) -> f32 {
-        // SAFETY: the caller guarantees 2 readable bytes.
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(unsafe { (p as *const u16).read_unaligned() } as i32)))
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            // SAFETY: the caller guarantees 2 readable bytes.
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)))
+        }
     }
 
     /// A [`super::GroupFn`] for AVX-512 VNNI (Q4_0, with `NL` IQ4_NL, with `MIN` Q4_1).

@@ -241,89 +241,93 @@ mod x86 {
         out: *mut f32,
         ostride: usize,
     ) {
-        let lay = const { layout(HIGH) };
-        let nib = _mm512_set1_epi8(0x0F);
-        let bit4 = _mm512_set1_epi8(0x10);
-        let pairs = _mm512_loadu_si512(PAIRS.as_ptr() as *const __m512i);
-        let low = _mm512_set1_epi32(LOW_HALVES);
-        let mut acc = [_mm512_setzero_ps(); NY];
-        for b in 0..nb {
-            // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
-            unsafe {
-                let wb = w.add(b * lay.size);
-                let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
-                let mut isum = [_mm512_setzero_si512(); NY];
-                for j in 0..SUBS {
-                    if NY == 1 {
-                        prefetch_part::<PF>(wb, lay.size, j, SUBS);
-                    }
-                    // The levels of the group's four loads, low and high nibbles. Q4_K keeps its
-                    // high nibbles in place: 16 times the level, at no shift.
-                    let mut lo = [_mm512_setzero_si512(); 4];
-                    let mut hi = [_mm512_setzero_si512(); 4];
-                    let fifth = if HIGH { _mm512_loadu_si512(wb.add(lay.qh + 64 * j) as *const __m512i) } else { nib };
-                    for l in 0..4 {
-                        let raw = _mm512_loadu_si512(wb.add(256 * j + 64 * l) as *const __m512i);
-                        lo[l] = _mm512_and_si512(raw, nib);
-                        hi[l] = if HIGH {
-                            // level | (bit 2l (+1) of `fifth`, moved to bit 4 of its byte)
-                            lo[l] = _mm512_ternarylogic_epi32::<0xF8>(lo[l], to_bit4(fifth, 2 * l), bit4);
-                            let h = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
-                            _mm512_ternarylogic_epi32::<0xF8>(h, to_bit4(fifth, 2 * l + 1), bit4)
-                        } else {
-                            _mm512_andnot_si512(nib, raw)
-                        };
-                    }
-                    let scales = wb.add(lay.sc + 16 * j);
-                    let (sc, scsc) = match HIGH {
-                        true => (_mm512_cvtepu8_epi32(_mm_loadu_si128(scales as *const __m128i)), nib),
-                        false => (nib, pairs_of(scales, pairs)),
-                    };
-                    for t in 0..NY {
-                        let q = y[t].add(Q8K_QS + 32 * j);
-                        let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                        for l in 0..4 {
-                            s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
-                            s1 = _mm512_dpbusd_epi32(s1, hi[l], bcast(q.add(8 * l + 4)));
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let lay = const { layout(HIGH) };
+            let nib = _mm512_set1_epi8(0x0F);
+            let bit4 = _mm512_set1_epi8(0x10);
+            let pairs = _mm512_loadu_si512(PAIRS.as_ptr() as *const __m512i);
+            let low = _mm512_set1_epi32(LOW_HALVES);
+            let mut acc = [_mm512_setzero_ps(); NY];
+            for b in 0..nb {
+                // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
+                {
+                    let wb = w.add(b * lay.size);
+                    let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
+                    let mut isum = [_mm512_setzero_si512(); NY];
+                    for j in 0..SUBS {
+                        if NY == 1 {
+                            prefetch_part::<PF>(wb, lay.size, j, SUBS);
                         }
-                        isum[t] = if HIGH {
-                            // Levels up to 31: the sums of 16 need not fit an i16.
-                            _mm512_add_epi32(isum[t], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc))
-                        } else {
-                            // s0 and s1 / 16 are sums of 16 products of a level <= 15 and an i8:
-                            // |.| <= 30720, exact as i16. As the pair (s0, s1 / 16) per lane,
-                            // `vpdpwssd` against (sc, sc) adds sc * (s0 + s1 / 16) exactly. s1
-                            // is a multiple of 16, so s1 << 12 is s1 / 16 in the high half.
-                            let both = _mm512_ternarylogic_epi32::<0xD8>(_mm512_slli_epi32::<12>(s1), s0, low);
-                            _mm512_dpwssd_epi32(isum[t], both, scsc)
+                        // The levels of the group's four loads, low and high nibbles. Q4_K keeps its
+                        // high nibbles in place: 16 times the level, at no shift.
+                        let mut lo = [_mm512_setzero_si512(); 4];
+                        let mut hi = [_mm512_setzero_si512(); 4];
+                        let fifth =
+                            if HIGH { _mm512_loadu_si512(wb.add(lay.qh + 64 * j) as *const __m512i) } else { nib };
+                        for l in 0..4 {
+                            let raw = _mm512_loadu_si512(wb.add(256 * j + 64 * l) as *const __m512i);
+                            lo[l] = _mm512_and_si512(raw, nib);
+                            hi[l] = if HIGH {
+                                // level | (bit 2l (+1) of `fifth`, moved to bit 4 of its byte)
+                                lo[l] = _mm512_ternarylogic_epi32::<0xF8>(lo[l], to_bit4(fifth, 2 * l), bit4);
+                                let h = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
+                                _mm512_ternarylogic_epi32::<0xF8>(h, to_bit4(fifth, 2 * l + 1), bit4)
+                            } else {
+                                _mm512_andnot_si512(nib, raw)
+                            };
+                        }
+                        let scales = wb.add(lay.sc + 16 * j);
+                        let (sc, scsc) = match HIGH {
+                            true => (_mm512_cvtepu8_epi32(_mm_loadu_si128(scales as *const __m128i)), nib),
+                            false => (nib, pairs_of(scales, pairs)),
                         };
+                        for t in 0..NY {
+                            let q = y[t].add(Q8K_QS + 32 * j);
+                            let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                            for l in 0..4 {
+                                s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
+                                s1 = _mm512_dpbusd_epi32(s1, hi[l], bcast(q.add(8 * l + 4)));
+                            }
+                            isum[t] = if HIGH {
+                                // Levels up to 31: the sums of 16 need not fit an i16.
+                                _mm512_add_epi32(isum[t], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc))
+                            } else {
+                                // s0 and s1 / 16 are sums of 16 products of a level <= 15 and an i8:
+                                // |.| <= 30720, exact as i16. As the pair (s0, s1 / 16) per lane,
+                                // `vpdpwssd` against (sc, sc) adds sc * (s0 + s1 / 16) exactly. s1
+                                // is a multiple of 16, so s1 << 12 is s1 / 16 in the high half.
+                                let both = _mm512_ternarylogic_epi32::<0xD8>(_mm512_slli_epi32::<12>(s1), s0, low);
+                                _mm512_dpwssd_epi32(isum[t], both, scsc)
+                            };
+                        }
                     }
-                }
-                // The mins, once per block: (m_2k, m_2k+1) per row against the pair of the two
-                // groups' activation sums.
-                let sums: [[i32; 4]; NY] = std::array::from_fn(|t| group_sum_pairs(y[t]));
-                let mut imin = [_mm512_setzero_si512(); NY];
-                for k in 0..SUBS / 2 {
-                    let mm = _mm512_cvtepu8_epi16(_mm256_loadu_si256(wb.add(lay.mn + 32 * k) as *const __m256i));
+                    // The mins, once per block: (m_2k, m_2k+1) per row against the pair of the two
+                    // groups' activation sums.
+                    let sums: [[i32; 4]; NY] = std::array::from_fn(|t| group_sum_pairs(y[t]));
+                    let mut imin = [_mm512_setzero_si512(); NY];
+                    for k in 0..SUBS / 2 {
+                        let mm = _mm512_cvtepu8_epi16(_mm256_loadu_si256(wb.add(lay.mn + 32 * k) as *const __m256i));
+                        for t in 0..NY {
+                            imin[t] = _mm512_dpwssd_epi32(imin[t], mm, _mm512_set1_epi32(sums[t][k]));
+                        }
+                    }
+                    let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(lay.d) as *const __m256i));
+                    let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(lay.dmin) as *const __m256i));
                     for t in 0..NY {
-                        imin[t] = _mm512_dpwssd_epi32(imin[t], mm, _mm512_set1_epi32(sums[t][k]));
+                        let v = _mm512_fnmadd_ps(
+                            _mm512_cvtepi32_ps(imin[t]),
+                            dmin,
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), d),
+                        );
+                        let yd = _mm512_set1_ps((y[t] as *const f32).read_unaligned());
+                        acc[t] = _mm512_fmadd_ps(v, yd, acc[t]);
                     }
-                }
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(lay.d) as *const __m256i));
-                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(lay.dmin) as *const __m256i));
-                for t in 0..NY {
-                    let v = _mm512_fnmadd_ps(
-                        _mm512_cvtepi32_ps(imin[t]),
-                        dmin,
-                        _mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), d),
-                    );
-                    let yd = _mm512_set1_ps((y[t] as *const f32).read_unaligned());
-                    acc[t] = _mm512_fmadd_ps(v, yd, acc[t]);
                 }
             }
+            // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
+            super::super::x86::store(&acc, out, ostride);
         }
-        // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
-        unsafe { super::super::x86::store(&acc, out, ostride) };
     }
 
     /// A [`super::GroupFn`] for Q4_K on AVX2: each half of the 16 rows in a ymm register;

@@ -255,8 +255,10 @@ unsafe fn ld<T>(p: *const T) -> __m512i {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
 fn lookup<const N: usize>(table: &A64<[u16; N]>, idx: __m512i) -> __m512i {
     let t = table.0.as_ptr();
-    // SAFETY (every load): N is a multiple of 64, each pair of zmm is 64 entries of the table.
-    let pair = |k: usize| unsafe { _mm512_permutex2var_epi16(ld(t.add(64 * k)), idx, ld(t.add(64 * k + 32))) };
+    let pair = |k: usize| {
+        // SAFETY: N is a multiple of 64, each pair of zmm is 64 entries of the table (every load).
+        unsafe { _mm512_permutex2var_epi16(ld(t.add(64 * k)), idx, ld(t.add(64 * k + 32))) }
+    };
     let mut r = pair(0);
     let hi = _mm512_srli_epi16(idx, 6);
     for k in 1..N / 64 {

@@ -85,8 +85,11 @@ unsafe fn rd_u32(p: *const u8) -> u32 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16_pair(p: *const u8) -> (f32, f32) {
-    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(rd_u32(p) as i32));
-    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(rd_u32(p) as i32));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+    }
 }
 
 /// One fp16 value as f32.
@@ -128,17 +131,20 @@ fn pairs(v: __m128i) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn k4_scales(p: *const u8) -> (__m256i, __m256i) {
-    const KMASK1: u32 = 0x3f3f_3f3f;
-    const KMASK2: u32 = 0x0f0f_0f0f;
-    const KMASK3: u32 = 0x0303_0303;
-    let (u0, u1, u2) = (rd_u32(p), rd_u32(p.add(4)), rd_u32(p.add(8)));
-    let s0 = u0 & KMASK1;
-    let s1 = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
-    let m0 = u1 & KMASK1;
-    let m1 = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
-    let s = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, s1 as i32, s0 as i32));
-    let m = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, m1 as i32, m0 as i32));
-    (pairs(s), pairs(m))
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        const KMASK1: u32 = 0x3f3f_3f3f;
+        const KMASK2: u32 = 0x0f0f_0f0f;
+        const KMASK3: u32 = 0x0303_0303;
+        let (u0, u1, u2) = (rd_u32(p), rd_u32(p.add(4)), rd_u32(p.add(8)));
+        let s0 = u0 & KMASK1;
+        let s1 = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
+        let m0 = u1 & KMASK1;
+        let m1 = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
+        let s = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, s1 as i32, s0 as i32));
+        let m = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, m1 as i32, m0 as i32));
+        (pairs(s), pairs(m))
+    }
 }
 
 pub(crate) struct Q2K;
@@ -154,31 +160,37 @@ impl KQuant for Q4K {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> Unpacked {
-        let (d, dmin) = f16_pair(p.add(offset_of!(BlockQ4K, d)));
-        let (sc, m) = k4_scales(p.add(offset_of!(BlockQ4K, scales)));
-        let low = _mm256_set1_epi8(0x0F);
-        let mut w = [_mm256_setzero_si256(); 8];
-        for j in 0..4 {
-            let q = ld(p.add(offset_of!(BlockQ4K, qs) + 32 * j));
-            w[2 * j] = _mm256_and_si256(q, low);
-            w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let (d, dmin) = f16_pair(p.add(offset_of!(BlockQ4K, d)));
+            let (sc, m) = k4_scales(p.add(offset_of!(BlockQ4K, scales)));
+            let low = _mm256_set1_epi8(0x0F);
+            let mut w = [_mm256_setzero_si256(); 8];
+            for j in 0..4 {
+                let q = ld(p.add(offset_of!(BlockQ4K, qs) + 32 * j));
+                w[2 * j] = _mm256_and_si256(q, low);
+                w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+            }
+            Unpacked { w, f: Factors { sc, m, d, dmin } }
         }
-        Unpacked { w, f: Factors { sc, m, d, dmin } }
     }
 
     /// Each 32-byte chunk broadcast to both halves of a zmm: low nibbles below, high nibbles above.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
     unsafe fn unpack512(p: *const u8) -> ([__m512i; 4], Factors) {
-        let (d, dmin) = f16_pair(p.add(offset_of!(BlockQ4K, d)));
-        let (sc, m) = k4_scales(p.add(offset_of!(BlockQ4K, scales)));
-        let shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
-        let low = _mm512_set1_epi8(0x0F);
-        let w = std::array::from_fn(|k| {
-            let q = _mm512_broadcast_i64x4(ld(p.add(offset_of!(BlockQ4K, qs) + 32 * k)));
-            _mm512_and_si512(_mm512_srlv_epi64(q, shift), low)
-        });
-        (w, Factors { sc, m, d, dmin })
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let (d, dmin) = f16_pair(p.add(offset_of!(BlockQ4K, d)));
+            let (sc, m) = k4_scales(p.add(offset_of!(BlockQ4K, scales)));
+            let shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+            let low = _mm512_set1_epi8(0x0F);
+            let w = std::array::from_fn(|k| {
+                let q = _mm512_broadcast_i64x4(ld(p.add(offset_of!(BlockQ4K, qs) + 32 * k)));
+                _mm512_and_si512(_mm512_srlv_epi64(q, shift), low)
+            });
+            (w, Factors { sc, m, d, dmin })
+        }
     }
 }
 
@@ -189,19 +201,22 @@ impl KQuant for Q5K {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> Unpacked {
-        let (d, dmin) = f16_pair(p.add(offset_of!(BlockQ5K, d)));
-        let (sc, m) = k4_scales(p.add(offset_of!(BlockQ5K, scales)));
-        let hb = ld(p.add(offset_of!(BlockQ5K, qh)));
-        let low = _mm256_set1_epi8(0x0F);
-        let mut w = [_mm256_setzero_si256(); 8];
-        for j in 0..4 {
-            let q = ld(p.add(offset_of!(BlockQ5K, qs) + 32 * j));
-            let lo = _mm256_and_si256(q, low);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-            w[2 * j] = _mm256_or_si256(lo, bit_to(hb, 2 * j as u32, 4));
-            w[2 * j + 1] = _mm256_or_si256(hi, bit_to(hb, 2 * j as u32 + 1, 4));
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let (d, dmin) = f16_pair(p.add(offset_of!(BlockQ5K, d)));
+            let (sc, m) = k4_scales(p.add(offset_of!(BlockQ5K, scales)));
+            let hb = ld(p.add(offset_of!(BlockQ5K, qh)));
+            let low = _mm256_set1_epi8(0x0F);
+            let mut w = [_mm256_setzero_si256(); 8];
+            for j in 0..4 {
+                let q = ld(p.add(offset_of!(BlockQ5K, qs) + 32 * j));
+                let lo = _mm256_and_si256(q, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                w[2 * j] = _mm256_or_si256(lo, bit_to(hb, 2 * j as u32, 4));
+                w[2 * j + 1] = _mm256_or_si256(hi, bit_to(hb, 2 * j as u32 + 1, 4));
+            }
+            Unpacked { w, f: Factors { sc, m, d, dmin } }
         }
-        Unpacked { w, f: Factors { sc, m, d, dmin } }
     }
 }
 
@@ -212,25 +227,27 @@ impl KQuant for Q6K {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> Unpacked {
-        let d = f16_one(p.add(offset_of!(BlockQ6K, d)));
-        // SAFETY: the 16 scale bytes.
-        let sc =
-            _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(p.add(offset_of!(BlockQ6K, scales)) as *const __m128i) });
-        let m = _mm256_slli_epi16(sc, 5);
-        let (low, two) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
-        let mut w = [_mm256_setzero_si256(); 8];
-        for n in 0..2 {
-            let ql0 = ld(p.add(offset_of!(BlockQ6K, ql) + 64 * n));
-            let ql1 = ld(p.add(offset_of!(BlockQ6K, ql) + 64 * n + 32));
-            let qh = ld(p.add(offset_of!(BlockQ6K, qh) + 32 * n));
-            let h = |v: __m256i| _mm256_and_si256(v, two);
-            w[4 * n] = _mm256_or_si256(_mm256_and_si256(ql0, low), h(_mm256_slli_epi16(qh, 4)));
-            w[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(ql1, low), h(_mm256_slli_epi16(qh, 2)));
-            w[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), h(qh));
-            w[4 * n + 3] =
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), h(_mm256_srli_epi16(qh, 2)));
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let d = f16_one(p.add(offset_of!(BlockQ6K, d)));
+            // SAFETY: the 16 scale bytes.
+            let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(offset_of!(BlockQ6K, scales)) as *const __m128i));
+            let m = _mm256_slli_epi16(sc, 5);
+            let (low, two) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+            let mut w = [_mm256_setzero_si256(); 8];
+            for n in 0..2 {
+                let ql0 = ld(p.add(offset_of!(BlockQ6K, ql) + 64 * n));
+                let ql1 = ld(p.add(offset_of!(BlockQ6K, ql) + 64 * n + 32));
+                let qh = ld(p.add(offset_of!(BlockQ6K, qh) + 32 * n));
+                let h = |v: __m256i| _mm256_and_si256(v, two);
+                w[4 * n] = _mm256_or_si256(_mm256_and_si256(ql0, low), h(_mm256_slli_epi16(qh, 4)));
+                w[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(ql1, low), h(_mm256_slli_epi16(qh, 2)));
+                w[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), h(qh));
+                w[4 * n + 3] =
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), h(_mm256_srli_epi16(qh, 2)));
+            }
+            Unpacked { w, f: Factors { sc, m, d, dmin: d } }
         }
-        Unpacked { w, f: Factors { sc, m, d, dmin: d } }
     }
 }
 
@@ -241,30 +258,33 @@ impl KQuant for Q3K {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> Unpacked {
-        const KMASK1: u32 = 0x0303_0303;
-        const KMASK2: u32 = 0x0f0f_0f0f;
-        let d = f16_one(p.add(offset_of!(BlockQ3K, d)));
-        let sp = p.add(offset_of!(BlockQ3K, scales));
-        let (a0, a1, a2) = (rd_u32(sp), rd_u32(sp.add(4)), rd_u32(sp.add(8)));
-        let s = _mm_set_epi32(
-            (((a1 >> 4) & KMASK2) | (((a2 >> 6) & KMASK1) << 4)) as i32,
-            (((a0 >> 4) & KMASK2) | (((a2 >> 4) & KMASK1) << 4)) as i32,
-            ((a1 & KMASK2) | (((a2 >> 2) & KMASK1) << 4)) as i32,
-            ((a0 & KMASK2) | ((a2 & KMASK1) << 4)) as i32,
-        );
-        let sc = _mm256_cvtepi8_epi16(_mm_sub_epi8(s, _mm_set1_epi8(32)));
-        let m = _mm256_slli_epi16(sc, 2);
-        let hm = ld(p.add(offset_of!(BlockQ3K, hmask)));
-        let three = _mm256_set1_epi8(3);
-        let mut w = [_mm256_setzero_si256(); 8];
-        for c in 0..2 {
-            let q = ld(p.add(offset_of!(BlockQ3K, qs) + 32 * c));
-            for k in 0..4 {
-                let lo = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * k as i32)), three);
-                w[4 * c + k] = _mm256_or_si256(lo, bit_to(hm, (4 * c + k) as u32, 2));
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            const KMASK1: u32 = 0x0303_0303;
+            const KMASK2: u32 = 0x0f0f_0f0f;
+            let d = f16_one(p.add(offset_of!(BlockQ3K, d)));
+            let sp = p.add(offset_of!(BlockQ3K, scales));
+            let (a0, a1, a2) = (rd_u32(sp), rd_u32(sp.add(4)), rd_u32(sp.add(8)));
+            let s = _mm_set_epi32(
+                (((a1 >> 4) & KMASK2) | (((a2 >> 6) & KMASK1) << 4)) as i32,
+                (((a0 >> 4) & KMASK2) | (((a2 >> 4) & KMASK1) << 4)) as i32,
+                ((a1 & KMASK2) | (((a2 >> 2) & KMASK1) << 4)) as i32,
+                ((a0 & KMASK2) | ((a2 & KMASK1) << 4)) as i32,
+            );
+            let sc = _mm256_cvtepi8_epi16(_mm_sub_epi8(s, _mm_set1_epi8(32)));
+            let m = _mm256_slli_epi16(sc, 2);
+            let hm = ld(p.add(offset_of!(BlockQ3K, hmask)));
+            let three = _mm256_set1_epi8(3);
+            let mut w = [_mm256_setzero_si256(); 8];
+            for c in 0..2 {
+                let q = ld(p.add(offset_of!(BlockQ3K, qs) + 32 * c));
+                for k in 0..4 {
+                    let lo = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * k as i32)), three);
+                    w[4 * c + k] = _mm256_or_si256(lo, bit_to(hm, (4 * c + k) as u32, 2));
+                }
             }
+            Unpacked { w, f: Factors { sc, m, d, dmin: d } }
         }
-        Unpacked { w, f: Factors { sc, m, d, dmin: d } }
     }
 }
 
@@ -275,21 +295,24 @@ impl KQuant for Q2K {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> Unpacked {
-        let (d, dmin) = f16_pair(p.add(offset_of!(BlockQ2K, d)));
-        // SAFETY: the 16 scale bytes.
-        let s = unsafe { _mm_loadu_si128(p.add(offset_of!(BlockQ2K, scales)) as *const __m128i) };
-        let low = _mm_set1_epi8(0x0F);
-        let sc = _mm256_cvtepu8_epi16(_mm_and_si128(s, low));
-        let m = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), low));
-        let three = _mm256_set1_epi8(3);
-        let mut w = [_mm256_setzero_si256(); 8];
-        for c in 0..2 {
-            let q = ld(p.add(offset_of!(BlockQ2K, qs) + 32 * c));
-            for k in 0..4 {
-                w[4 * c + k] = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * k as i32)), three);
+        // SAFETY: the caller upholds this function's `# Safety` contract.
+        unsafe {
+            let (d, dmin) = f16_pair(p.add(offset_of!(BlockQ2K, d)));
+            // SAFETY: the 16 scale bytes.
+            let s = _mm_loadu_si128(p.add(offset_of!(BlockQ2K, scales)) as *const __m128i);
+            let low = _mm_set1_epi8(0x0F);
+            let sc = _mm256_cvtepu8_epi16(_mm_and_si128(s, low));
+            let m = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), low));
+            let three = _mm256_set1_epi8(3);
+            let mut w = [_mm256_setzero_si256(); 8];
+            for c in 0..2 {
+                let q = ld(p.add(offset_of!(BlockQ2K, qs) + 32 * c));
+                for k in 0..4 {
+                    w[4 * c + k] = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * k as i32)), three);
+                }
             }
+            Unpacked { w, f: Factors { sc, m, d, dmin } }
         }
-        Unpacked { w, f: Factors { sc, m, d, dmin } }
     }
 }
 
