@@ -82,7 +82,7 @@ pub fn packable(ty: GgmlType, rows: usize, cols: usize) -> bool {
 }
 
 /// Whether packing pays on this machine for some type (see [`packing_pays_for`]): every type has
-/// an AVX-512 VNNI kernel, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0 and Q5_1 an AVX2 one too.
+/// an AVX-512 VNNI kernel, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0 and Q5_1 an AVX2 one too.
 pub fn packing_pays() -> bool {
     !paying_types().is_empty()
 }
@@ -360,8 +360,8 @@ mod x86 {
 /// this machine runs (see `q6k::simd`).
 fn simd_kernels(ty: GgmlType) -> (Option<GroupFn>, Option<GroupFn>) {
     match ty {
-        GgmlType::Q2_K => (q2k::SIMD, None),
-        GgmlType::Q3_K => (q3k::SIMD, None),
+        GgmlType::Q2_K => (q2k::SIMD, q2k::AVX2),
+        GgmlType::Q3_K => (q3k::SIMD, q3k::AVX2),
         GgmlType::Q4_K => (q4k::SIMD, q4k::AVX2),
         GgmlType::Q5_K => (q4k::SIMD_Q5K, None),
         GgmlType::Q6_K => (q6k::simd(), q6k::AVX2),

@@ -51,6 +51,11 @@ fn level(blk: &[u8], s: usize, r: usize, e: usize) -> i32 {
     ((blk[QS + 64 * s + 4 * r + e % 4] >> (2 * (e / 4))) & 3) as i32
 }
 
+/// The AVX2 kernel, where this build has one.
+#[cfg(target_arch = "x86_64")]
+pub(super) const AVX2: Option<GroupFn> = Some(x86::group_avx2);
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const AVX2: Option<GroupFn> = None;
 /// The AVX-512 VNNI kernel, where this build has one.
 #[cfg(target_arch = "x86_64")]
 pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni);
@@ -80,7 +85,7 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, prefetch_part};
+    use super::super::x86::{bcast, bcast8, prefetch_part};
     use super::{GroupActs, D, DMIN, GROUP_BLOCK, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QS, SM, SUBS};
     use std::arch::x86_64::*;
 
@@ -169,6 +174,97 @@ mod x86 {
         }
         // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
         unsafe { super::super::x86::store(&acc, out, ostride) };
+    }
+
+    /// A [`super::GroupFn`] for AVX2: each half of the 16 rows in a ymm register; `vpmaddubsw` on
+    /// the 2-bit levels (four of its i16 pair sums added stay far below 2^15) and one `vpmaddwd`
+    /// against the (scale, scale) pair per group give the VNNI kernel's exact integer sums.
+    ///
+    /// # Safety
+    /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX2.
+    pub(super) unsafe fn group_avx2(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+        let (ys, yb) = (a.ys, a.yb);
+        // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
+        unsafe { by_ny_pf!(ny, group2[](nb, w, ys, yb, out, ostride)) }
+    }
+
+    /// # Safety
+    /// As [`group_avx2`] with `ny == NY`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
+    unsafe fn group2<const PF: u8, const NY: usize>(
+        nb: usize,
+        w: *const u8,
+        ys: *const u8,
+        yb: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
+        let three = _mm256_set1_epi8(3);
+        let low4 = _mm256_set1_epi32(0x0F);
+        let mut acc = [[_mm256_setzero_ps(); 2]; NY];
+        for b in 0..nb {
+            // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
+            unsafe {
+                let wb = w.add(b * GROUP_BLOCK);
+                let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
+                for hf in 0..2 {
+                    let mut isum = [_mm256_setzero_si256(); NY];
+                    let mut imin = [_mm256_setzero_si256(); NY];
+                    for i in 0..SUBS / 2 {
+                        if NY == 1 {
+                            prefetch_part::<PF>(wb, GROUP_BLOCK, hf * SUBS / 2 + i, SUBS);
+                        }
+                        let mut scsc = [_mm256_setzero_si256(); 2];
+                        let mut m = [_mm256_setzero_si256(); 2];
+                        let mut planes = [[_mm256_setzero_si256(); 4]; 2];
+                        for h in 0..2 {
+                            let s = 2 * i + h;
+                            let sm =
+                                _mm256_cvtepu8_epi32(_mm_loadl_epi64(wb.add(SM + 16 * s + 8 * hf) as *const __m128i));
+                            let sc = _mm256_and_si256(sm, low4);
+                            // (sc, sc) as an i16 pair per lane
+                            scsc[h] = _mm256_or_si256(sc, _mm256_slli_epi32::<16>(sc));
+                            m[h] = _mm256_srli_epi32::<4>(sm);
+                            let raw = _mm256_loadu_si256(wb.add(QS + 64 * s + 32 * hf) as *const __m256i);
+                            planes[h] = [
+                                _mm256_and_si256(raw, three),
+                                _mm256_and_si256(_mm256_srli_epi16::<2>(raw), three),
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(raw), three),
+                                _mm256_and_si256(_mm256_srli_epi16::<6>(raw), three),
+                            ];
+                        }
+                        // (m of group 2i, m of group 2i + 1) as an i16 pair per lane.
+                        let mm = _mm256_or_si256(m[0], _mm256_slli_epi32::<16>(m[1]));
+                        for t in 0..NY {
+                            for h in 0..2 {
+                                let q = y[t].add(Q8K_QS + 16 * (2 * i + h));
+                                let mut s = _mm256_maddubs_epi16(planes[h][0], bcast8(q));
+                                for k in 1..4 {
+                                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(planes[h][k], bcast8(q.add(4 * k))));
+                                }
+                                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, scsc[h]));
+                            }
+                            let bs = _mm256_set1_epi32((y[t].add(Q8K_BSUMS + 4 * i) as *const i32).read_unaligned());
+                            imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(mm, bs));
+                        }
+                    }
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(D + 16 * hf) as *const __m128i));
+                    let dmin = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(DMIN + 16 * hf) as *const __m128i));
+                    for t in 0..NY {
+                        let v = _mm256_fnmadd_ps(
+                            _mm256_cvtepi32_ps(imin[t]),
+                            dmin,
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(isum[t]), d),
+                        );
+                        let yd = _mm256_set1_ps((y[t] as *const f32).read_unaligned());
+                        acc[t][hf] = _mm256_fmadd_ps(v, yd, acc[t][hf]);
+                    }
+                }
+            }
+        }
+        // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
+        unsafe { super::super::x86::store_halves(&acc, out, ostride) };
     }
 }
 
