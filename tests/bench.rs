@@ -245,7 +245,7 @@ fn repack_says_what_it_packed() {
     assert!(!out.status.success() && se.contains("--no-repack") && se.contains("--run-time-repack"), "{se}");
 }
 
-/// `--repack` at lower instruction-set levels (`TANDEM_CPU_ISA`): with AVX2 the fixture's Q6_K,
+/// `--repack` at lower instruction-set levels (`TANDEM_CPU_ISA`): with AVX2 the fixture's Q6_K, Q5_K,
 /// Q4_K and Q5_0 matrices have packed kernels and its Q8_0 ones none, so those stay; with none,
 /// nothing.
 #[test]
@@ -267,7 +267,7 @@ fn repack_follows_the_instruction_set() {
     if tandem_cpu::Isa::Avx2.supported() {
         let (on, line) = run("avx2");
         assert_eq!(on, Value::Bool(true), "{line}");
-        assert!(line.contains("tensors repacked (Q6_K, Q4_K, Q5_0;"), "Q8_0 has no AVX2 kernel: {line}");
+        assert!(line.contains("tensors repacked (Q6_K, Q4_K, Q5_0, Q5_K;"), "Q8_0 has no AVX2 kernel: {line}");
     } else {
         println!("SKIPPED --repack at avx2: this machine has no AVX2");
     }

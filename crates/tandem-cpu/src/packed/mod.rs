@@ -82,7 +82,8 @@ pub fn packable(ty: GgmlType, rows: usize, cols: usize) -> bool {
 }
 
 /// Whether packing pays on this machine for some type (see [`packing_pays_for`]): every type has
-/// an AVX-512 VNNI kernel, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0 and Q5_1 an AVX2 one too.
+/// an AVX-512 VNNI kernel, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 an AVX2 one
+/// too.
 pub fn packing_pays() -> bool {
     !paying_types().is_empty()
 }
@@ -363,7 +364,7 @@ fn simd_kernels(ty: GgmlType) -> (Option<GroupFn>, Option<GroupFn>) {
         GgmlType::Q2_K => (q2k::SIMD, q2k::AVX2),
         GgmlType::Q3_K => (q3k::SIMD, q3k::AVX2),
         GgmlType::Q4_K => (q4k::SIMD, q4k::AVX2),
-        GgmlType::Q5_K => (q4k::SIMD_Q5K, None),
+        GgmlType::Q5_K => (q4k::SIMD_Q5K, q4k::AVX2_Q5K),
         GgmlType::Q6_K => (q6k::simd(), q6k::AVX2),
         GgmlType::IQ4_XS => (iq4xs::SIMD, None),
         GgmlType::Q4_0 => (q40::SIMD, q40::AVX2),

@@ -133,7 +133,12 @@ pub(super) const SIMD: Option<GroupFn> = None;
 pub(super) const SIMD_Q5K: Option<GroupFn> = None;
 /// The AVX2 kernel of Q4_K, where this build has one.
 #[cfg(target_arch = "x86_64")]
-pub(super) const AVX2: Option<GroupFn> = Some(x86::group_avx2);
+pub(super) const AVX2: Option<GroupFn> = Some(x86::group_avx2::<false>);
+/// The AVX2 kernel of Q5_K, where this build has one.
+#[cfg(target_arch = "x86_64")]
+pub(super) const AVX2_Q5K: Option<GroupFn> = Some(x86::group_avx2::<true>);
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) const AVX2_Q5K: Option<GroupFn> = None;
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) const AVX2: Option<GroupFn> = None;
 
@@ -330,24 +335,31 @@ mod x86 {
         }
     }
 
-    /// A [`super::GroupFn`] for Q4_K on AVX2: each half of the 16 rows in a ymm register;
-    /// `vpmaddubsw` (levels <= 15, so the i16 pair sums of the eight of a group stay below 2^15)
-    /// and one `vpmaddwd` against the group's scale per group give the exact integer sums of the
-    /// VNNI kernel.
+    /// A [`super::GroupFn`] for Q4_K (or with `HIGH` Q5_K) on AVX2: each half of the 16 rows in
+    /// a ymm register; `vpmaddubsw` (Q4_K's levels <= 15, so the i16 pair sums of the eight of a
+    /// group stay below 2^15; Q5_K's <= 31, so four at a time) and `vpmaddwd` against the group's
+    /// scale give the exact integer sums of the VNNI kernel.
     ///
     /// # Safety
     /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    pub(super) unsafe fn group_avx2(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+    pub(super) unsafe fn group_avx2<const HIGH: bool>(
+        nb: usize,
+        w: *const u8,
+        a: GroupActs,
+        ny: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
         let (ys, yb) = (a.ys, a.yb);
         // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
-        unsafe { by_ny_pf!(ny, group2[](nb, w, ys, yb, out, ostride)) }
+        unsafe { by_ny_pf!(ny, group2[HIGH](nb, w, ys, yb, out, ostride)) }
     }
 
     /// # Safety
     /// As [`group_avx2`] with `ny == NY`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group2<const PF: u8, const NY: usize>(
+    unsafe fn group2<const HIGH: bool, const PF: u8, const NY: usize>(
         nb: usize,
         w: *const u8,
         ys: *const u8,
@@ -355,8 +367,9 @@ mod x86 {
         out: *mut f32,
         ostride: usize,
     ) {
-        let lay = const { layout(false) };
+        let lay = const { layout(HIGH) };
         let nib = _mm256_set1_epi8(0x0F);
+        let bit4 = _mm256_set1_epi8(0x10);
         let mut acc = [[_mm256_setzero_ps(); 2]; NY];
         for b in 0..nb {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
@@ -377,19 +390,40 @@ mod x86 {
                         let scsc = _mm256_or_si256(sc, _mm256_slli_epi32::<16>(sc));
                         let mut lo = [_mm256_setzero_si256(); 4];
                         let mut hi = [_mm256_setzero_si256(); 4];
+                        let fifth = if HIGH {
+                            _mm256_loadu_si256(wb.add(lay.qh + 64 * j + 32 * hf) as *const __m256i)
+                        } else {
+                            nib
+                        };
                         for l in 0..4 {
                             let raw = _mm256_loadu_si256(wb.add(256 * j + 64 * l + 32 * hf) as *const __m256i);
                             lo[l] = _mm256_and_si256(raw, nib);
                             hi[l] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), nib);
+                            if HIGH {
+                                // level | (bit 2l (+1) of `fifth`, moved to bit 4 of its byte)
+                                lo[l] = _mm256_or_si256(lo[l], _mm256_and_si256(to_bit4_256(fifth, 2 * l), bit4));
+                                hi[l] = _mm256_or_si256(hi[l], _mm256_and_si256(to_bit4_256(fifth, 2 * l + 1), bit4));
+                            }
                         }
                         for t in 0..NY {
                             let q = y[t].add(Q8K_QS + 32 * j);
-                            let mut s = _mm256_setzero_si256();
-                            for l in 0..4 {
-                                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[l], bcast8(q.add(8 * l))));
-                                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))));
+                            if HIGH {
+                                // levels up to 31: four pair sums per i16 at most
+                                let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                                for l in 0..4 {
+                                    s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(lo[l], bcast8(q.add(8 * l))));
+                                    s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))));
+                                }
+                                let s = _mm256_add_epi32(_mm256_madd_epi16(s0, scsc), _mm256_madd_epi16(s1, scsc));
+                                isum[t] = _mm256_add_epi32(isum[t], s);
+                            } else {
+                                let mut s = _mm256_setzero_si256();
+                                for l in 0..4 {
+                                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[l], bcast8(q.add(8 * l))));
+                                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))));
+                                }
+                                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, scsc));
                             }
-                            isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, scsc));
                         }
                     }
                     // The mins of this half's 8 rows, once per block (see `group`).
@@ -417,6 +451,24 @@ mod x86 {
         }
         // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
         unsafe { super::super::x86::store_halves(&acc, out, ostride) };
+    }
+
+    /// [`to_bit4`] on a ymm register.
+    #[inline(always)]
+    unsafe fn to_bit4_256(v: __m256i, p: usize) -> __m256i {
+        // SAFETY: only called from functions enabling AVX2.
+        unsafe {
+            match p {
+                0 => _mm256_slli_epi16::<4>(v),
+                1 => _mm256_slli_epi16::<3>(v),
+                2 => _mm256_slli_epi16::<2>(v),
+                3 => _mm256_slli_epi16::<1>(v),
+                4 => v,
+                5 => _mm256_srli_epi16::<1>(v),
+                6 => _mm256_srli_epi16::<2>(v),
+                _ => _mm256_srli_epi16::<3>(v),
+            }
+        }
     }
 
     /// `v` shifted so that bit `p` of every byte lands on bit 4 of that byte (other bits are
