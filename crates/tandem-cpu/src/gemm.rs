@@ -4,7 +4,7 @@
 //! or 16 (AVX2) columns, `b` read in panels of [`KC`] rows so a panel stays in L2 while every
 //! row tile of `a` passes over it.
 
-use crate::attention::Level;
+use crate::vmath::Level;
 
 /// Rows of `b` per panel (the chain of each element goes on across panels through `c`).
 const KC: usize = 256;

@@ -1,9 +1,31 @@
-//! CPU kernels of tandem: quantized matrix multiplication with activations quantized to the type
-//! ggml pairs with each weight type, and the element-wise ops of a transformer layer, as ggml's CPU
-//! backend computes them (ggml/src/ggml-cpu/ops.cpp). Parallel over output rows with rayon.
+//! CPU backend of tandem: quantized matrix multiplication with activations quantized to the type
+//! ggml pairs with each weight type, attention over a KV cache, and the element-wise ops of a
+//! transformer layer, as ggml's CPU backend computes them (ggml/src/ggml-cpu/ops.cpp), with
+//! SIMD kernels selected at run time (AVX2 and AVX-512 levels, capped by `TANDEM_CPU_ISA`) and
+//! checked against the scalar reference code.
 //!
-//! These kernels are the scalar reference path; the performance issue adds run-time-selected SIMD
-//! kernels that are tested against them.
+//! Modules, from the top down:
+//!
+//! * `backend`: [`CpuBackend`], the operations of a forward pass over host slices and weights in
+//!   place from the memory map (or their packed copies): what tandem-model's host device calls.
+//! * `pool`: [`Threads`], the thread pools for single-token steps and for batches.
+//! * `jobs`: several matrix products of one step ([`MatJob`], [`FfnJob`]) cut into row blocks and
+//!   run in one parallel step.
+//! * `matmul`: quantized `y = W x` ([`matmul()`], [`WeightRef`]), activations quantized first
+//!   ([`quantize_activations`]).
+//! * [`kernels`]: the dot-product kernels of every weight type, scalar and SIMD, picked at run
+//!   time ([`kernel`], [`Isa`]).
+//! * [`packed`]: `--repack`, weights rearranged at load for the 16-rows-per-register kernels.
+//! * `prefetch`: the software prefetch hint the single-token kernels use ([`Prefetch`]).
+//! * `attention`: one token's attention over a cache of f32, f16, bf16 or q8_0 rows
+//!   ([`attention()`], [`Attn`], [`KvType`]), by chunks past [`FLASH_MIN`] rows.
+//! * `mla`: multi-head latent attention in the decompressed form for a prefill ([`mla_prefill`]),
+//!   on the f32 matrix products of `gemm`.
+//! * `gemm`: f32 matrix products with the same bits at every SIMD level.
+//! * `vmath`: f32 vector math shared by the above: the SIMD level of the f32 kernels, ggml's vector
+//!   exp, the softmax's pieces, SwiGLU.
+//! * `ops`: the element-wise ops ([`rmsnorm`], [`rope`], [`silu_mul`], [`softmax_in_place`],
+//!   [`add_assign`]).
 
 /// Calls `$f::<G.., NY>(args)` for `by_ny!(ny, f[G..](args))` with the run-time `ny` (1..=8,
 /// checked by the callers) as the constant `NY`, so per-token accumulators live in registers; the
@@ -59,6 +81,18 @@ mod ops;
 pub mod packed;
 mod pool;
 mod prefetch;
+mod vmath;
+
+/// Values in [-1, 1) from an xorshift generator seeded with `seed`, shared by the unit tests.
+#[cfg(test)]
+pub(crate) fn uniform(mut seed: u64) -> impl FnMut() -> f32 {
+    move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
 
 /// Deterministic test data in [-1, 1) (xorshift), shared by the unit tests.
 #[cfg(test)]

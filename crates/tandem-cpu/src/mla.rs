@@ -10,8 +10,9 @@
 //! copy of the latent), and the softmax runs down the columns of the scores, 16 (or 8) tokens per
 //! vector, with ggml's vector exp.
 
-use crate::attention::{KvType, Level};
+use crate::attention::KvType;
 use crate::gemm::{gemm, Dims};
+use crate::vmath::Level;
 use rayon::prelude::*;
 
 /// Tokens per block of scores.
@@ -248,7 +249,7 @@ fn softmax_columns(s: &mut [f32], n_kv: &[usize], scale: f32, level: Level) -> V
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::SUM_ROWS;
-    use crate::attention::x86::{expf, expf8};
+    use crate::vmath::x86::{expf, expf8};
     use std::arch::x86_64::*;
 
     /// [`super::softmax_columns`] 16 tokens (AVX-512) or 8 (AVX2) at a time.

@@ -39,13 +39,13 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     if crate::Isa::detected() >= crate::Isa::Avx512 {
         // SAFETY: AVX-512 is present.
-        unsafe { crate::attention::x86::swiglu(gate, up) };
+        unsafe { crate::vmath::x86::swiglu(gate, up) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if crate::Isa::detected() >= crate::Isa::Avx2 {
         // SAFETY: AVX2 and FMA are present.
-        unsafe { crate::attention::x86::swiglu_avx2(gate, up) };
+        unsafe { crate::vmath::x86::swiglu_avx2(gate, up) };
         return;
     }
     for (g, u) in gate.iter_mut().zip(up) {

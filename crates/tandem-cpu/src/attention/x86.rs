@@ -1,0 +1,493 @@
+//! The AVX-512 and AVX2 kernels of attention: the scores and weighted values of up to eight heads
+//! at a time, every cached row converted to f32 on the fly (q8_0 as `d * q`), and the scaling and
+//! rounding of the probabilities. The AVX2 kernels keep the AVX-512 kernels' lanes and orders of
+//! addition: the same bits.
+
+use super::{Attn, KvType};
+use std::arch::x86_64::*;
+
+/// `x = x * s` as V's dot type holds it: rounded to nearest even f16 or bf16 (ggml's
+/// conversions), or kept.
+#[target_feature(enable = "avx512f,avx512dq,f16c")]
+pub(super) unsafe fn scale_round(x: &mut [f32], s: f32, v_type: KvType) {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let sv = _mm512_set1_ps(s);
+        let mut chunks = x.chunks_exact_mut(16);
+        for c in &mut chunks {
+            let v = _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), sv);
+            let r = match v_type {
+                KvType::F16 => _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v)),
+                KvType::BF16 => {
+                    // ggml_compute_fp32_to_bf16 for the finite values probabilities are.
+                    let u = _mm512_castps_si512(v);
+                    let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(u), _mm512_set1_epi32(1));
+                    let up = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+                    _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(0xffff_0000u32 as i32)))
+                }
+                KvType::F32 | KvType::Q8_0 => v,
+            };
+            _mm512_storeu_ps(c.as_mut_ptr(), r);
+        }
+        for v in chunks.into_remainder() {
+            *v = super::heads::round_p(*v * s, v_type);
+        }
+    }
+}
+
+/// [`scale_round`] with AVX2 and F16C: the same bits.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn scale_round_avx2(x: &mut [f32], s: f32, v_type: KvType) {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let sv = _mm256_set1_ps(s);
+        let mut chunks = x.chunks_exact_mut(8);
+        for c in &mut chunks {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), sv);
+            let r = match v_type {
+                KvType::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)),
+                KvType::BF16 => {
+                    let u = _mm256_castps_si256(v);
+                    let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(u), _mm256_set1_epi32(1));
+                    let up = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+                    _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(0xffff_0000u32 as i32)))
+                }
+                KvType::F32 | KvType::Q8_0 => v,
+            };
+            _mm256_storeu_ps(c.as_mut_ptr(), r);
+        }
+        for v in chunks.into_remainder() {
+            *v = super::heads::round_p(*v * s, v_type);
+        }
+    }
+}
+
+/// Row formats as constants, for kernels compiled once per format.
+const F32: u8 = 0;
+const F16: u8 = 1;
+const BF16: u8 = 2;
+const Q8_0: u8 = 3;
+
+/// Calls `$f::<T, HB>(...)` with the row format `$t` as the constant `T` and the head count
+/// `$hb` (1..=8) as the constant `HB`.
+macro_rules! by_kv {
+    ($t:expr, $hb:expr, $f:ident($($a:expr),*)) => {
+        match $t {
+            KvType::F32 => by_ny!($hb, $f[F32]($($a),*)),
+            KvType::F16 => by_ny!($hb, $f[F16]($($a),*)),
+            KvType::BF16 => by_ny!($hb, $f[BF16]($($a),*)),
+            KvType::Q8_0 => by_ny!($hb, $f[Q8_0]($($a),*)),
+        }
+    };
+}
+
+/// Bytes of `n` values of format `T` (`n` a whole number of blocks).
+#[inline(always)]
+fn bytes<const T: u8>(n: usize) -> usize {
+    match T {
+        F32 => 4 * n,
+        F16 | BF16 => 2 * n,
+        _ => n / 32 * 34,
+    }
+}
+
+/// Where value `d` of a row of format `T` lies (for prefetching).
+#[inline(always)]
+fn offset<const T: u8>(d: usize) -> usize {
+    match T {
+        F32 => 4 * d,
+        F16 | BF16 => 2 * d,
+        _ => d / 32 * 34 + 2 + d % 32,
+    }
+}
+
+/// Values `d..d + 16` of a row of format `T` as f32 (`d` a multiple of 16): exact
+/// conversions, q8_0 as `d * q`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn load16<const T: u8>(row: *const u8, d: usize) -> __m512 {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        match T {
+            F32 => _mm512_loadu_ps(row.add(4 * d) as *const f32),
+            F16 => _mm512_cvtph_ps(_mm256_loadu_si256(row.add(2 * d) as *const __m256i)),
+            BF16 => {
+                let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(row.add(2 * d) as *const __m256i));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
+            }
+            _ => {
+                let b = row.add(d / 32 * 34);
+                let scale = (b as *const u16).read_unaligned();
+                let d16 = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(scale as i32)));
+                let q = _mm_loadu_si128(b.add(2 + d % 32) as *const __m128i);
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d16)
+            }
+        }
+    }
+}
+
+/// Sums of sixteen vectors: lane `i` of the result is the sum of the lanes of `v[i]`
+/// (15 pairwise steps, each two permutes and an add, instead of sixteen full reductions).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn reduce16(v: &[__m512; 16]) -> __m512 {
+    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    // Lanes 2i and 2i+1 of every step's inputs always belong to the same original vector, so
+    // adding the even lanes to the odd ones halves each vector's partial sums while keeping
+    // them together, in order.
+    let pair =
+        |a: __m512, b: __m512| _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+    let l1: [__m512; 8] = std::array::from_fn(|i| pair(v[2 * i], v[2 * i + 1]));
+    let l2: [__m512; 4] = std::array::from_fn(|i| pair(l1[2 * i], l1[2 * i + 1]));
+    let l3: [__m512; 2] = std::array::from_fn(|i| pair(l2[2 * i], l2[2 * i + 1]));
+    pair(l3[0], l3[1])
+}
+
+/// The sum of one vector's lanes added in the same order as [`reduce16`] adds them, so that a
+/// score has the same bits whichever way its heads and rows were blocked.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn hsum(v: __m512) -> f32 {
+    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    let mut x = v;
+    for _ in 0..4 {
+        x = _mm512_add_ps(_mm512_permutexvar_ps(even, x), _mm512_permutexvar_ps(odd, x));
+    }
+    _mm512_cvtss_f32(x)
+}
+
+/// Scores of `g` heads (q rows of `a.dk`) against K head `kvh` of each row: with AVX-512 two
+/// rows at a time against up to eight heads, with AVX2 (`avx2`) one row against up to four,
+/// every K chunk converted once for all of them.
+///
+/// # Safety
+/// The machine has AVX-512 (AVX2, FMA and F16C with `avx2`); the rows are in bounds.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn scores(
+    a: &Attn,
+    kvh: usize,
+    q: &[f32],
+    g: usize,
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+    stride: usize,
+    avx2: bool,
+) {
+    let mut h0 = 0;
+    while h0 < g {
+        let hb = (g - h0).min(if avx2 { 4 } else { 8 });
+        let (q, o) = (&q[h0 * a.dk..], &mut out[h0 * stride..]);
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            if avx2 {
+                by_kv!(a.k_type, hb, scores_heads_avx2(a, kvh, q, rows.clone(), o, stride));
+            } else {
+                by_kv!(a.k_type, hb, scores_heads(a, kvh, q, rows.clone(), o, stride));
+            }
+        }
+        h0 += hb;
+    }
+}
+
+/// [`scores`] for `HB` heads and rows of format `T`: the accumulators stay in registers (a
+/// loop bound known at compile time), and with eight heads the sixteen sums of two rows are
+/// reduced together.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
+unsafe fn scores_heads<const T: u8, const HB: usize>(
+    a: &Attn,
+    kvh: usize,
+    q: &[f32],
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+    stride: usize,
+) {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let dk = a.dk;
+        let kp = a.k.as_ptr();
+        let row_ptr = |j: usize| kp.add(bytes::<T>(j * a.k_row + kvh * dk));
+        // A prefetch per 64 bytes of a row (q8_0: per 34-byte block, which touches every line).
+        let pf_every = if T == F32 { 16 } else { 32 };
+        let qb = q.as_ptr();
+        let op = out.as_mut_ptr();
+        let mut j = rows.start;
+        while j < rows.end {
+            let two = j + 1 < rows.end;
+            let (k0, k1) = (row_ptr(j), row_ptr(if two { j + 1 } else { j }));
+            let mut acc0 = [_mm512_setzero_ps(); HB];
+            let mut acc1 = [_mm512_setzero_ps(); HB];
+            // The rows stream from memory: ask for the pair eight rows ahead (the hardware
+            // prefetchers stop at every 4 KiB page).
+            let ahead = (j + 8).min(rows.end - 1);
+            let (p0, p1) = (row_ptr(ahead), row_ptr((ahead + 1).min(rows.end - 1)));
+            let mut d = 0;
+            while d < dk {
+                if d % pf_every == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(p0.add(offset::<T>(d)) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(p1.add(offset::<T>(d)) as *const i8);
+                }
+                let x0 = load16::<T>(k0, d);
+                let x1 = load16::<T>(k1, d);
+                for h in 0..HB {
+                    let qv = _mm512_loadu_ps(qb.add(h * dk + d));
+                    acc0[h] = _mm512_fmadd_ps(x0, qv, acc0[h]);
+                    acc1[h] = _mm512_fmadd_ps(x1, qv, acc1[h]);
+                }
+                d += 16;
+            }
+            let at = j - rows.start;
+            if HB == 8 && two {
+                let v: [__m512; 16] = std::array::from_fn(|i| if i < 8 { acc0[i % HB] } else { acc1[i % HB] });
+                let mut sums = [0f32; 16];
+                _mm512_storeu_ps(sums.as_mut_ptr(), _mm512_mul_ps(reduce16(&v), _mm512_set1_ps(a.scale)));
+                for h in 0..8 {
+                    *op.add(h * stride + at) = sums[h];
+                    *op.add(h * stride + at + 1) = sums[8 + h];
+                }
+            } else {
+                for h in 0..HB {
+                    *op.add(h * stride + at) = hsum(acc0[h]) * a.scale;
+                    if two {
+                        *op.add(h * stride + at + 1) = hsum(acc1[h]) * a.scale;
+                    }
+                }
+            }
+            j += 2;
+        }
+    }
+}
+
+/// `o[h] += sum_j p[h][j] v_j` for `g` heads, 32 values of V at a time against up to eight
+/// heads with AVX-512, 16 against up to four with AVX2 (`avx2`), every V chunk converted once
+/// for all of them.
+///
+/// # Safety
+/// The machine has AVX-512 (AVX2, FMA and F16C with `avx2`); the rows are in bounds.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn weighted_values(
+    v: &[u8],
+    ty: KvType,
+    v_row: usize,
+    head_off: usize,
+    dv: usize,
+    p: &[f32],
+    g: usize,
+    stride: usize,
+    rows: std::ops::Range<usize>,
+    o: &mut [f32],
+    avx2: bool,
+) {
+    let mut h0 = 0;
+    while h0 < g {
+        let hb = (g - h0).min(if avx2 { 4 } else { 8 });
+        let (p, o) = (&p[h0 * stride..], &mut o[h0 * dv..]);
+        let r = rows.clone();
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            if avx2 {
+                by_kv!(ty, hb, values_heads_avx2(v, v_row, head_off, dv, p, stride, r, o));
+            } else {
+                by_kv!(ty, hb, values_heads(v, v_row, head_off, dv, p, stride, r, o));
+            }
+        }
+        h0 += hb;
+    }
+}
+
+/// [`weighted_values`] for `HB` heads and rows of format `T`, accumulators in registers.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
+unsafe fn values_heads<const T: u8, const HB: usize>(
+    v: &[u8],
+    v_row: usize,
+    head_off: usize,
+    dv: usize,
+    p: &[f32],
+    stride: usize,
+    rows: std::ops::Range<usize>,
+    o: &mut [f32],
+) {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let vp = v.as_ptr();
+        let row_ptr = |j: usize| vp.add(bytes::<T>(j * v_row + head_off));
+        let pp: [*const f32; HB] = std::array::from_fn(|h| p.as_ptr().wrapping_add(h * stride));
+        // Blocks of rows small enough to stay in the first-level cache while every 32 values of
+        // them are added into the output; the next block is fetched meanwhile.
+        const BLOCK: usize = 16;
+        let mut b0 = rows.start;
+        while b0 < rows.end {
+            let b1 = (b0 + BLOCK).min(rows.end);
+            let next = b1.min(rows.end - 1)..(b1 + BLOCK).min(rows.end);
+            let mut d = 0;
+            while d < dv {
+                for j in next.clone() {
+                    _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d)) as *const i8);
+                    if T == F32 {
+                        _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d + 16)) as *const i8);
+                    }
+                }
+                let mut acc = [[_mm512_setzero_ps(); 2]; HB];
+                for j in b0..b1 {
+                    let i = j - rows.start;
+                    let r = row_ptr(j);
+                    let x0 = load16::<T>(r, d);
+                    let x1 = load16::<T>(r, d + 16);
+                    for h in 0..HB {
+                        let pj = _mm512_set1_ps(*pp[h].add(i));
+                        acc[h][0] = _mm512_fmadd_ps(pj, x0, acc[h][0]);
+                        acc[h][1] = _mm512_fmadd_ps(pj, x1, acc[h][1]);
+                    }
+                }
+                for (h, acc) in acc.iter().enumerate() {
+                    let dst = o.as_mut_ptr().add(h * dv + d);
+                    _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), acc[0]));
+                    _mm512_storeu_ps(dst.add(16), _mm512_add_ps(_mm512_loadu_ps(dst.add(16)), acc[1]));
+                }
+                d += 32;
+            }
+            b0 = b1;
+        }
+    }
+}
+
+/// Values `d..d + 8` of a row of format `T` as f32 (`d` a multiple of 8), as [`load16`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load8<const T: u8>(row: *const u8, d: usize) -> __m256 {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        match T {
+            F32 => _mm256_loadu_ps(row.add(4 * d) as *const f32),
+            F16 => _mm256_cvtph_ps(_mm_loadu_si128(row.add(2 * d) as *const __m128i)),
+            BF16 => {
+                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(row.add(2 * d) as *const __m128i));
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+            }
+            _ => {
+                let b = row.add(d / 32 * 34);
+                let scale = (b as *const u16).read_unaligned();
+                let d16 = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(scale as i32)));
+                let q = _mm_loadl_epi64(b.add(2 + d % 32) as *const __m128i);
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d16)
+            }
+        }
+    }
+}
+
+/// The sum of the 16 lanes `lo`, `hi` in the order of [`hsum`] (pairs, then pairs of pairs),
+/// so that AVX2 scores have the bits of the AVX-512 ones.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum16(lo: __m256, hi: __m256) -> f32 {
+    let h1 = _mm256_hadd_ps(lo, hi); // (0+1, 2+3, 8+9, 10+11 | 4+5, 6+7, 12+13, 14+15)
+    let h2 = _mm256_hadd_ps(h1, h1); // (0..3, 8..11, .. | 4..7, 12..15, ..)
+    let r = _mm_add_ps(_mm256_castps256_ps128(h2), _mm256_extractf128_ps::<1>(h2)); // (0..7, 8..15, ..)
+    _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)))
+}
+
+/// [`scores_heads`] with AVX2: one row at a time, each sum kept in two 8-lane halves of the
+/// AVX-512 kernel's 16 lanes and reduced in its order: the same bits.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_heads_avx2<const T: u8, const HB: usize>(
+    a: &Attn,
+    kvh: usize,
+    q: &[f32],
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+    stride: usize,
+) {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let dk = a.dk;
+        let kp = a.k.as_ptr();
+        let row_ptr = |j: usize| kp.add(bytes::<T>(j * a.k_row + kvh * dk));
+        let pf_every = if T == F32 { 16 } else { 32 };
+        let qb = q.as_ptr();
+        let op = out.as_mut_ptr();
+        for j in rows.clone() {
+            let k = row_ptr(j);
+            let pf = row_ptr((j + 8).min(rows.end - 1));
+            let mut lo = [_mm256_setzero_ps(); HB];
+            let mut hi = [_mm256_setzero_ps(); HB];
+            let mut d = 0;
+            while d < dk {
+                if d % pf_every == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.add(offset::<T>(d)) as *const i8);
+                }
+                let (x0, x1) = (load8::<T>(k, d), load8::<T>(k, d + 8));
+                for h in 0..HB {
+                    lo[h] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(qb.add(h * dk + d)), lo[h]);
+                    hi[h] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(qb.add(h * dk + d + 8)), hi[h]);
+                }
+                d += 16;
+            }
+            for h in 0..HB {
+                *op.add(h * stride + j - rows.start) = hsum16(lo[h], hi[h]) * a.scale;
+            }
+        }
+    }
+}
+
+/// [`values_heads`] with AVX2: 16 values of V at a time, the same bits.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn values_heads_avx2<const T: u8, const HB: usize>(
+    v: &[u8],
+    v_row: usize,
+    head_off: usize,
+    dv: usize,
+    p: &[f32],
+    stride: usize,
+    rows: std::ops::Range<usize>,
+    o: &mut [f32],
+) {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let vp = v.as_ptr();
+        let row_ptr = |j: usize| vp.add(bytes::<T>(j * v_row + head_off));
+        let pp: [*const f32; HB] = std::array::from_fn(|h| p.as_ptr().wrapping_add(h * stride));
+        const BLOCK: usize = 16;
+        let mut b0 = rows.start;
+        while b0 < rows.end {
+            let b1 = (b0 + BLOCK).min(rows.end);
+            let next = b1.min(rows.end - 1)..(b1 + BLOCK).min(rows.end);
+            let mut d = 0;
+            while d < dv {
+                if d % 32 == 0 {
+                    for j in next.clone() {
+                        _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d)) as *const i8);
+                        if T == F32 {
+                            _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d + 16)) as *const i8);
+                        }
+                    }
+                }
+                let mut acc = [[_mm256_setzero_ps(); 2]; HB];
+                for j in b0..b1 {
+                    let i = j - rows.start;
+                    let r = row_ptr(j);
+                    let x0 = load8::<T>(r, d);
+                    let x1 = load8::<T>(r, d + 8);
+                    for h in 0..HB {
+                        let pj = _mm256_set1_ps(*pp[h].add(i));
+                        acc[h][0] = _mm256_fmadd_ps(pj, x0, acc[h][0]);
+                        acc[h][1] = _mm256_fmadd_ps(pj, x1, acc[h][1]);
+                    }
+                }
+                for (h, acc) in acc.iter().enumerate() {
+                    let dst = o.as_mut_ptr().add(h * dv + d);
+                    _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), acc[0]));
+                    _mm256_storeu_ps(dst.add(8), _mm256_add_ps(_mm256_loadu_ps(dst.add(8)), acc[1]));
+                }
+                d += 16;
+            }
+            b0 = b1;
+        }
+    }
+}
