@@ -118,7 +118,7 @@ fn row_blocks(weights: &[(WeightRef, bool)], threads: usize, one_token: bool) ->
     // Pieces per thread. A single token's step is short (30-700 us here) and its pieces are
     // taken by whichever thread is free, so the last one to finish keeps the others waiting:
     // sixteen per thread left less of that tail than four (2-thread decode 1.6-2.6% faster
-    // per token, alternating token by token; docs/PERFORMANCE.md). A batch's pieces each pass
+    // per token, alternating token by token; docs/perf/HISTORY.md). A batch's pieces each pass
     // over all the batch's activations, so it keeps four.
     let per_thread = if one_token { 16 } else { 4 };
     let block = (total_rows / (threads.max(1) * per_thread)).clamp(4, 512);

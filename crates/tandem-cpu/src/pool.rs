@@ -141,7 +141,7 @@ fn poll_until(done: &AtomicBool, team: &Team, lane: usize) {
 
 /// The threads of one [`Threads::run_step`]: its first thread hands the step's parallel loops
 /// ([`for_each_piece`]) to the polling threads through a few shared counters, without rayon's
-/// task splitting and stealing. On the 2-vCPU Intel machine of docs/PERFORMANCE.md a loop of 32
+/// task splitting and stealing. On the 2-vCPU Intel machine of docs/perf/HISTORY.md a loop of 32
 /// pieces took 2-10 us more than its work through rayon and mostly 0.3-3 us through counters.
 struct Team<'f> {
     pool: *const rayon::ThreadPool,
@@ -299,7 +299,7 @@ const FORECAST_BYTES: usize = 256 << 10;
 /// times (so not for the routed experts), or when the step announced it ([`announce`]: a MoE
 /// layer's down products once its router has chosen). A single token's step is bound by how
 /// fast the weights stream, and the memory idles while one thread works alone. On the 2-vCPU
-/// Intel machine of docs/PERFORMANCE.md the threads fetched ~9.6 MiB of a decoded token's 367
+/// Intel machine of docs/perf/HISTORY.md the threads fetched ~9.6 MiB of a decoded token's 367
 /// MiB this way and decode was 1.1-1.8% faster (alternating token by token); 512 KiB or 1 MiB
 /// per run instead of 256 KiB, or the unstable loops too, were no better.
 struct Forecast {

@@ -2,7 +2,7 @@
 //! 64 bytes, a few KiB ahead). The best hint depends on the processor:
 //!
 //! * AMD Zen 5: non-temporal (`nta`). The weights are read once per token and need not pass
-//!   through L2; against `t0`, 10-20% faster 2-thread decode (docs/PERFORMANCE.md).
+//!   through L2; against `t0`, 10-20% faster 2-thread decode (docs/perf/HISTORY.md).
 //! * Intel (a 2-vCPU Emerald Rapids): `t1`. Non-temporal prefetches there halve a streaming
 //!   read (a plain read loop, 1 thread: 5 GB/s with `nta` 4-16 KiB ahead, 11 GB/s without any
 //!   prefetch, 12-13 GB/s with `t0` or `t1`). Decode of the Q4_K_M bench model with `--repack`,
@@ -13,7 +13,7 @@
 //!   the packed Q8_0 kernel, which does the least work per byte of all and streams faster with
 //!   `t1` there: decode of the Q8_0 bench model, the hint switched token by token in one process,
 //!   10-14% faster with 2 threads and 12% with 1; the Q4_K_M model's kernels were 6-10% faster
-//!   with 1 thread on `nta` and within 2% either way with 2 (docs/PERFORMANCE.md).
+//!   with 1 thread on `nta` and within 2% either way with 2 (docs/perf/HISTORY.md).
 //!
 //! `TANDEM_PREFETCH` (`nta`, `t0`, `t1`, `off`) overrides the choice for every kernel; it is read
 //! once.

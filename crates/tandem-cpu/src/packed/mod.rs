@@ -301,7 +301,7 @@ mod x86 {
     /// kernel's passes through the block. Asked for all at once at the start of the block, the
     /// 37-53 lines of a block stalled the kernel: a 2-thread product of a large Q4_K matrix ran at
     /// 64-67 GB/s against 78-83 spread (Q6_K: 43 against 82), 8 KiB ahead a little better than
-    /// 4 or 6 (docs/PERFORMANCE.md).
+    /// 4 or 6 (docs/perf/HISTORY.md).
     ///
     /// Every part has the same number of lines, so the last reaches up to `parts - 1` lines past
     /// the block (the next block asks for them again; a prefetch never faults). Clipping the last

@@ -32,7 +32,7 @@ const AHEAD: usize = 12 * 1024;
 /// rows after it (a single token streams the weights once; the hardware prefetchers stop at page
 /// boundaries). A burst of a whole row's lines before each row, as the caller used to ask, kept a
 /// 2-thread product of a large Q4_K matrix at 55-58 GB/s; spread, 12 KiB ahead, it ran at 72-73
-/// (8 KiB: 59-60, 16 KiB: 62; Q6_K 63 against 74; docs/PERFORMANCE.md).
+/// (8 KiB: 59-60, 16 KiB: 62; Q6_K 63 against 74; docs/perf/HISTORY.md).
 /// (A block's last line, where it straddles two, is the next block's first.)
 #[inline(always)]
 fn prefetch_block<T: KQuant>(p: *const u8) {
