@@ -17,10 +17,10 @@ use serde::Serialize;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
+use crate::load::{LoadSpec, Opened};
 use tandem_gguf::{GgufModel, TensorRef};
-use tandem_model::{Batch, CacheType, Context, ContextParams, MlaMode, Model};
+use tandem_model::{Batch, CacheType, Context, MlaMode};
 
 /// The KV-cache sequence the benchmark uses.
 const SEQ: usize = 0;
@@ -128,6 +128,12 @@ pub struct Row {
     /// exps=CPU`), in seconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu_busy_s_per_token: Option<f64>,
+    /// Page faults that waited for storage (major faults) per prompt token and per decoded token
+    /// in the timed runs: a model that does not fit in memory reads its weights as it goes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub major_faults_per_pp_token: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub major_faults_per_tg_token: Option<f64>,
 }
 
 /// A device's ledger divided by the tokens decoded.
@@ -193,8 +199,6 @@ struct Plan {
     ctx: Option<usize>,
     batch: usize,
     ubatch: usize,
-    cache_type_k: CacheType,
-    cache_type_v: CacheType,
     mla: MlaMode,
     /// `--parallel`: the batch widths to test (empty: the single-sequence tests).
     parallel: Vec<usize>,
@@ -222,8 +226,9 @@ impl Plan {
         // As llama.cpp: a micro-batch is never larger than the batch.
         let ubatch = positive("-ub", a.ubatch_size)?.min(batch);
         let ctx = a.ctx_size.map(|c| count("-c", c)).transpose()?;
-        let cache_type_k = CacheType::from_name(&a.cache_type_k).with_context(|| format!("-ctk {}", a.cache_type_k))?;
-        let cache_type_v = CacheType::from_name(&a.cache_type_v).with_context(|| format!("-ctv {}", a.cache_type_v))?;
+        // Checked here, before the model loads (the loader parses them again).
+        CacheType::from_name(&a.cache_type_k).with_context(|| format!("-ctk {}", a.cache_type_k))?;
+        CacheType::from_name(&a.cache_type_v).with_context(|| format!("-ctv {}", a.cache_type_v))?;
         let mla = MlaMode::from_name(&a.mla).with_context(|| format!("--mla {}", a.mla))?;
         let tg = a.n_gen.map(|n| count("-n", n)).transpose()?;
         let reps = a.repetitions.map(|r| positive("-r", r)).transpose()?;
@@ -268,8 +273,6 @@ impl Plan {
             ctx,
             batch,
             ubatch,
-            cache_type_k,
-            cache_type_v,
             mla,
             parallel,
         })
@@ -642,6 +645,19 @@ fn batch_row(threads: usize, np: usize, n_kv: usize, pp: usize, tg: usize, t_pp:
         roofline_pct: None,
         gpu: BTreeMap::new(),
         cpu_busy_s_per_token: None,
+        major_faults_per_pp_token: None,
+        major_faults_per_tg_token: None,
+    }
+}
+
+/// This process's major page faults so far (those that read from storage).
+fn major_faults() -> u64 {
+    // SAFETY: getrusage writes only the struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `u` is a valid, writable rusage.
+    match unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } {
+        0 => u.ru_majflt as u64,
+        _ => 0,
     }
 }
 
@@ -728,43 +744,30 @@ fn progress_total(plan: &Plan, n_ctx: usize, warmup: bool) -> u64 {
     warm + fill + plan.depths.len() as u64 * timed
 }
 
-fn run_threads(
-    model: &Arc<Model>,
-    plan: &Plan,
-    n_ctx: usize,
-    t: usize,
-    a: &BenchArgs,
-    out: &Out,
-) -> anyhow::Result<Vec<Row>> {
-    let threads = tandem_cpu::Threads::new(t, t)?;
-    let params = ContextParams {
-        n_ctx,
-        n_ubatch: plan.ubatch,
-        cache_type_k: plan.cache_type_k,
-        cache_type_v: plan.cache_type_v,
-        mla: plan.mla,
-    };
-    let rt = RuntimeArgs {
-        threads: Some(t),
-        threads_batch: Some(t),
-        ctx_size: n_ctx,
+/// The runtime flags of the loader's spec: bench's tests set the context, batch and cache.
+fn load_runtime(a: &BenchArgs, plan: &Plan) -> RuntimeArgs {
+    let t = plan.threads.first().copied();
+    RuntimeArgs {
+        threads: t,
+        threads_batch: t,
+        ctx_size: plan.ctx.unwrap_or(0),
         batch_size: plan.batch,
         ubatch_size: plan.ubatch,
         cache_type_k: a.cache_type_k.clone(),
         cache_type_v: a.cache_type_v.clone(),
         parallel: 1,
         mla: a.mla.clone(),
-    };
-    let choice = crate::logits::select_backend(model.gguf(), &a.model, &rt, &a.placement, threads)?;
-    for line in &choice.notes {
-        eprintln!("tandem: {line}");
     }
-    if a.model.repacks() {
-        // Packs once (the first thread count); later ones find the copies made.
-        let note = crate::cli::repack(model, &choice.exec, !a.no_progress);
-        out.pb.suspend(|| eprintln!("tandem: {note}"));
+}
+
+fn run_threads(opened: &Opened, plan: &Plan, n_ctx: usize, t: usize, a: &BenchArgs, out: &Out) -> anyhow::Result<Vec<Row>> {
+    let model = &opened.model;
+    // Repacking packs once (the first thread count); later ones find the copies made.
+    let up = out.pb.suspend(|| opened.bring_up(t, t, n_ctx))?;
+    for line in &up.notes {
+        out.pb.suspend(|| eprintln!("tandem: {line}"));
     }
-    let ctx = Context::new(model.clone(), choice.exec, params)?;
+    let ctx = up.ctx;
     let mut r = Runner { ctx, rng: Rng(a.seed), batch: plan.batch, n_vocab: model.n_vocab(), pb: out.pb };
     out.line(&format!(
         "\nmain: n_kv_max = {n_ctx}, n_batch = {}, n_ubatch = {}, n_threads = {t}, n_threads_batch = {t}, type_k = {}, type_v = {}, mla = {}, repetitions = {}\n",
@@ -793,10 +796,13 @@ fn run_threads(
         r.fill_to(d, a.zero_depth)?;
         let (mut t_pp, mut t_tg) = (Vec::new(), Vec::new());
         let mut decode_ledger: Vec<tandem_model::Counts> = Vec::new();
+        let (mut faults_pp, mut faults_tg) = (0u64, 0u64);
         for rep in 0..plan.reps {
             out.pb.set_message(format!("-t {t}: N_KV {d}, repetition {}/{}", rep + 1, plan.reps));
             if plan.pp > 0 {
+                let f0 = major_faults();
                 t_pp.push(r.timed(|r| r.prefill(plan.pp))?);
+                faults_pp += major_faults() - f0;
                 if !plan.sweep {
                     r.ctx.truncate(SEQ, d);
                 }
@@ -804,7 +810,9 @@ fn run_threads(
             if plan.tg > 0 {
                 let base = r.ctx.seq_len(SEQ);
                 let before: Vec<_> = r.ctx.exec().ledgers().into_iter().map(|(_, c)| c).collect();
+                let f0 = major_faults();
                 t_tg.push(r.timed(|r| r.generate(plan.tg))?);
+                faults_tg += major_faults() - f0;
                 let after = r.ctx.exec().ledgers();
                 decode_ledger.resize(after.len(), tandem_model::Counts::default());
                 for ((sum, (_, a)), b) in decode_ledger.iter_mut().zip(&after).zip(&before) {
@@ -819,6 +827,17 @@ fn run_threads(
         }
         let mut row = row(t, d, plan.pp, plan.tg, &mut t_pp, &mut t_tg);
         out.line(&table_line(&row))?;
+        let per = |faults: u64, n: usize| (n > 0).then(|| faults as f64 / n as f64);
+        row.major_faults_per_pp_token = per(faults_pp, plan.pp * t_pp.len());
+        row.major_faults_per_tg_token = per(faults_tg, plan.tg * t_tg.len());
+        if faults_pp + faults_tg > 0 {
+            let f = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
+            out.line(&format!(
+                "  page faults that waited for storage: {} per prompt token, {} per decoded token",
+                f(row.major_faults_per_pp_token),
+                f(row.major_faults_per_tg_token)
+            ))?;
+        }
         // Devices other than the CPU: what they did per decoded token; and the CPU's busy time.
         let decoded = plan.tg * t_tg.len();
         for ((name, _), c) in r.ctx.exec().ledgers().iter().zip(&decode_ledger).skip(1) {
@@ -886,11 +905,12 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         // Fail now rather than after the whole benchmark.
         std::fs::File::create(p).with_context(|| format!("--plot: creating {}", p.display()))?;
     }
-    let gguf = Arc::new(GgufModel::open(a.model.path(), a.model.load_options())?);
-    let active = active_bytes_per_token(&gguf).with_context(|| format!("{}", a.model.path().display()))?;
-    let model = Arc::new(
-        Model::load_with(gguf, a.model.repacks()).with_context(|| format!("loading {}", a.model.path().display()))?,
-    );
+    let mut spec = LoadSpec::from_args(&a.model, &load_runtime(a, &plan), &a.placement)?;
+    spec.progress = !a.no_progress;
+    let opened = spec.open()?;
+    let model = opened.model.clone();
+    let gguf = model.gguf();
+    let active = active_bytes_per_token(gguf).with_context(|| format!("{}", a.model.path().display()))?;
     let n_ctx = plan.n_ctx(model.n_ctx_train())?;
 
     let pb = if a.no_progress {
@@ -934,7 +954,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let mut bandwidth = bandwidth;
     for &t in &plan.threads {
-        let mut rs = run_threads(&model, &plan, n_ctx, t, a, &out)?;
+        let mut rs = run_threads(&opened, &plan, n_ctx, t, a, &out)?;
         if let Some(before) = bandwidth.get(&t).copied() {
             // Measured again after the runs: on a shared host the bandwidth can change from minute
             // to minute, and the roofline takes the better of the two.

@@ -122,15 +122,22 @@ pub struct ModelArgs {
     /// Lock the model's memory so it is never paged out.
     #[arg(long)]
     pub mlock: bool,
-    /// Repack the Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL, Q4_0, Q5_0, Q5_1 and Q8_0 matrices the CPU
-    /// multiplies into 16-row interleaved groups at load (faster prefill and decode on CPUs with
-    /// AVX-512 VNNI; with AVX2 only, Q4_0 and Q4_K; a second copy of those weights in memory).
+    /// Repack the Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
+    /// matrices the CPU multiplies into 16-row interleaved groups at load (faster prefill and
+    /// decode; with AVX2 only, all but IQ4_XS, IQ4_NL and Q8_0; a second copy of those weights in
+    /// memory, made only when it fits).
     /// The default, as in llama.cpp; --no-repack turns it off.
     #[arg(long, overrides_with = "no_repack")]
     pub repack: bool,
     /// Use the weights as they are stored: no repacked copy (llama.cpp's -nr).
     #[arg(long = "no-repack", overrides_with = "repack")]
     pub no_repack: bool,
+    /// Ask the kernel ahead for weights of a model mapped from storage: each layer's experts as
+    /// soon as the router picks them, the next layer's weights while one runs (storage reads
+    /// overlap the work). auto: when the CPU's part of the model exceeds the memory this process
+    /// may take (MemAvailable, or a container's memory limit).
+    #[arg(long = "read-ahead", value_name = "WHEN", value_enum, default_value_t = crate::load::ReadAhead::Auto)]
+    pub read_ahead: crate::load::ReadAhead,
 }
 
 impl ModelArgs {
@@ -157,11 +164,9 @@ impl ModelArgs {
     }
 }
 
-/// `MemAvailable` from /proc/meminfo in bytes.
+/// Memory this process may still take (`MemAvailable`, lowered to a memory cgroup's room).
 pub fn available_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+    tandem_gguf::read_ahead::available_memory()
 }
 
 /// Memory repacking leaves free for the KV cache and compute buffers.

@@ -5,6 +5,7 @@ pub mod cli;
 pub mod hub;
 pub mod inspect;
 pub mod kernels;
+pub mod load;
 pub mod logits;
 pub mod plan;
 pub mod run;

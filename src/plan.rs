@@ -159,14 +159,10 @@ pub(crate) fn repacking_line(r: &tandem_model::PackedSources, plan: &tandem_plan
 
 /// What repacking would copy of the matrices `plan` leaves to the CPU (`None` when this machine
 /// runs no packed kernel, nothing would be repacked, or tandem cannot load the file).
-pub(crate) fn repacking(
-    gguf: std::sync::Arc<GgufModel>,
-    plan: &tandem_plan::Plan,
-) -> Option<tandem_model::PackedSources> {
+pub(crate) fn repacking(model: &tandem_model::Model, plan: &tandem_plan::Plan) -> Option<tandem_model::PackedSources> {
     if tandem_cpu::packed::paying_types().is_empty() {
         return None;
     }
-    let model = tandem_model::Model::load_with(gguf, true).ok()?;
     let on_cpu = |name: &str| plan.device_of(name) == Some(tandem_plan::Device::Cpu);
     let r = model.packed_sources(&|name| !on_cpu(name));
     (r.tensors > 0).then_some(r)
@@ -181,7 +177,10 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     let model = ModelInfo::from_gguf(&gguf, &path.display().to_string())?;
     let req = request(&args.placement, &args.model, &args.runtime)?;
     let plan = tandem_plan::plan(&model, &req)?;
-    let repack = if args.model.repacks() { repacking(std::sync::Arc::new(gguf), &plan) } else { None };
+    let repack = match args.model.repacks() {
+        true => tandem_model::Model::load_with(std::sync::Arc::new(gguf), true).ok().and_then(|m| repacking(&m, &plan)),
+        false => None,
+    };
     let out = if args.json {
         let mut v: serde_json::Value = serde_json::from_str(&plan.to_json()).context("the plan's JSON")?;
         v["repack"] = match &repack {

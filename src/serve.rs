@@ -13,8 +13,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tandem_engine::{Engine, EngineConfig};
-use tandem_gguf::{GgufModel, LoadOptions};
-use tandem_model::{CacheType, Context, ContextParams, MlaMode, Model};
 use tandem_server::ModelDescription;
 use tandem_tokenizer::Tokenizer;
 use tokio::net::TcpListener;
@@ -35,15 +33,20 @@ pub struct ServeArgs {
     /// Lock the model's memory so it is never paged out.
     #[arg(long)]
     pub mlock: bool,
-    /// Repack the Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL, Q4_0, Q5_0, Q5_1 and Q8_0 matrices the CPU
-    /// multiplies into 16-row interleaved groups at load (faster prefill and decode on CPUs with
-    /// AVX-512 VNNI; with AVX2 only, Q4_0 and Q4_K; a second copy of those weights in memory).
+    /// Repack the Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
+    /// matrices the CPU multiplies into 16-row interleaved groups at load (faster prefill and
+    /// decode; with AVX2 only, all but IQ4_XS, IQ4_NL and Q8_0; a second copy of those weights in
+    /// memory, made only when it fits).
     /// The default, as in llama.cpp; --no-repack turns it off.
     #[arg(long, overrides_with = "no_repack")]
     pub repack: bool,
     /// Use the weights as they are stored: no repacked copy (llama.cpp's -nr).
     #[arg(long = "no-repack", overrides_with = "repack")]
     pub no_repack: bool,
+    /// Ask the kernel ahead for the weights of a model mapped from storage (see `tandem run
+    /// --help`); auto: when the CPU's part of the model exceeds the memory available.
+    #[arg(long = "read-ahead", value_name = "WHEN", value_enum, default_value_t = crate::load::ReadAhead::Auto)]
+    pub read_ahead: crate::load::ReadAhead,
     /// Address to listen on.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
     pub host: String,
@@ -124,34 +127,20 @@ pub struct ServeArgs {
     pub compat: CompatArgs,
 }
 
-/// The memory layout of the loaded model, as `tandem plan` computes it for the devices this
-/// build runs on (the CPU: the CUDA backend is a later issue, so `--gpu` budgets are not used here).
-fn print_load_plan(gguf: &Arc<GgufModel>, path: &std::path::Path, args: &ServeArgs) {
+/// The loader's spec from serve's flags (no `-m`: the demo model).
+fn load_spec(args: &ServeArgs) -> anyhow::Result<crate::load::LoadSpec> {
     let model_args = crate::cli::ModelArgs {
-        model: Some(path.to_path_buf()),
+        model: args.model.clone(),
         hub: Default::default(),
         no_mmap: args.no_mmap,
         mlock: args.mlock,
         repack: args.repack,
         no_repack: args.no_repack,
+        read_ahead: args.read_ahead,
     };
-    let planned = crate::plan::request(&args.placement, &model_args, &args.runtime).and_then(|mut req| {
-        req.gpus.clear();
-        req.n_gpu_layers = None;
-        req.rules.clear();
-        let info = tandem_plan::ModelInfo::from_gguf(gguf, &path.display().to_string())?;
-        Ok(tandem_plan::plan(&info, &req)?)
-    });
-    match planned {
-        Ok(plan) => {
-            plan.to_text(false).lines().for_each(log);
-            let repack = if args.no_repack { None } else { crate::plan::repacking(gguf.clone(), &plan) };
-            if let Some(r) = repack {
-                log(crate::plan::repacking_line(&r, &plan, args.no_mmap).trim_end());
-            }
-        }
-        Err(e) => log(&format!("no memory plan: {e:#}")),
-    }
+    let mut spec = crate::load::LoadSpec::from_args(&model_args, &args.runtime, &args.placement)?;
+    spec.path = args.model.clone();
+    Ok(spec)
 }
 
 fn log(line: &str) {
@@ -161,51 +150,27 @@ fn log(line: &str) {
 /// The loaded engine and what GetModelInfo says about it.
 fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
     let start = Instant::now();
-    let (gguf, demo) = match &args.model {
-        Some(path) => {
-            let opts = LoadOptions { mmap: !args.no_mmap, mlock: args.mlock };
-            (GgufModel::open(path, opts)?, false)
+    let opened = load_spec(args)?.open()?;
+    let (model, name, n_ctx) = (opened.model.clone(), opened.name.clone(), opened.n_ctx);
+    let demo = args.model.is_none();
+    let tok = Tokenizer::from_gguf(model.gguf()).with_context(|| format!("{name}: reading the tokenizer"))?;
+    let up = opened.bring_up_default()?;
+    // The memory layout of the plan the executor runs, as `tandem plan` prints it.
+    match (&up.plan, &up.plan_error) {
+        (Some(plan), _) => {
+            plan.to_text(false).lines().for_each(log);
+            if let Some(r) = (!args.no_repack).then(|| crate::plan::repacking(&model, plan)).flatten() {
+                log(crate::plan::repacking_line(&r, plan, args.no_mmap).trim_end());
+            }
         }
-        None => (tandem_model::demo::demo_model()?, true),
-    };
-    let gguf = Arc::new(gguf);
-    let name = args.model.as_ref().map_or("the demo model".into(), |p| p.display().to_string());
-    if let Some(path) = &args.model {
-        print_load_plan(&gguf, path, args);
+        (None, Some(e)) if !demo => log(&format!("no memory plan: {e}")),
+        _ => {}
     }
-    let tok = Tokenizer::from_gguf(&gguf).with_context(|| format!("{name}: reading the tokenizer"))?;
-    let model = Arc::new(Model::load_with(gguf, !args.no_repack).with_context(|| format!("loading {name}"))?);
+    up.notes.iter().for_each(|n| log(n));
+    let placement = up.ctx.exec().describe().to_string();
+    let ctx = up.ctx;
     let rt = &args.runtime;
     let np = rt.parallel.max(1);
-    let total = if rt.ctx_size == 0 { model.n_ctx_train() } else { rt.ctx_size };
-    let n_ctx = total / np;
-    if n_ctx < 2 {
-        bail!("-c {total} over -np {np} slots leaves {n_ctx} tokens per slot; raise -c");
-    }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let t = rt.threads.unwrap_or(cores);
-    let threads = tandem_cpu::Threads::new(t, rt.threads_batch.unwrap_or(t))?;
-    let params = ContextParams {
-        n_ctx,
-        n_ubatch: rt.ubatch_size,
-        cache_type_k: CacheType::from_name(&rt.cache_type_k)?,
-        cache_type_v: CacheType::from_name(&rt.cache_type_v)?,
-        mla: MlaMode::from_name(&rt.mla)?,
-    };
-    let model_args = crate::cli::ModelArgs {
-        model: args.model.clone(),
-        hub: Default::default(),
-        no_mmap: args.no_mmap,
-        mlock: args.mlock,
-        repack: args.repack,
-        no_repack: args.no_repack,
-    };
-    let choice = crate::logits::select_backend(model.gguf(), &model_args, rt, &args.placement, threads)?;
-    choice.notes.iter().for_each(|n| log(n));
-    if !args.no_repack {
-        log(&crate::cli::repack(&model, &choice.exec, false));
-    }
-    let ctx = Context::new(model.clone(), choice.exec, params)?;
     let system_prompt = match &args.system_prompt_file {
         Some(f) => Some(std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?),
         None => None,
@@ -238,7 +203,7 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
             n => format!(", a system prompt of {n} tokens prefilled"),
         }
     ));
-    let desc = ModelDescription { name: args.alias.clone().unwrap_or_default(), demo, placement: choice.description };
+    let desc = ModelDescription { name: args.alias.clone().unwrap_or_default(), demo, placement };
     Ok((engine, desc))
 }
 

@@ -367,3 +367,41 @@ fn the_prefetch_hint_follows_tandem_prefetch() {
     let defaults = ["t1 (", "nta (", "nta, t1 for packed Q8_0 ("];
     assert!(defaults.iter().any(|d| so.contains(&format!(", weight prefetch {d}"))), "{so}");
 }
+
+/// `--read-ahead`: on, each layer's chosen experts and the next layer's weights are asked for
+/// ahead (said once on stderr) and the logits are the same bytes as without; auto leaves it off
+/// for a model that fits in memory; the rows count the page faults that waited for storage.
+#[test]
+fn read_ahead_changes_no_result_and_faults_are_counted() {
+    let short = ["-t", "2", "-p", "8", "-n", "4", "-r", "1", "--no-repack"];
+    let (v, se) = json("deepseek2-mla-tiny-Q4_K_M.gguf", &[&short[..], &["--read-ahead", "on"]].concat());
+    check_rows(&v);
+    assert_eq!(se.matches("read-ahead: --read-ahead on;").count(), 1, "{se}");
+    for r in v["rows"].as_array().unwrap() {
+        assert!(f(&r["major_faults_per_pp_token"]) >= 0.0 && f(&r["major_faults_per_tg_token"]) >= 0.0, "{r}");
+    }
+    let (_, se) = json("deepseek2-mla-tiny-Q4_K_M.gguf", &short);
+    assert!(!se.contains("read-ahead"), "the fixture fits in memory: {se}");
+    let out = bench("deepseek2-mla-tiny-Q4_K_M.gguf", &["--read-ahead", "sometimes"]);
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && se.contains("--read-ahead") && se.lines().count() == 1, "{se}");
+
+    let dir = std::env::temp_dir().join(format!("tandem-read-ahead-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let m = fixture("deepseek2-mla-tiny-Q4_K_M.gguf");
+    let logits = |mode: &str| {
+        let out_file = dir.join(format!("{mode}.f32"));
+        let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["logits", "-m", m.to_str().unwrap(), "--tokens", "1,5,9,300,7,7,2", "-t", "2", "--read-ahead", mode])
+            .arg("--out")
+            .arg(&out_file)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        std::fs::read(&out_file).unwrap()
+    };
+    let (on, off) = (logits("on"), logits("off"));
+    assert!(!on.is_empty());
+    assert!(on == off, "--read-ahead on changed the logits");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

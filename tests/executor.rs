@@ -99,12 +99,12 @@ fn emulated_zero_rows_read_as_the_cpu_reads_them() {
 /// The binary's GPU path (placement flags, upload, fallback rules) with one emulated GPU.
 #[test]
 fn the_binary_uses_the_emulated_gpu_for_gpu_flags() {
-    binary_uses_the_device(&[(tandem::logits::EMULATOR_ENV, "1")]);
+    binary_uses_the_device(&[(tandem::load::EMULATOR_ENV, "1")]);
 }
 
 #[test]
 fn bench_reports_what_the_emulated_gpu_did_per_token() {
-    bench_reports_the_device(&[(tandem::logits::EMULATOR_ENV, "1")]);
+    bench_reports_the_device(&[(tandem::load::EMULATOR_ENV, "1")]);
 }
 
 /// Kimi K2.5's real shapes through the emulated CUDA device, hybrid: a model written by `tandem

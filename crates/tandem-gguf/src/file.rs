@@ -256,6 +256,12 @@ impl GgufFile {
         matches!(self.bytes, Storage::Read(_)) && !self.locked
     }
 
+    /// Whether the tensors' bytes are pages of the file mapped on demand (not read in, not
+    /// locked): reading them may wait for storage, so asking ahead pays.
+    pub fn pages_on_demand(&self) -> bool {
+        matches!(self.bytes, Storage::Mmap(..)) && !self.locked
+    }
+
     /// Gives the memory of tensor `t`'s bytes back to the system (the whole pages inside them)
     /// when [`GgufFile::can_release`], once a copy of them made elsewhere is all that will be
     /// used (`--no-mmap` with repacking); returns how many bytes that was. The pages read as

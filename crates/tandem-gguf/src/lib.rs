@@ -17,6 +17,7 @@ mod metadata;
 mod model;
 pub mod naming;
 mod parse;
+pub mod read_ahead;
 mod value;
 mod writer;
 

@@ -198,6 +198,12 @@ impl GgufModel {
         self.shards.iter().all(|s| s.can_release())
     }
 
+    /// Whether every shard's tensors are file pages mapped on demand
+    /// ([`GgufFile::pages_on_demand`]).
+    pub fn pages_on_demand(&self) -> bool {
+        self.shards.iter().all(|s| s.pages_on_demand())
+    }
+
     /// [`GgufFile::release`] for a tensor of this model: bytes given back.
     ///
     /// # Safety

@@ -301,6 +301,9 @@ pub struct Context {
     exec: Exec,
     cache: KvCache,
     params: ContextParams,
+    /// With [`Exec::reads_ahead`]: per layer, the file tensors the CPU reads in it other than
+    /// the routed experts (the last entry: the output head's), asked for a layer ahead.
+    ahead: Vec<Vec<usize>>,
 }
 
 impl Context {
@@ -312,7 +315,8 @@ impl Context {
         let layout = model.layers.layout();
         let layer_dev: Vec<DevId> = (0..layout.n_layer).map(|il| model.layers.kv_device(il, &exec)).collect();
         let cache = KvCache::new(layout, params.cache_type_k, params.cache_type_v, params.n_ctx, &exec, &layer_dev)?;
-        Ok(Context { model, exec, cache, params })
+        let ahead = if exec.reads_ahead() { ahead_lists(&model.gguf, &exec, layout.n_layer) } else { Vec::new() };
+        Ok(Context { model, exec, cache, params, ahead })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -418,14 +422,18 @@ impl Context {
             };
             let wanted: Vec<usize> = (start..end).filter(|&i| batch.logits[i]).map(|i| i - start).collect();
             let mut out = Vec::new();
-            let (exec, cache) = (&self.exec, &mut self.cache);
+            let (exec, cache, ahead) = (&self.exec, &mut self.cache, &self.ahead);
             let mut embedded = Some(m.head.embed(ub.tokens)?);
             // The output head inside the step too: outside it, its product woke the pool's
             // threads from sleep (tens of µs per decoded token).
             exec.run_step(ub.len(), &mut || {
                 let x0 = embedded.take().ok_or_else(|| Error::Model("a step ran twice".into()))?;
                 let mut x = exec.begin_step(&ub, cache, x0, x_dev)?;
-                for il in 0..m.layers.layout().n_layer {
+                let n_layer = m.layers.layout().n_layer;
+                for il in 0..n_layer {
+                    if !ahead.is_empty() {
+                        m.ask_ahead(ahead, il, n_layer);
+                    }
                     m.layers.forward_layer(il, exec, cache, &ub, &mut x)?;
                 }
                 cache.advance(ub.seq);
@@ -441,4 +449,40 @@ impl Context {
         }
         Ok(logits)
     }
+}
+
+impl Model {
+    /// Asks for the weights read after layer `il`: the next layer's (after the last layer, the
+    /// output head's and the first layer's, for the next step).
+    fn ask_ahead(&self, ahead: &[Vec<usize>], il: usize, n_layer: usize) {
+        let next = if il + 1 == n_layer { [n_layer, 0] } else { [il + 1, il + 1] };
+        let n = if next[0] == next[1] { 1 } else { 2 };
+        for &i in next[..n].iter().filter_map(|&l| ahead.get(l)).flatten() {
+            if let Some(t) = self.gguf.tensor_at(i) {
+                tandem_gguf::read_ahead::will_need(self.gguf.data(t));
+            }
+        }
+    }
+}
+
+/// [`Context::ahead`]: for each layer (and the output head after the last), the indices of the
+/// tensors of `gguf` the CPU reads there, routed experts left out (they are asked for once
+/// chosen) and tensors held by another device.
+fn ahead_lists(gguf: &GgufModel, exec: &Exec, n_layer: usize) -> Vec<Vec<usize>> {
+    let mut lists = vec![Vec::new(); n_layer + 1];
+    for (i, t) in gguf.tensors().enumerate() {
+        let name = t.info.name.as_str();
+        if name.contains("_exps") || exec.holds_elsewhere(name) {
+            continue;
+        }
+        let slot = match tandem_gguf::naming::layer_of(name) {
+            Some(il) => il as usize,
+            None if name.starts_with("output") => n_layer,
+            None => continue,
+        };
+        if let Some(l) = lists.get_mut(slot) {
+            l.push(i);
+        }
+    }
+    lists
 }

@@ -69,6 +69,9 @@ pub(crate) trait Device: Send + Sync {
     fn route(&self, m: &Moe, x: &Tensor) -> Result<Tensor>;
     /// The routed experts of `m` on a packet of [`Device::route`]: `sum_k w_k expert_k(x)` per row.
     fn experts(&self, m: &Moe, packet: &Tensor) -> Result<Tensor>;
+    /// Whether to ask the kernel ahead for the bytes of the experts the router picks (a model
+    /// mapped from storage that does not fit in memory). Devices that hold their weights ignore it.
+    fn set_read_ahead(&self, _on: bool) {}
     /// Router, routed experts and shared expert together, when this device has a fused form.
     fn moe(&self, m: &Moe, shared: Option<&Ffn>, x: &Tensor) -> Result<Option<Tensor>> {
         let _ = (m, shared, x);

@@ -193,6 +193,8 @@ pub struct Exec {
     description: String,
     /// `--no-kv-offload`: the KV cache (and so attention) stays on the CPU.
     kv_on_cpu: bool,
+    /// Weights are asked for ahead of use ([`Exec::set_read_ahead`]).
+    read_ahead: bool,
 }
 
 impl std::fmt::Debug for Exec {
@@ -216,6 +218,7 @@ impl Exec {
             place: HashMap::new(),
             description,
             kv_on_cpu: false,
+            read_ahead: false,
         }
     }
 
@@ -271,7 +274,7 @@ impl Exec {
             ));
         }
         let description = format!("{}; uploaded in {:.1} s", parts.join("; "), start.elapsed().as_secs_f64());
-        Ok(Exec { devs, cpu, place, description, kv_on_cpu: false })
+        Ok(Exec { devs, cpu, place, description, kv_on_cpu: false, read_ahead: false })
     }
 
     /// Keeps the KV cache on the CPU (llama.cpp's `--no-kv-offload`): attention runs there, and
@@ -279,6 +282,23 @@ impl Exec {
     pub fn keep_kv_on_cpu(&mut self) {
         self.kv_on_cpu = true;
         self.description.push_str("; KV cache on the CPU (--no-kv-offload)");
+    }
+
+    /// Asks the kernel ahead for weights the CPU reads from a mapped file: each layer's chosen
+    /// experts as soon as the router has picked them, and the next layer's other weights while
+    /// this one runs, so that reads from storage overlap the work. For a model mapped from
+    /// storage that does not fit in memory; elsewhere the advice costs a few system calls per
+    /// layer and gains nothing.
+    pub fn set_read_ahead(&mut self, on: bool) {
+        self.read_ahead = on;
+        for d in &self.devs {
+            d.set_read_ahead(on);
+        }
+    }
+
+    /// Whether [`Exec::set_read_ahead`] turned reading ahead on.
+    pub fn reads_ahead(&self) -> bool {
+        self.read_ahead
     }
 
     /// The device that keeps the cache rows of a layer whose attention weights are on `d`.

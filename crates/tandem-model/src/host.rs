@@ -12,6 +12,7 @@ use crate::weights::{Vector, Weight};
 use crate::{Error, Result};
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tandem_cpu::{Attn, CpuBackend, KvType, RopeStyle, WeightRef};
 use tandem_gguf::GgmlType;
@@ -26,6 +27,8 @@ pub(crate) struct HostDevice {
     stand_in: bool,
     /// The names a stand-in holds (the CPU reads everything).
     holds: HashSet<String>,
+    /// Ask the kernel for the chosen experts' bytes before multiplying them.
+    read_ahead: AtomicBool,
 }
 
 /// Adds the time since it was made to a ledger's busy time when dropped.
@@ -54,11 +57,12 @@ impl HostDevice {
             ledger: Ledger::default(),
             stand_in: false,
             holds: HashSet::new(),
+            read_ahead: AtomicBool::new(false),
         }
     }
 
     pub fn stand_in(id: DevId, cpu: Arc<CpuBackend>, holds: HashSet<String>) -> HostDevice {
-        HostDevice { id, name: format!("HOST{id}"), cpu, ledger: Ledger::default(), stand_in: true, holds }
+        HostDevice { id, name: format!("HOST{id}"), cpu, ledger: Ledger::default(), stand_in: true, holds, read_ahead: AtomicBool::new(false) }
     }
 
     /// Counts an op and, until the guard drops, the time spent in it.
@@ -272,6 +276,10 @@ impl Device for HostDevice {
         let _busy = self.op();
         let router = self.matrix(m.router())?;
         Ok(self.out(m.route_packet(&self.cpu, &router, self.mine(x)?)?))
+    }
+
+    fn set_read_ahead(&self, on: bool) {
+        self.read_ahead.store(on, Ordering::Relaxed);
     }
 
     fn experts(&self, m: &Moe, packet: &Tensor) -> Result<Tensor> {
@@ -508,6 +516,15 @@ impl HostDevice {
             specs.push((s, 0, (0..routes.len()).collect()));
         }
         let jobs = self.ffn_jobs(&specs)?;
+        if self.read_ahead.load(Ordering::Relaxed) {
+            // All the chosen experts' reads start now and run together; the first expert's
+            // product then waits only for its own pages.
+            for j in &jobs {
+                for w in [&j.gate, &j.up, &j.down] {
+                    tandem_gguf::read_ahead::will_need(w.data);
+                }
+            }
+        }
         let cols = m.n_embd();
         let mut outs = self.cpu.ffn(h, cols, &jobs).map_err(named(&m.experts().gate.name))?;
         let sh = if shared.is_some() { outs.pop() } else { None };
