@@ -164,71 +164,6 @@ impl ModelArgs {
     }
 }
 
-/// Memory this process may still take (`MemAvailable`, lowered to a memory cgroup's room).
-pub fn available_memory() -> Option<u64> {
-    tandem_gguf::read_ahead::available_memory()
-}
-
-/// Memory repacking leaves free for the KV cache and compute buffers.
-pub const REPACK_HEADROOM: u64 = 1 << 30;
-
-/// Repacking (the default; not with `--no-repack`): packs every packable matrix `exec` leaves
-/// to the CPU now (with a progress bar on stderr when `progress`), and says in one line what it
-/// did.
-pub fn repack(model: &tandem_model::Model, exec: &tandem_model::Exec, progress: bool) -> String {
-    let paying = tandem_cpu::packed::paying_types();
-    if paying.is_empty() {
-        return "repack: this CPU runs no packed kernel (they need AVX2, most of them AVX-512 VNNI; or TANDEM_CPU_ISA caps the level); weights are used as they are".into();
-    }
-    let names: Vec<String> = paying.iter().map(|t| t.to_string().to_uppercase()).collect();
-    let skip = |name: &str| exec.holds_elsewhere(name);
-    let need = model.repack_need(&skip);
-    if let Some(free) = available_memory().filter(|&free| need.saturating_add(REPACK_HEADROOM) > free) {
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        let why = format!(
-            "the packed copies need {:.2} GiB and {:.2} GiB of memory are available (1 GiB kept free)",
-            gib(need),
-            gib(free)
-        );
-        model.keep_unpacked(&why);
-        return format!("repack: {why}; weights are used as they are");
-    }
-    let start = std::time::Instant::now();
-    let pb = if progress { indicatif::ProgressBar::new(0) } else { indicatif::ProgressBar::hidden() };
-    if let Ok(style) =
-        indicatif::ProgressStyle::with_template("repacking weights [{bar:30}] {bytes}/{total_bytes} ({elapsed})")
-    {
-        pb.set_style(style.progress_chars("=> "));
-    }
-    let r = model.pack_weights(&skip, &mut |done, total| {
-        pb.set_length(total);
-        pb.set_position(done);
-    });
-    pb.finish_and_clear();
-    let failed = match r.failed.first() {
-        Some((name, why)) => format!("; {} left as they are ({name}: {why})", r.failed.len()),
-        None => String::new(),
-    };
-    if r.tensors == 0 {
-        return format!(
-            "repack: no {} matrix with whole groups of 16 rows on the CPU (the types this CPU has packed kernels for); nothing repacked{failed}",
-            names.join(" / ")
-        );
-    }
-    let types: Vec<String> = r.types.iter().map(|t| t.to_string().to_uppercase()).collect();
-    let given = match r.released_tensors {
-        0 => String::new(),
-        n => format!("; the read bytes of {n} of them given back ({})", tandem_plan::human(r.released_bytes)),
-    };
-    format!(
-        "repack: {} tensors repacked ({}; {}) in {:.1} s{given}{failed}",
-        r.tensors,
-        types.join(", "),
-        tandem_plan::human(r.bytes),
-        start.elapsed().as_secs_f64()
-    )
-}
-
 /// Threads, context and batching, as llama.cpp names them.
 #[derive(Args, Debug, Clone)]
 pub struct RuntimeArgs {
@@ -265,7 +200,7 @@ pub struct RuntimeArgs {
 }
 
 /// Where tensors go: llama.cpp's placement flags, plus `--gpu` to plan for hardware that is not
-/// there. Turned into a `tandem_plan::PlanRequest` by `tandem::plan::request`.
+/// there. Turned into a `tandem_plan::PlanRequest` by `tandem::load::request`.
 #[derive(Args, Debug, Clone, Default)]
 pub struct PlacementArgs {
     /// Layers on the GPU, counted from the output end: 999 or `all` = every layer, `auto` = --fit.
@@ -380,10 +315,10 @@ pub struct CompatArgs {
 }
 
 impl CompatArgs {
-    /// [`CompatArgs::notes`] on stderr, one `tandem: note:` line each.
+    /// [`CompatArgs::notes`] in the log, one `note:` line each.
     pub fn print_notes(&self) {
         for note in self.notes() {
-            eprintln!("tandem: note: {note}");
+            tracing::info!("note: {note}");
         }
     }
 

@@ -179,7 +179,7 @@ impl Hub {
     /// Downloads `url` to `dest` (unless it is there), resuming from `dest.part`.
     fn download(&self, url: &str, dest: &Path) -> anyhow::Result<()> {
         if dest.exists() {
-            eprintln!("tandem: {} (cached)", dest.display());
+            tracing::info!("{} (cached)", dest.display());
             return Ok(());
         }
         let part = PathBuf::from(format!("{}.part", dest.display()));
@@ -193,7 +193,7 @@ impl Hub {
                 Err(e) if e.downcast_ref::<Fatal>().is_some() => return Err(e),
                 Err(e) => {
                     let have = std::fs::metadata(&part).map_or(0, |m| m.len());
-                    eprintln!("tandem: {url}: {e:#}; resuming at byte {have} (attempt {} of {ATTEMPTS})", attempt + 2);
+                    tracing::warn!("{url}: {e:#}; resuming at byte {have} (attempt {} of {ATTEMPTS})", attempt + 2);
                     last_err = Some(e);
                     std::thread::sleep(Duration::from_millis(200 << attempt.min(5)));
                 }

@@ -6,6 +6,7 @@ pub mod hub;
 pub mod inspect;
 pub mod kernels;
 pub mod load;
+pub mod logging;
 pub mod logits;
 pub mod plan;
 pub mod run;

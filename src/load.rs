@@ -11,7 +11,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use tandem_gguf::{GgufModel, LoadOptions};
 use tandem_model::{CacheType, Context, ContextParams, Exec, MlaMode, Model};
-use tandem_plan::{Device, GpuBudget, GpuLayers, ModelInfo, Plan, PlanRequest, Rule};
+use tandem_plan::{
+    parse_cache_type, parse_size, Device, GpuBudget, GpuLayers, KvConfig, ModelInfo, Plan, PlanRequest, Rule,
+    DEFAULT_FIT_MARGIN, MIB,
+};
 
 /// Whether weights are asked for ahead of use (`--read-ahead`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Default)]
@@ -60,7 +63,7 @@ impl LoadSpec {
     pub fn from_args(model: &ModelArgs, rt: &RuntimeArgs, placement: &PlacementArgs) -> anyhow::Result<LoadSpec> {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = rt.threads.unwrap_or(cores);
-        let plan = crate::plan::request(placement, model, rt)?;
+        let plan = request(placement, model, rt)?;
         // Flags are checked before any device is touched: a bad -ot is an error, not a fallback.
         if let Some(r) = plan.rules.iter().find(|r| Device::parse(&r.device).is_none()) {
             bail!("{}: '{}' is not a device (use CPU, CUDA0, CUDA1, ...)", r.source, r.device);
@@ -178,7 +181,7 @@ impl Opened {
             }
         };
         if spec.repack {
-            notes.push(crate::cli::repack(&self.model, &exec, spec.progress));
+            notes.push(repack(&self.model, &exec, spec.progress));
         }
         if let Some(line) = read_ahead(spec.read_ahead, gguf, &mut exec) {
             notes.push(line);
@@ -207,7 +210,7 @@ fn read_ahead(mode: ReadAhead, gguf: &GgufModel, exec: &mut Exec) -> Option<Stri
         ReadAhead::Off => return None,
         ReadAhead::On => "--read-ahead on".to_string(),
         ReadAhead::Auto => {
-            let free = crate::cli::available_memory()?;
+            let free = available_memory()?;
             if !gguf.pages_on_demand() || cpu_bytes <= free {
                 return None;
             }
@@ -216,6 +219,169 @@ fn read_ahead(mode: ReadAhead, gguf: &GgufModel, exec: &mut Exec) -> Option<Stri
     };
     exec.set_read_ahead(true);
     Some(format!("read-ahead: {why}; each layer's chosen experts and the next layer's weights are asked for ahead"))
+}
+
+/// The planner's request from the command line; `tandem run` and `tandem serve` use the same.
+pub fn request(placement: &PlacementArgs, model: &ModelArgs, rt: &RuntimeArgs) -> anyhow::Result<PlanRequest> {
+    let mut rules = Rule::parse_overrides(&placement.override_tensor)?;
+    // llama.cpp appends these to the overrides where they appear on the command line; tandem
+    // tries them after every -ot rule (the same unless -ot sends experts to a GPU).
+    if placement.cpu_moe {
+        rules.push(Rule::cpu_moe());
+    }
+    if let Some(n) = placement.n_cpu_moe.filter(|&n| n > 0) {
+        rules.push(Rule::n_cpu_moe(n));
+    }
+    let fit_margin = match &placement.fit_target {
+        None => DEFAULT_FIT_MARGIN,
+        // A bare number is MiB, as llama.cpp's -fitt takes it.
+        Some(v) if v.bytes().all(|b| b.is_ascii_digit()) && !v.is_empty() => {
+            v.parse::<u64>().map(|m| m * MIB).context(format!("--fit-target '{v}': too large"))?
+        }
+        Some(v) => parse_size(v).map_err(|m| anyhow::anyhow!("--fit-target '{v}': {m}"))?,
+    };
+    let host_memory = match &placement.host_memory {
+        Some(v) => Some(parse_size(v).map_err(|m| anyhow::anyhow!("--host-memory '{v}': {m}"))?),
+        None => machine_memory(),
+    };
+    let u32_flag = |flag: &str, v: usize| u32::try_from(v).with_context(|| format!("{flag} {v}: too large"));
+    Ok(PlanRequest {
+        gpus: GpuBudget::parse_all(&placement.gpu)?,
+        host_memory,
+        rules,
+        n_gpu_layers: placement.n_gpu_layers,
+        fit: placement.fit.as_deref().map(|f| f == "on"),
+        fit_margin,
+        kv: KvConfig {
+            ctx: u32_flag("--ctx-size", rt.ctx_size)?,
+            type_k: parse_cache_type("--cache-type-k", &rt.cache_type_k)?,
+            type_v: parse_cache_type("--cache-type-v", &rt.cache_type_v)?,
+            parallel: u32_flag("--parallel", rt.parallel)?.max(1),
+            offload: !placement.no_kv_offload,
+        },
+        ubatch: u32_flag("--ubatch-size", rt.ubatch_size)?.max(1),
+        mmap: !model.no_mmap,
+        mlock: model.mlock,
+        // the types the CUDA runtime multiplies: the plan keeps the others on the CPU
+        gpu_types: Some(tandem_cuda::MATVEC_TYPES.to_vec()),
+    })
+}
+
+/// This machine's memory (`MemTotal` of /proc/meminfo), the CPU's budget unless --host-memory.
+fn machine_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// One line for the table: what repacking at load (the default) copies of the CPU's matrices,
+/// and whether a load on this host makes the copies (it keeps 1 GiB free beside them, see
+/// [`repack`]).
+pub fn repacking_line(r: &tandem_model::PackedSources, plan: &tandem_plan::Plan, no_mmap: bool) -> String {
+    let gib = tandem_plan::human;
+    let what = format!(
+        "repacking (the default; --no-repack turns it off): {} of packed copies of {} CPU matrices ({} in the file)",
+        gib(r.packed_bytes),
+        r.tensors,
+        gib(r.source_bytes)
+    );
+    let anonymous =
+        if no_mmap { plan.host.rss_no_mmap_bytes } else { plan.host.rss_mmap_bytes - plan.host.file_backed_bytes };
+    let need = r.peak_bytes(no_mmap);
+    let budget = plan.device(tandem_plan::Device::Cpu).and_then(|c| c.budget_bytes);
+    if budget.is_some_and(|b| anonymous + need + REPACK_HEADROOM > b) {
+        return format!(
+            "{what} would not fit beside the rest of the host memory, so a load here uses the weights as they are\n"
+        );
+    }
+    if !no_mmap {
+        return format!("{what}, anonymous memory beyond the host memory above; once packed, the file's pages of those tensors are not read again and stay reclaimable\n");
+    }
+    if r.releasable_bytes == 0 {
+        return format!("{what}, beyond the host memory above: with --no-mmap both copies stay resident\n");
+    }
+    format!(
+        "{what}; with --no-mmap {} of their read bytes are given back as they are packed, so the host memory above grows by about {}\n",
+        gib(r.releasable_bytes),
+        gib(r.packed_bytes.saturating_sub(r.releasable_bytes))
+    )
+}
+
+/// What repacking would copy of the matrices `plan` leaves to the CPU (`None` when this machine
+/// runs no packed kernel, nothing would be repacked, or tandem cannot load the file).
+pub fn repacking(model: &tandem_model::Model, plan: &tandem_plan::Plan) -> Option<tandem_model::PackedSources> {
+    if tandem_cpu::packed::paying_types().is_empty() {
+        return None;
+    }
+    let on_cpu = |name: &str| plan.device_of(name) == Some(tandem_plan::Device::Cpu);
+    let r = model.packed_sources(&|name| !on_cpu(name));
+    (r.tensors > 0).then_some(r)
+}
+
+/// Memory this process may still take (`MemAvailable`, lowered to a memory cgroup's room).
+pub fn available_memory() -> Option<u64> {
+    tandem_gguf::read_ahead::available_memory()
+}
+
+/// Memory repacking leaves free for the KV cache and compute buffers.
+pub const REPACK_HEADROOM: u64 = 1 << 30;
+
+/// Repacking (the default; not with `--no-repack`): packs every packable matrix `exec` leaves
+/// to the CPU now (with a progress bar on stderr when `progress`), and says in one line what it
+/// did.
+pub fn repack(model: &tandem_model::Model, exec: &tandem_model::Exec, progress: bool) -> String {
+    let paying = tandem_cpu::packed::paying_types();
+    if paying.is_empty() {
+        return "repack: this CPU runs no packed kernel (they need AVX2, most of them AVX-512 VNNI; or TANDEM_CPU_ISA caps the level); weights are used as they are".into();
+    }
+    let names: Vec<String> = paying.iter().map(|t| t.to_string().to_uppercase()).collect();
+    let skip = |name: &str| exec.holds_elsewhere(name);
+    let need = model.repack_need(&skip);
+    if let Some(free) = available_memory().filter(|&free| need.saturating_add(REPACK_HEADROOM) > free) {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let why = format!(
+            "the packed copies need {:.2} GiB and {:.2} GiB of memory are available (1 GiB kept free)",
+            gib(need),
+            gib(free)
+        );
+        model.keep_unpacked(&why);
+        return format!("repack: {why}; weights are used as they are");
+    }
+    let start = std::time::Instant::now();
+    let pb = if progress { indicatif::ProgressBar::new(0) } else { indicatif::ProgressBar::hidden() };
+    if let Ok(style) =
+        indicatif::ProgressStyle::with_template("repacking weights [{bar:30}] {bytes}/{total_bytes} ({elapsed})")
+    {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    let r = model.pack_weights(&skip, &mut |done, total| {
+        pb.set_length(total);
+        pb.set_position(done);
+    });
+    pb.finish_and_clear();
+    let failed = match r.failed.first() {
+        Some((name, why)) => format!("; {} left as they are ({name}: {why})", r.failed.len()),
+        None => String::new(),
+    };
+    if r.tensors == 0 {
+        return format!(
+            "repack: no {} matrix with whole groups of 16 rows on the CPU (the types this CPU has packed kernels for); nothing repacked{failed}",
+            names.join(" / ")
+        );
+    }
+    let types: Vec<String> = r.types.iter().map(|t| t.to_string().to_uppercase()).collect();
+    let given = match r.released_tensors {
+        0 => String::new(),
+        n => format!("; the read bytes of {n} of them given back ({})", tandem_plan::human(r.released_bytes)),
+    };
+    format!(
+        "repack: {} tensors repacked ({}; {}) in {:.1} s{given}{failed}",
+        r.tensors,
+        types.join(", "),
+        tandem_plan::human(r.bytes),
+        start.elapsed().as_secs_f64()
+    )
 }
 
 /// Whether the placement flags put anything on a GPU: `-ngl` above 0 (or all/auto), an `-ot`

@@ -36,7 +36,7 @@ pub fn open_context(model: &ModelArgs, rt: &RuntimeArgs, placement: &PlacementAr
     spec.progress = true;
     let up = spec.open()?.bring_up_default()?;
     for line in &up.notes {
-        eprintln!("tandem: {line}");
+        tracing::info!("{line}");
     }
     Ok(up.ctx)
 }
@@ -64,7 +64,7 @@ pub fn run(args: &LogitsArgs) -> anyhow::Result<()> {
     }
     let mut f = std::fs::File::create(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     f.write_all(&bytes).with_context(|| format!("writing {}", args.out.display()))?;
-    eprintln!(
+    tracing::info!(
         "logits: {n} tokens x {} vocab -> {} ({:.1} ms, {:.1} tokens/s)",
         ctx.model().n_vocab(),
         args.out.display(),

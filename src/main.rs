@@ -13,6 +13,8 @@ use tandem_gguf::{GgufModel, LoadOptions};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    log: tandem::logging::LogArgs,
 }
 
 #[derive(Subcommand)]
@@ -124,6 +126,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let prefix = if matches!(cli.command, Command::Serve(_)) { "tandem serve" } else { "tandem" };
+    if let Err(e) = tandem::logging::init(&cli.log, prefix) {
+        eprintln!("tandem: error: {}", tandem::cli::one_line(&format!("{e:#}")));
+        return ExitCode::from(2);
+    }
     let result = match &cli.command {
         Command::Inspect(args) => inspect(args),
         Command::Logits(args) => with_model(&**args, |a| &mut a.model, tandem::logits::run),

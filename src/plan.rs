@@ -6,13 +6,12 @@
 //! deployment's command line can be checked as it is.
 
 use crate::cli::{CompatArgs, ModelArgs, PlacementArgs, RuntimeArgs};
+use crate::load::{repacking, repacking_line, request};
 use anyhow::Context as _;
 use clap::Args;
 use std::io::Write;
 use tandem_gguf::{GgufModel, LoadOptions};
-use tandem_plan::{
-    parse_cache_type, parse_size, GpuBudget, KvConfig, ModelInfo, PlanRequest, Rule, DEFAULT_FIT_MARGIN, MIB,
-};
+use tandem_plan::ModelInfo;
 
 #[derive(Args, Debug, Clone)]
 pub struct PlanArgs {
@@ -68,104 +67,6 @@ pub struct ServingArgs {
     /// Sampling seed (not used by plan).
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub seed: Option<i64>,
-}
-
-/// The planner's request from the command line; `tandem run` and `tandem serve` use the same.
-pub fn request(placement: &PlacementArgs, model: &ModelArgs, rt: &RuntimeArgs) -> anyhow::Result<PlanRequest> {
-    let mut rules = Rule::parse_overrides(&placement.override_tensor)?;
-    // llama.cpp appends these to the overrides where they appear on the command line; tandem
-    // tries them after every -ot rule (the same unless -ot sends experts to a GPU).
-    if placement.cpu_moe {
-        rules.push(Rule::cpu_moe());
-    }
-    if let Some(n) = placement.n_cpu_moe.filter(|&n| n > 0) {
-        rules.push(Rule::n_cpu_moe(n));
-    }
-    let fit_margin = match &placement.fit_target {
-        None => DEFAULT_FIT_MARGIN,
-        // A bare number is MiB, as llama.cpp's -fitt takes it.
-        Some(v) if v.bytes().all(|b| b.is_ascii_digit()) && !v.is_empty() => {
-            v.parse::<u64>().map(|m| m * MIB).context(format!("--fit-target '{v}': too large"))?
-        }
-        Some(v) => parse_size(v).map_err(|m| anyhow::anyhow!("--fit-target '{v}': {m}"))?,
-    };
-    let host_memory = match &placement.host_memory {
-        Some(v) => Some(parse_size(v).map_err(|m| anyhow::anyhow!("--host-memory '{v}': {m}"))?),
-        None => machine_memory(),
-    };
-    let u32_flag = |flag: &str, v: usize| u32::try_from(v).with_context(|| format!("{flag} {v}: too large"));
-    Ok(PlanRequest {
-        gpus: GpuBudget::parse_all(&placement.gpu)?,
-        host_memory,
-        rules,
-        n_gpu_layers: placement.n_gpu_layers,
-        fit: placement.fit.as_deref().map(|f| f == "on"),
-        fit_margin,
-        kv: KvConfig {
-            ctx: u32_flag("--ctx-size", rt.ctx_size)?,
-            type_k: parse_cache_type("--cache-type-k", &rt.cache_type_k)?,
-            type_v: parse_cache_type("--cache-type-v", &rt.cache_type_v)?,
-            parallel: u32_flag("--parallel", rt.parallel)?.max(1),
-            offload: !placement.no_kv_offload,
-        },
-        ubatch: u32_flag("--ubatch-size", rt.ubatch_size)?.max(1),
-        mmap: !model.no_mmap,
-        mlock: model.mlock,
-        // the types the CUDA runtime multiplies: the plan keeps the others on the CPU
-        gpu_types: Some(tandem_cuda::MATVEC_TYPES.to_vec()),
-    })
-}
-
-/// This machine's memory (`MemTotal` of /proc/meminfo), the CPU's budget unless --host-memory.
-fn machine_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
-/// One line for the table: what repacking at load (the default) copies of the CPU's matrices,
-/// and whether a load on this host makes the copies (it keeps 1 GiB free beside them, see
-/// `cli::repack`).
-pub(crate) fn repacking_line(r: &tandem_model::PackedSources, plan: &tandem_plan::Plan, no_mmap: bool) -> String {
-    let gib = tandem_plan::human;
-    let what = format!(
-        "repacking (the default; --no-repack turns it off): {} of packed copies of {} CPU matrices ({} in the file)",
-        gib(r.packed_bytes),
-        r.tensors,
-        gib(r.source_bytes)
-    );
-    let anonymous =
-        if no_mmap { plan.host.rss_no_mmap_bytes } else { plan.host.rss_mmap_bytes - plan.host.file_backed_bytes };
-    let need = r.peak_bytes(no_mmap);
-    let budget = plan.device(tandem_plan::Device::Cpu).and_then(|c| c.budget_bytes);
-    if budget.is_some_and(|b| anonymous + need + crate::cli::REPACK_HEADROOM > b) {
-        return format!(
-            "{what} would not fit beside the rest of the host memory, so a load here uses the weights as they are\n"
-        );
-    }
-    if !no_mmap {
-        return format!("{what}, anonymous memory beyond the host memory above; once packed, the file's pages of those tensors are not read again and stay reclaimable\n");
-    }
-    if r.releasable_bytes == 0 {
-        return format!("{what}, beyond the host memory above: with --no-mmap both copies stay resident\n");
-    }
-    format!(
-        "{what}; with --no-mmap {} of their read bytes are given back as they are packed, so the host memory above grows by about {}\n",
-        gib(r.releasable_bytes),
-        gib(r.packed_bytes.saturating_sub(r.releasable_bytes))
-    )
-}
-
-/// What repacking would copy of the matrices `plan` leaves to the CPU (`None` when this machine
-/// runs no packed kernel, nothing would be repacked, or tandem cannot load the file).
-pub(crate) fn repacking(model: &tandem_model::Model, plan: &tandem_plan::Plan) -> Option<tandem_model::PackedSources> {
-    if tandem_cpu::packed::paying_types().is_empty() {
-        return None;
-    }
-    let on_cpu = |name: &str| plan.device_of(name) == Some(tandem_plan::Device::Cpu);
-    let r = model.packed_sources(&|name| !on_cpu(name));
-    (r.tensors > 0).then_some(r)
 }
 
 pub fn run(args: &PlanArgs) -> anyhow::Result<()> {

@@ -177,13 +177,13 @@ impl Session<'_> {
         let mut logits = Vec::new();
         for (i, part) in todo.chunks(chunk).enumerate() {
             if todo.len() > chunk {
-                eprint!("\rprefill: {}/{} tokens", i * chunk + part.len(), todo.len());
+                terminal(&format!("\rprefill: {}/{} tokens", i * chunk + part.len(), todo.len()));
             }
             logits = self.ctx.decode(&Batch::sequence(part, self.cached.len() as u32, SEQ, false))?;
             self.cached.extend_from_slice(part);
         }
         if todo.len() > chunk {
-            eprintln!();
+            terminal("\n");
         }
         for &t in ids {
             self.sampler.accept(t);
@@ -222,7 +222,7 @@ impl Session<'_> {
                 break;
             }
             if self.cached.len() + 1 >= self.n_ctx() {
-                eprintln!("\n[context full: {} tokens; raise -c for longer output]", self.n_ctx());
+                tracing::warn!("context full: {} tokens; raise -c for longer output", self.n_ctx());
                 break;
             }
             logits = self.ctx.decode(&Batch::sequence(&[t], self.cached.len() as u32, SEQ, false))?;
@@ -250,11 +250,11 @@ fn template(args: &RunArgs, tok: &Tokenizer) -> anyhow::Result<Option<ChatTempla
         (Some((text, _)), _) => text,
         (None, Some(s)) => s.to_string(),
         (None, None) if args.chat || args.system.is_some() => {
-            eprintln!("note: the model has no chat template (tokenizer.chat_template): chatml, as llama.cpp; --chat-template NAME|JINJA to choose");
+            tracing::info!("note: the model has no chat template (tokenizer.chat_template): chatml, as llama.cpp; --chat-template NAME|JINJA to choose");
             tandem_tokenizer::choose_template(None, None).0
         }
         (None, None) => {
-            eprintln!("note: the model has no chat template; the prompt is used as it is");
+            tracing::info!("note: the model has no chat template; the prompt is used as it is");
             return Ok(None);
         }
     };
@@ -287,7 +287,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let tok = Tokenizer::from_gguf(ctx.model().gguf())?;
     let tmpl = template(args, &tok)?;
     if args.seed.is_none() && params.temperature > 0.0 {
-        eprintln!("seed: {}", params.seed);
+        tracing::info!("seed: {}", params.seed);
     }
     let mut s = Session { args, ctx, tok, sampler, cached: Vec::new(), timings: Timings::default() };
     let mut messages: Vec<serde_json::Value> = args.system.iter().map(|p| message("system", p)).collect();
@@ -312,7 +312,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         let stdin = std::io::stdin();
         let mut lines = stdin.lock().lines();
         loop {
-            eprint!("\n> ");
+            terminal("\n> ");
             let Some(line) = lines.next() else { break };
             let line = line.context("reading stdin (the chat takes UTF-8 text, one turn per line)")?;
             match line.trim() {
@@ -321,8 +321,16 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
                 _ => turn(&mut s, &mut messages, &line)?,
             }
         }
-        eprintln!();
+        terminal("\n");
     }
-    eprintln!("{}", s.timings.report());
+    tracing::info!("{}", s.timings.report());
     Ok(())
+}
+
+/// The interactive terminal's own text on stderr (the chat prompt `> `, the prefill counter):
+/// not log lines, so not through the log.
+fn terminal(text: &str) {
+    let mut e = std::io::stderr().lock();
+    // A closed stderr loses only this text.
+    let _ = e.write_all(text.as_bytes()).and_then(|_| e.flush());
 }

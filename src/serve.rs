@@ -10,7 +10,6 @@ use crate::cli::{CompatArgs, PlacementArgs, RuntimeArgs};
 use anyhow::{bail, Context as _};
 use clap::Args;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tandem_engine::{Engine, EngineConfig};
 use tandem_server::ModelDescription;
@@ -144,7 +143,7 @@ fn load_spec(args: &ServeArgs) -> anyhow::Result<crate::load::LoadSpec> {
 }
 
 fn log(line: &str) {
-    eprintln!("tandem serve: {line}");
+    tracing::info!("{line}");
 }
 
 /// The loaded engine and what GetModelInfo says about it.
@@ -159,8 +158,8 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
     match (&up.plan, &up.plan_error) {
         (Some(plan), _) => {
             plan.to_text(false).lines().for_each(log);
-            if let Some(r) = (!args.no_repack).then(|| crate::plan::repacking(&model, plan)).flatten() {
-                log(crate::plan::repacking_line(&r, plan, args.no_mmap).trim_end());
+            if let Some(r) = (!args.no_repack).then(|| crate::load::repacking(&model, plan)).flatten() {
+                log(crate::load::repacking_line(&r, plan, args.no_mmap).trim_end());
             }
         }
         (None, Some(e)) if !demo => log(&format!("no memory plan: {e}")),
@@ -185,7 +184,6 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
         prefill_chunk: args.prefill_chunk.unwrap_or(rt.ubatch_size).max(1),
         slot_similarity: args.slot_prompt_similarity,
         system_prompt,
-        log: Some(Arc::new(log)),
         log_prompts: args.log_prompts,
         chat_template: args.template.given()?,
     };

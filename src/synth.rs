@@ -160,7 +160,7 @@ pub fn run(a: &SynthArgs) -> anyhow::Result<()> {
     add(&mut w, "output_norm.weight", GgmlType::F32, &[e], Fill::Ones)?;
     add(&mut w, "output.weight", q8, &[e, k.n_vocab], Fill::Blocks)?;
     let start = Instant::now();
-    eprintln!(
+    tracing::info!(
         "synth: {} layers of {}, {:.2} GiB, to {}",
         a.layers,
         a.shape,
@@ -173,7 +173,7 @@ pub fn run(a: &SynthArgs) -> anyhow::Result<()> {
         fill_tensor(ty, fill, seed.wrapping_mul(0x9E37_79B9).wrapping_add(i as u64), bytes);
     })
     .with_context(|| format!("writing {}", a.out.display()))?;
-    eprintln!("synth: written in {:.1} s", start.elapsed().as_secs_f64());
+    tracing::info!("synth: written in {:.1} s", start.elapsed().as_secs_f64());
     Ok(())
 }
 

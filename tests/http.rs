@@ -564,3 +564,52 @@ async fn openai_tool_calls_parse_stream_and_round_trip() {
     assert!(stdout.contains("round trip"), "{stdout}");
     println!("{stdout}");
 }
+
+/// `tandem serve --log-format json`: every stderr line is one JSON object with level and target,
+/// and a request's lines carry its id (the id the answer has) in their span.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_json_log_names_each_request() {
+    use std::io::{BufRead, BufReader};
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "-c", "256", "-t", "1"])
+        .args(["--log-format", "json"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting tandem serve");
+    let stderr = child.stderr.take().unwrap();
+    let (tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut log: Vec<Value> = Vec::new();
+    let mut wait_for = |what: &dyn Fn(&Value) -> bool| loop {
+        let l = lines.recv_timeout(Duration::from_secs(120)).unwrap_or_else(|_| panic!("no such line: {log:?}"));
+        let v: Value = serde_json::from_str(&l).unwrap_or_else(|e| panic!("not one JSON object ({e}): {l}"));
+        assert!(v["level"].is_string() && v["target"].is_string() && v["message"].is_string(), "{v}");
+        log.push(v.clone());
+        if what(&v) {
+            return v;
+        }
+    };
+    let on = wait_for(&|v| v["message"].as_str().unwrap().contains("HTTP on http://"));
+    let msg = on["message"].as_str().unwrap();
+    let addr: SocketAddr = msg.split("http://").nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
+    wait_for(&|v| v["message"].as_str().unwrap().contains("SERVING"));
+    let (status, r) = post_json(addr, "/v1/completions", json!({"prompt": "Hello", "max_tokens": 3})).await;
+    assert_eq!(status, StatusCode::OK, "{r}");
+    let id = r["id"].as_str().unwrap().to_string();
+    let done = wait_for(&|v| v["message"] == "request finished");
+    assert_eq!(done["span"]["name"], "request", "{done}");
+    assert_eq!(done["span"]["id"], id.as_str(), "{done}");
+    assert_eq!(done["level"], "INFO", "{done}");
+    assert!(done["target"].as_str().unwrap().starts_with("tandem_engine"), "{done}");
+    assert!(done["prompt_tokens"].as_u64().unwrap() > 0 && done["completion_tokens"].as_u64().unwrap() <= 3, "{done}");
+    // SAFETY: kill(2) with the pid of a child this test started and still owns.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap()).await.unwrap();
+    assert!(status.success(), "{status:?}");
+}

@@ -142,7 +142,7 @@ fn choose() -> (Prefetch, Prefetch) {
     if let Ok(s) = std::env::var("TANDEM_PREFETCH") {
         match Prefetch::parse(&s) {
             Some(p) => return (p, p),
-            None => eprintln!("tandem: TANDEM_PREFETCH={s:?} is not one of nta, t0, t1, off; ignored"),
+            None => tracing::warn!("TANDEM_PREFETCH={s:?} is not one of nta, t0, t1, off; ignored"),
         }
     }
     Prefetch::defaults(vendor() == *b"AuthenticAMD", family())

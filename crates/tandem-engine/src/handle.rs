@@ -15,9 +15,6 @@ use std::thread::JoinHandle;
 use tandem_model::{Batch, Context, Model};
 use tandem_tokenizer::{message, ChatTemplate, TemplateSource, Tokenizer};
 
-/// Where the engine writes its one-line notes (prompt-cache divergences, failed batches).
-pub type Logger = Arc<dyn Fn(&str) + Send + Sync>;
-
 /// How the engine runs.
 #[derive(Clone)]
 pub struct EngineConfig {
@@ -33,7 +30,6 @@ pub struct EngineConfig {
     pub slot_similarity: f32,
     /// Text every Generate prompt starts with, prefilled once at start.
     pub system_prompt: Option<String>,
-    pub log: Option<Logger>,
     /// A chat template (and where it came from) to use instead of the model's; with none here and
     /// none in the model, chatml.
     pub chat_template: Option<(String, TemplateSource)>,
@@ -51,7 +47,6 @@ impl Default for EngineConfig {
             prefill_chunk: 512,
             slot_similarity: 0.5,
             system_prompt: None,
-            log: None,
             log_prompts: false,
             chat_template: None,
         }
@@ -107,17 +102,11 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub fn log(&self, msg: &str) {
-        if let Some(l) = &self.config.log {
-            l(msg);
-        }
-    }
-
     /// Stops taking requests for good because of `why` (logged once).
     pub fn break_down(&self, why: &str) {
         let mut broken = self.broken.lock().unwrap_or_else(|e| e.into_inner());
         if broken.is_none() {
-            self.log(why);
+            tracing::error!("{why}");
             *broken = Some(why.to_string());
         }
         self.stopped.store(true, Ordering::Release);
@@ -170,9 +159,7 @@ impl Engine {
             )));
         }
         if !sys.is_empty() {
-            if let Some(log) = &config.log {
-                log(&format!("prefilling the system prompt: {} tokens", sys.len()));
-            }
+            tracing::info!("prefilling the system prompt: {} tokens", sys.len());
         }
         for (k, chunk) in sys.chunks(config.prefill_chunk.max(1)).enumerate() {
             ctx.decode(&Batch::sequence(chunk, (k * config.prefill_chunk.max(1)) as u32, sys_seq, false))?;
@@ -180,9 +167,7 @@ impl Engine {
         let given = config.chat_template.clone();
         let (source, template_source) = tandem_tokenizer::choose_template(given, tokenizer.chat_template());
         if template_source == TemplateSource::Fallback {
-            if let Some(l) = &config.log {
-                l("the model has no chat template (tokenizer.chat_template): chat uses chatml, as llama-server; --chat-template NAME|JINJA or --chat-template-file F to choose");
-            }
+            tracing::info!("the model has no chat template (tokenizer.chat_template): chat uses chatml, as llama-server; --chat-template NAME|JINJA or --chat-template-file F to choose");
         }
         let template = Some(ChatTemplate::new(&source, tokenizer.bos_text(), tokenizer.eos_text())?);
         let tool_format = crate::tool_format::ToolFormat::of_template(&source);
@@ -218,15 +203,18 @@ impl Engine {
         });
         let scheduler = Scheduler::new(ctx, shared.clone(), sys_seq, sys);
         let on_thread = shared.clone();
+        // The engine thread logs where the thread that started it does.
+        let dispatch = tracing::dispatcher::get_default(|d| d.clone());
         let thread = std::thread::Builder::new()
             .name("tandem-engine".into())
             .spawn(move || {
+                let _logging = tracing::dispatcher::set_default(&dispatch);
                 // a bug must not leave clients waiting forever: the sinks are dropped (their
                 // streams end with INTERNAL) and new requests are refused
                 let run = std::panic::AssertUnwindSafe(|| scheduler.run(rx));
                 if std::panic::catch_unwind(run).is_err() {
                     on_thread.stopped.store(true, Ordering::Release);
-                    on_thread.log("the engine thread panicked; new requests are refused");
+                    tracing::error!("the engine thread panicked; new requests are refused");
                 }
             })
             .map_err(|e| Error::Unavailable(format!("starting the engine thread: {e}")))?;
@@ -369,7 +357,8 @@ impl EngineHandle {
             }
             inflight.insert(id.clone(), cancel.clone());
         }
-        let job = Job { id: id.clone(), req, tokens, sampler, cancel, sink, matcher };
+        let span = tracing::info_span!("request", id = %id);
+        let job = Job { id: id.clone(), req, tokens, sampler, cancel, sink, matcher, span };
         if s.tx.lock().unwrap_or_else(|e| e.into_inner()).send(Command::Submit(Box::new(job))).is_err() {
             s.release(&id);
             return Err(Error::Unavailable("the engine has stopped".into()));

@@ -13,7 +13,7 @@ pub mod stats;
 pub mod tool_format;
 
 pub use grammar::Constraint;
-pub use handle::{Engine, EngineConfig, EngineHandle, EngineInfo, Logger};
+pub use handle::{Engine, EngineConfig, EngineHandle, EngineInfo};
 pub use request::{
     Event, Failure, Finish, FinishReason, LengthLimit, PositionLogprobs, Prompt, Request, Sink, Timings, TokenLogprob,
     Usage,

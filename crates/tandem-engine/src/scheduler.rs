@@ -201,6 +201,8 @@ impl Scheduler {
 
     /// Puts `job` in slot `i`, reusing the longest prefix of the slot's cache or the system prompt.
     fn start(&mut self, i: usize, job: Job) {
+        let span = job.span.clone();
+        let _in = span.enter();
         let now = Instant::now();
         self.shared.stats.queue_time.observe((now - job.req.arrived).as_secs_f64());
         let seq = self.slots[i].seq;
@@ -234,6 +236,7 @@ impl Scheduler {
         for &t in &job.tokens {
             job.sampler.accept(t);
         }
+        tracing::info!(slot = i, prompt_tokens = job.tokens.len(), cached_tokens = cached, "request started");
         self.slots[i].active = Some(Active::new(job, cached, self.shared.config.max_tokens, now));
     }
 
@@ -267,12 +270,12 @@ impl Scheduler {
                 h.finish() as u32
             };
             let end = |ids: &[u32]| (at + DIVERGENCE_CONTEXT_TOKENS).min(ids.len());
-            self.shared.log(&format!(
+            tracing::info!(
                 "prompt cache: the prompt ({} tokens) diverges from {what} at token {at}: next tokens hash {:08x} cached, {:08x} prompt (--log-prompts shows the text)",
                 prompt.len(),
                 hash(&cached[at..end(cached)]),
                 hash(&prompt[at..end(prompt)]),
-            ));
+            );
             return;
         }
         let text = |ids: &[u32]| {
@@ -281,12 +284,12 @@ impl Scheduler {
         };
         let before = at.saturating_sub(DIVERGENCE_CONTEXT_TOKENS);
         let shared_text = self.shared.tokenizer.decode(&prompt[before..at], true).unwrap_or_default();
-        self.shared.log(&format!(
+        tracing::info!(
             "prompt cache: the prompt ({} tokens) diverges from {what} at token {at}: after {shared_text:?}, cached {:?}, prompt {:?}",
             prompt.len(),
             text(cached),
             text(prompt)
-        ));
+        );
     }
 
     /// Updates the gauges.
@@ -346,7 +349,7 @@ impl Scheduler {
             let why = self.shared.model.gguf().check_unchanged().err().unwrap_or_else(|| {
                 "a model file could not be read while mapped (SIGBUS); restart the server".to_string()
             });
-            self.shared.log("a model page faulted during a batch (SIGBUS): the batch is discarded");
+            tracing::error!("a model page faulted during a batch (SIGBUS): the batch is discarded");
             self.shared.break_down(&why);
             return;
         }
@@ -356,7 +359,7 @@ impl Scheduler {
             Err(e) => {
                 // the cache is as it was: fail the requests of this batch, keep the server up
                 let msg = format!("decoding failed: {e}");
-                self.shared.log(&msg);
+                tracing::error!("{msg}");
                 for (i, _, _) in parts {
                     self.end_slot(i, End::Failed(Failure::Internal(msg.clone())));
                 }

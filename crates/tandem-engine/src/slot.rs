@@ -19,6 +19,8 @@ pub(crate) struct Job {
     pub sink: Box<dyn Sink>,
     /// The structured-output constraint, compiled.
     pub matcher: Option<llguidance::Matcher>,
+    /// `request{id}`: what the engine logs of this request is logged inside it.
+    pub span: tracing::Span,
 }
 
 /// How a request left its slot (or the queue).
@@ -174,6 +176,7 @@ impl Active {
 
     /// Sends the last event of the request and records its measurements.
     pub fn end(mut self, end: End, stats: &Stats) {
+        let _in = self.job.span.clone().entered();
         let now = Instant::now();
         stats.end_to_end.observe((now - self.job.req.arrived).as_secs_f64());
         match end {
@@ -193,10 +196,25 @@ impl Active {
                     }
                 }
                 let finish = Finish { reason, usage: self.usage(), timings: self.timings() };
+                tracing::info!(
+                    finish = ?finish.reason,
+                    prompt_tokens = finish.usage.prompt_tokens,
+                    cached_tokens = finish.usage.cached_tokens,
+                    completion_tokens = finish.usage.completion_tokens,
+                    queue_ms = finish.timings.queue.as_millis() as u64,
+                    ttft_ms = finish.timings.time_to_first_token.as_millis() as u64,
+                    prefill_tps = format_args!("{:.1}", finish.timings.prefill_tokens_per_second),
+                    decode_tps = format_args!("{:.1}", finish.timings.decode_tokens_per_second),
+                    "request finished"
+                );
                 self.job.sink.send(Event::Finished { text, finish });
             }
-            End::Disconnected => stats.requests_cancelled.add(1),
+            End::Disconnected => {
+                tracing::info!(completion_tokens = self.generated, "the client went away");
+                stats.requests_cancelled.add(1)
+            }
             End::Failed(f) => {
+                tracing::warn!(failure = ?f, "request failed");
                 stats.requests_failed.add(1);
                 self.job.sink.send(Event::Failed(f));
             }
@@ -235,6 +253,8 @@ impl Active {
 
 /// Ends a request that never reached a slot.
 pub(crate) fn end_queued(mut job: Job, end: End, stats: &Stats) {
+    let _in = job.span.clone().entered();
+    tracing::info!(prompt_tokens = job.tokens.len(), "request ended before a slot was free");
     stats.end_to_end.observe(job.req.arrived.elapsed().as_secs_f64());
     match end {
         End::Finished(reason) => {

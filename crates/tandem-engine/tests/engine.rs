@@ -17,6 +17,30 @@ fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models").join(name)
 }
 
+/// The log of this thread (and of the engines it starts, whose threads log where the thread that
+/// started them does) into a buffer, until the guard drops.
+fn capture_log() -> (Arc<std::sync::Mutex<Vec<u8>>>, tracing::subscriber::DefaultGuard) {
+    #[derive(Clone)]
+    struct Buf(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = Buf(buf.clone());
+    let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer(move || sink.clone()).finish();
+    (buf, tracing::subscriber::set_default(subscriber))
+}
+
+fn log_lines(buf: &std::sync::Mutex<Vec<u8>>) -> Vec<String> {
+    String::from_utf8_lossy(&buf.lock().unwrap()).lines().map(str::to_string).collect()
+}
+
 fn engine(model: &str, n_ctx: usize, config: EngineConfig) -> Engine {
     let gguf = Arc::new(GgufModel::open(fixture(model), LoadOptions::default()).unwrap());
     let tok = Tokenizer::from_gguf(&gguf).unwrap();
@@ -131,12 +155,10 @@ fn stop_strings_end_generation_and_are_not_sent() {
 #[test]
 fn prompt_cache_and_system_prompt_are_reused() {
     let long: String = PROMPTS.iter().cycle().take(12).copied().collect::<Vec<_>>().join(" ");
-    let lines = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let sink = lines.clone();
+    let (lines, _logging) = capture_log();
     let config = EngineConfig {
         n_parallel: 2,
         system_prompt: Some("You are a helpful assistant.".into()),
-        log: Some(Arc::new(move |l: &str| sink.lock().unwrap().push(l.to_string()))),
         log_prompts: true,
         ..EngineConfig::default()
     };
@@ -153,25 +175,22 @@ fn prompt_cache_and_system_prompt_are_reused() {
     assert_eq!(f3.usage.cached_tokens, f3.usage.prompt_tokens - 1);
     // a prompt that diverges from the cache is logged with where and what
     run(&e, greedy(&format!("{} zebra {}", &long[..60], &long[60..]), 2));
-    let lines = std::mem::take(&mut *lines.lock().unwrap());
+    let lines = log_lines(&lines);
     assert!(lines.iter().any(|l| l.contains("diverges") && l.contains("zebra")), "{lines:?}");
+    // every request's lines carry its id
+    assert!(lines.iter().any(|l| l.contains("request{id=") && l.contains("request finished")), "{lines:?}");
     assert!(e.handle().stats().cache_divergences.get() >= 1);
 }
 
 #[test]
 fn prompt_text_stays_out_of_the_log_by_default() {
     let long: String = PROMPTS.iter().cycle().take(12).copied().collect::<Vec<_>>().join(" ");
-    let lines = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let sink = lines.clone();
-    let config = EngineConfig {
-        n_parallel: 2,
-        log: Some(Arc::new(move |l: &str| sink.lock().unwrap().push(l.to_string()))),
-        ..EngineConfig::default()
-    };
+    let (lines, _logging) = capture_log();
+    let config = EngineConfig { n_parallel: 2, ..EngineConfig::default() };
     let e = engine("llama-tiny.gguf", 512, config);
     run(&e, greedy(&long, 2));
     run(&e, greedy(&format!("{} zebra {}", &long[..60], &long[60..]), 2));
-    let lines = lines.lock().unwrap();
+    let lines = log_lines(&lines);
     let diverged: Vec<&String> = lines.iter().filter(|l| l.contains("diverges")).collect();
     assert_eq!(diverged.len(), 1, "{lines:?}");
     assert!(diverged[0].contains("hash") && !diverged[0].contains("zebra"), "{diverged:?}");

@@ -9,32 +9,18 @@
 //! sparse files). Tests generate the same files into a temporary directory instead.
 
 use std::path::PathBuf;
-use std::process::ExitCode;
 use tandem_plan::quant_mix::Ftype;
 
-fn main() -> ExitCode {
+fn main() -> Result<(), String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (dir, ftype) = match args.as_slice() {
         [dir] => (PathBuf::from(dir), Ftype::Q4_K_M),
         [dir, f] if f.eq_ignore_ascii_case("q4_k_m") => (PathBuf::from(dir), Ftype::Q4_K_M),
         [dir, f] if f.eq_ignore_ascii_case("q4_k_s") => (PathBuf::from(dir), Ftype::Q4_K_S),
-        _ => {
-            eprintln!("usage: gen_kimi_replica DIR [Q4_K_M|Q4_K_S]");
-            return ExitCode::FAILURE;
-        }
+        _ => return Err("usage: gen_kimi_replica DIR [Q4_K_M|Q4_K_S]".into()),
     };
-    if let Err(e) = std::fs::create_dir_all(&dir) {
-        eprintln!("gen_kimi_replica: {}: {e}", dir.display());
-        return ExitCode::FAILURE;
-    }
-    match tandem_plan::replica::write_kimi_k25(&dir, ftype) {
-        Ok(first) => {
-            println!("{}", first.display());
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("gen_kimi_replica: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let first = tandem_plan::replica::write_kimi_k25(&dir, ftype).map_err(|e| e.to_string())?;
+    println!("{}", first.display());
+    Ok(())
 }
