@@ -6,61 +6,59 @@
 use super::{Attn, KvType};
 use std::arch::x86_64::*;
 
-/// `x = x * s` as V's dot type holds it: rounded to nearest even f16 or bf16 (ggml's
-/// conversions), or kept.
-#[target_feature(enable = "avx512f,avx512dq,f16c")]
-pub(super) unsafe fn scale_round(x: &mut [f32], s: f32, v_type: KvType) {
-    // SAFETY: the caller upholds this function's `# Safety` contract.
-    unsafe {
-        let sv = _mm512_set1_ps(s);
-        let mut chunks = x.chunks_exact_mut(16);
-        for c in &mut chunks {
-            let v = _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), sv);
-            let r = match v_type {
-                KvType::F16 => _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v)),
-                KvType::BF16 => {
-                    // ggml_compute_fp32_to_bf16 for the finite values probabilities are.
-                    let u = _mm512_castps_si512(v);
-                    let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(u), _mm512_set1_epi32(1));
-                    let up = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-                    _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(0xffff_0000u32 as i32)))
+/// Defines a `scale_round` kernel on one register width, from one source for both: `$w` lanes,
+/// the intrinsics of that width, `$ph` the f16 rounding's immediate.
+macro_rules! scale_round_fn {
+    ($(#[$doc:meta])* $name:ident $feat:literal $w:literal [$set1:ident $mul:ident $loadu:ident $storeu:ident $to_ph:ident $from_ph:ident ($($ph:tt)*)] [$cast:ident $uncast:ident $and:ident $srli:ident $add:ident $set1i:ident]) => {
+        $(#[$doc])*
+        #[target_feature(enable = $feat)]
+        pub(super) unsafe fn $name(x: &mut [f32], s: f32, v_type: KvType) {
+            // SAFETY: the caller upholds this function's `# Safety` contract.
+            unsafe {
+                let sv = $set1(s);
+                let mut chunks = x.chunks_exact_mut($w);
+                for c in &mut chunks {
+                    let v = $mul($loadu(c.as_ptr()), sv);
+                    let r = match v_type {
+                        KvType::F16 => $from_ph($to_ph::<{ $($ph)* }>(v)),
+                        KvType::BF16 => {
+                            // ggml_compute_fp32_to_bf16 for the finite values probabilities are.
+                            let u = $cast(v);
+                            let odd = $and($srli::<16>(u), $set1i(1));
+                            let up = $add(u, $add($set1i(0x7fff), odd));
+                            $uncast($and(up, $set1i(0xffff_0000u32 as i32)))
+                        }
+                        KvType::F32 | KvType::Q8_0 => v,
+                    };
+                    $storeu(c.as_mut_ptr(), r);
                 }
-                KvType::F32 | KvType::Q8_0 => v,
-            };
-            _mm512_storeu_ps(c.as_mut_ptr(), r);
+                for v in chunks.into_remainder() {
+                    *v = super::heads::round_p(*v * s, v_type);
+                }
+            }
         }
-        for v in chunks.into_remainder() {
-            *v = super::heads::round_p(*v * s, v_type);
-        }
-    }
+    };
 }
 
-/// [`scale_round`] with AVX2 and F16C: the same bits.
-#[target_feature(enable = "avx2,f16c")]
-pub(super) unsafe fn scale_round_avx2(x: &mut [f32], s: f32, v_type: KvType) {
-    // SAFETY: the caller upholds this function's `# Safety` contract.
-    unsafe {
-        let sv = _mm256_set1_ps(s);
-        let mut chunks = x.chunks_exact_mut(8);
-        for c in &mut chunks {
-            let v = _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), sv);
-            let r = match v_type {
-                KvType::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)),
-                KvType::BF16 => {
-                    let u = _mm256_castps_si256(v);
-                    let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(u), _mm256_set1_epi32(1));
-                    let up = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-                    _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(0xffff_0000u32 as i32)))
-                }
-                KvType::F32 | KvType::Q8_0 => v,
-            };
-            _mm256_storeu_ps(c.as_mut_ptr(), r);
-        }
-        for v in chunks.into_remainder() {
-            *v = super::heads::round_p(*v * s, v_type);
-        }
-    }
-}
+scale_round_fn!(
+    /// `x = x * s` as V's dot type holds it: rounded to nearest even f16 or bf16 (ggml's
+    /// conversions), or kept.
+    ///
+    /// # Safety
+    /// The machine has AVX-512 F, DQ and F16C.
+    scale_round "avx512f,avx512dq,f16c" 16
+    [_mm512_set1_ps _mm512_mul_ps _mm512_loadu_ps _mm512_storeu_ps _mm512_cvtps_ph _mm512_cvtph_ps (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)]
+    [_mm512_castps_si512 _mm512_castsi512_ps _mm512_and_si512 _mm512_srli_epi32 _mm512_add_epi32 _mm512_set1_epi32]
+);
+scale_round_fn!(
+    /// [`scale_round`] with AVX2 and F16C: the same bits.
+    ///
+    /// # Safety
+    /// The machine has AVX2 and F16C.
+    scale_round_avx2 "avx2,f16c" 8
+    [_mm256_set1_ps _mm256_mul_ps _mm256_loadu_ps _mm256_storeu_ps _mm256_cvtps_ph _mm256_cvtph_ps (_MM_FROUND_TO_NEAREST_INT)]
+    [_mm256_castps_si256 _mm256_castsi256_ps _mm256_and_si256 _mm256_srli_epi32 _mm256_add_epi32 _mm256_set1_epi32]
+);
 
 /// Row formats as constants, for kernels compiled once per format.
 const F32: u8 = 0;
@@ -101,30 +99,50 @@ fn offset<const T: u8>(d: usize) -> usize {
     }
 }
 
-/// Values `d..d + 16` of a row of format `T` as f32 (`d` a multiple of 16): exact
-/// conversions, q8_0 as `d * q`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,f16c")]
-unsafe fn load16<const T: u8>(row: *const u8, d: usize) -> __m512 {
-    // SAFETY: the caller upholds this function's `# Safety` contract.
-    unsafe {
-        match T {
-            F32 => _mm512_loadu_ps(row.add(4 * d) as *const f32),
-            F16 => _mm512_cvtph_ps(_mm256_loadu_si256(row.add(2 * d) as *const __m256i)),
-            BF16 => {
-                let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(row.add(2 * d) as *const __m256i));
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
-            }
-            _ => {
-                let b = row.add(d / 32 * 34);
-                let scale = (b as *const u16).read_unaligned();
-                let d16 = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(scale as i32)));
-                let q = _mm_loadu_si128(b.add(2 + d % 32) as *const __m128i);
-                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d16)
+/// Defines a loader of one register of values of a row of format `T` as f32 (`d` a multiple of
+/// the lane count): exact conversions, q8_0 as `d * q`. One source for both widths: `$v` and the
+/// intrinsics of that width, `$half` the register holding as many 16-bit values.
+macro_rules! load_fn {
+    ($(#[$doc:meta])* $name:ident $feat:literal -> $v:ty [$loadu:ident $cvtph:ident $cvtepu16:ident $uncast:ident $slli:ident] [$bcast:ident $mul:ident $cvtepi32:ident $cvtepi8:ident] [$half:ty, $loadh:ident, $loadq:ident]) => {
+        $(#[$doc])*
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn $name<const T: u8>(row: *const u8, d: usize) -> $v {
+            // SAFETY: the caller upholds this function's `# Safety` contract.
+            unsafe {
+                match T {
+                    F32 => $loadu(row.add(4 * d) as *const f32),
+                    F16 => $cvtph($loadh(row.add(2 * d) as *const $half)),
+                    BF16 => {
+                        let h = $cvtepu16($loadh(row.add(2 * d) as *const $half));
+                        $uncast($slli::<16>(h))
+                    }
+                    _ => {
+                        let b = row.add(d / 32 * 34);
+                        let scale = (b as *const u16).read_unaligned();
+                        let d16 = $bcast(_mm_cvtph_ps(_mm_cvtsi32_si128(scale as i32)));
+                        let q = $loadq(b.add(2 + d % 32) as *const __m128i);
+                        $mul($cvtepi32($cvtepi8(q)), d16)
+                    }
+                }
             }
         }
-    }
+    };
 }
+
+load_fn!(
+    /// Values `d..d + 16` of a row of format `T` as f32 (`d` a multiple of 16): exact
+    /// conversions, q8_0 as `d * q`.
+    load16 "avx512f,avx512bw,f16c" -> __m512
+    [_mm512_loadu_ps _mm512_cvtph_ps _mm512_cvtepu16_epi32 _mm512_castsi512_ps _mm512_slli_epi32]
+    [_mm512_broadcastss_ps _mm512_mul_ps _mm512_cvtepi32_ps _mm512_cvtepi8_epi32] [__m256i, _mm256_loadu_si256, _mm_loadu_si128]
+);
+load_fn!(
+    /// Values `d..d + 8` of a row of format `T` as f32 (`d` a multiple of 8), as [`load16`].
+    load8 "avx2,fma,f16c" -> __m256
+    [_mm256_loadu_ps _mm256_cvtph_ps _mm256_cvtepu16_epi32 _mm256_castsi256_ps _mm256_slli_epi32]
+    [_mm256_broadcastss_ps _mm256_mul_ps _mm256_cvtepi32_ps _mm256_cvtepi8_epi32] [__m128i, _mm_loadu_si128, _mm_loadl_epi64]
+);
 
 /// Sums of sixteen vectors: lane `i` of the result is the sum of the lanes of `v[i]`
 /// (15 pairwise steps, each two permutes and an add, instead of sixteen full reductions).
@@ -297,87 +315,73 @@ pub(super) unsafe fn weighted_values(
     }
 }
 
-/// [`weighted_values`] for `HB` heads and rows of format `T`, accumulators in registers.
-#[allow(clippy::too_many_arguments)]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
-unsafe fn values_heads<const T: u8, const HB: usize>(
-    v: &[u8],
-    v_row: usize,
-    head_off: usize,
-    dv: usize,
-    p: &[f32],
-    stride: usize,
-    rows: std::ops::Range<usize>,
-    o: &mut [f32],
-) {
-    // SAFETY: the caller upholds this function's `# Safety` contract.
-    unsafe {
-        let vp = v.as_ptr();
-        let row_ptr = |j: usize| vp.add(bytes::<T>(j * v_row + head_off));
-        let pp: [*const f32; HB] = std::array::from_fn(|h| p.as_ptr().wrapping_add(h * stride));
-        // Blocks of rows small enough to stay in the first-level cache while every 32 values of
-        // them are added into the output; the next block is fetched meanwhile.
-        const BLOCK: usize = 16;
-        let mut b0 = rows.start;
-        while b0 < rows.end {
-            let b1 = (b0 + BLOCK).min(rows.end);
-            let next = b1.min(rows.end - 1)..(b1 + BLOCK).min(rows.end);
-            let mut d = 0;
-            while d < dv {
-                for j in next.clone() {
-                    _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d)) as *const i8);
-                    if T == F32 {
-                        _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d + 16)) as *const i8);
+/// Defines a [`weighted_values`] kernel for `HB` heads and rows of format `T`, accumulators in
+/// registers, on one register width (`$w` lanes, `$load` and the intrinsics of that width): one
+/// source for both.
+macro_rules! values_heads_fn {
+    ($(#[$doc:meta])* $name:ident $feat:literal $w:literal $load:ident [$zero:ident $set1:ident $fmadd:ident $loadu:ident $storeu:ident $add:ident]) => {
+        $(#[$doc])*
+        #[allow(clippy::too_many_arguments)]
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn $name<const T: u8, const HB: usize>(v: &[u8], v_row: usize, head_off: usize, dv: usize, p: &[f32], stride: usize, rows: std::ops::Range<usize>, o: &mut [f32]) {
+            // SAFETY: the caller upholds this function's `# Safety` contract.
+            unsafe {
+                let vp = v.as_ptr();
+                let row_ptr = |j: usize| vp.add(bytes::<T>(j * v_row + head_off));
+                let pp: [*const f32; HB] = std::array::from_fn(|h| p.as_ptr().wrapping_add(h * stride));
+                // Blocks of rows small enough to stay in the first-level cache while every 32
+                // values of them are added into the output; the next block is fetched meanwhile.
+                const BLOCK: usize = 16;
+                let mut b0 = rows.start;
+                while b0 < rows.end {
+                    let b1 = (b0 + BLOCK).min(rows.end);
+                    let next = b1.min(rows.end - 1)..(b1 + BLOCK).min(rows.end);
+                    let mut d = 0;
+                    while d < dv {
+                        if d % 32 == 0 {
+                            for j in next.clone() {
+                                _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d)) as *const i8);
+                                if T == F32 {
+                                    _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d + 16)) as *const i8);
+                                }
+                            }
+                        }
+                        let mut acc = [[$zero(); 2]; HB];
+                        for j in b0..b1 {
+                            let i = j - rows.start;
+                            let r = row_ptr(j);
+                            let (x0, x1) = ($load::<T>(r, d), $load::<T>(r, d + $w));
+                            for h in 0..HB {
+                                let pj = $set1(*pp[h].add(i));
+                                acc[h][0] = $fmadd(pj, x0, acc[h][0]);
+                                acc[h][1] = $fmadd(pj, x1, acc[h][1]);
+                            }
+                        }
+                        for (h, acc) in acc.iter().enumerate() {
+                            let dst = o.as_mut_ptr().add(h * dv + d);
+                            $storeu(dst, $add($loadu(dst), acc[0]));
+                            $storeu(dst.add($w), $add($loadu(dst.add($w)), acc[1]));
+                        }
+                        d += 2 * $w;
                     }
+                    b0 = b1;
                 }
-                let mut acc = [[_mm512_setzero_ps(); 2]; HB];
-                for j in b0..b1 {
-                    let i = j - rows.start;
-                    let r = row_ptr(j);
-                    let x0 = load16::<T>(r, d);
-                    let x1 = load16::<T>(r, d + 16);
-                    for h in 0..HB {
-                        let pj = _mm512_set1_ps(*pp[h].add(i));
-                        acc[h][0] = _mm512_fmadd_ps(pj, x0, acc[h][0]);
-                        acc[h][1] = _mm512_fmadd_ps(pj, x1, acc[h][1]);
-                    }
-                }
-                for (h, acc) in acc.iter().enumerate() {
-                    let dst = o.as_mut_ptr().add(h * dv + d);
-                    _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), acc[0]));
-                    _mm512_storeu_ps(dst.add(16), _mm512_add_ps(_mm512_loadu_ps(dst.add(16)), acc[1]));
-                }
-                d += 32;
             }
-            b0 = b1;
         }
-    }
+    };
 }
 
-/// Values `d..d + 8` of a row of format `T` as f32 (`d` a multiple of 8), as [`load16`].
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load8<const T: u8>(row: *const u8, d: usize) -> __m256 {
-    // SAFETY: the caller upholds this function's `# Safety` contract.
-    unsafe {
-        match T {
-            F32 => _mm256_loadu_ps(row.add(4 * d) as *const f32),
-            F16 => _mm256_cvtph_ps(_mm_loadu_si128(row.add(2 * d) as *const __m128i)),
-            BF16 => {
-                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(row.add(2 * d) as *const __m128i));
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
-            }
-            _ => {
-                let b = row.add(d / 32 * 34);
-                let scale = (b as *const u16).read_unaligned();
-                let d16 = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(scale as i32)));
-                let q = _mm_loadl_epi64(b.add(2 + d % 32) as *const __m128i);
-                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d16)
-            }
-        }
-    }
-}
+values_heads_fn!(
+    /// [`weighted_values`] for `HB` heads and rows of format `T`, accumulators in registers.
+    values_heads "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma" 16 load16
+    [_mm512_setzero_ps _mm512_set1_ps _mm512_fmadd_ps _mm512_loadu_ps _mm512_storeu_ps _mm512_add_ps]
+);
+values_heads_fn!(
+    /// [`values_heads`] with AVX2: 16 values of V at a time, the same bits.
+    values_heads_avx2 "avx2,fma,f16c" 8 load8
+    [_mm256_setzero_ps _mm256_set1_ps _mm256_fmadd_ps _mm256_loadu_ps _mm256_storeu_ps _mm256_add_ps]
+);
 
 /// The sum of the 16 lanes `lo`, `hi` in the order of [`hsum`] (pairs, then pairs of pairs),
 /// so that AVX2 scores have the bits of the AVX-512 ones.
@@ -430,64 +434,6 @@ unsafe fn scores_heads_avx2<const T: u8, const HB: usize>(
             for h in 0..HB {
                 *op.add(h * stride + j - rows.start) = hsum16(lo[h], hi[h]) * a.scale;
             }
-        }
-    }
-}
-
-/// [`values_heads`] with AVX2: 16 values of V at a time, the same bits.
-#[allow(clippy::too_many_arguments)]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn values_heads_avx2<const T: u8, const HB: usize>(
-    v: &[u8],
-    v_row: usize,
-    head_off: usize,
-    dv: usize,
-    p: &[f32],
-    stride: usize,
-    rows: std::ops::Range<usize>,
-    o: &mut [f32],
-) {
-    // SAFETY: the caller upholds this function's `# Safety` contract.
-    unsafe {
-        let vp = v.as_ptr();
-        let row_ptr = |j: usize| vp.add(bytes::<T>(j * v_row + head_off));
-        let pp: [*const f32; HB] = std::array::from_fn(|h| p.as_ptr().wrapping_add(h * stride));
-        const BLOCK: usize = 16;
-        let mut b0 = rows.start;
-        while b0 < rows.end {
-            let b1 = (b0 + BLOCK).min(rows.end);
-            let next = b1.min(rows.end - 1)..(b1 + BLOCK).min(rows.end);
-            let mut d = 0;
-            while d < dv {
-                if d % 32 == 0 {
-                    for j in next.clone() {
-                        _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d)) as *const i8);
-                        if T == F32 {
-                            _mm_prefetch::<_MM_HINT_T0>(row_ptr(j).add(offset::<T>(d + 16)) as *const i8);
-                        }
-                    }
-                }
-                let mut acc = [[_mm256_setzero_ps(); 2]; HB];
-                for j in b0..b1 {
-                    let i = j - rows.start;
-                    let r = row_ptr(j);
-                    let x0 = load8::<T>(r, d);
-                    let x1 = load8::<T>(r, d + 8);
-                    for h in 0..HB {
-                        let pj = _mm256_set1_ps(*pp[h].add(i));
-                        acc[h][0] = _mm256_fmadd_ps(pj, x0, acc[h][0]);
-                        acc[h][1] = _mm256_fmadd_ps(pj, x1, acc[h][1]);
-                    }
-                }
-                for (h, acc) in acc.iter().enumerate() {
-                    let dst = o.as_mut_ptr().add(h * dv + d);
-                    _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), acc[0]));
-                    _mm256_storeu_ps(dst.add(8), _mm256_add_ps(_mm256_loadu_ps(dst.add(8)), acc[1]));
-                }
-                d += 16;
-            }
-            b0 = b1;
         }
     }
 }

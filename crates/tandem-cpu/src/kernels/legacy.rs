@@ -13,6 +13,36 @@
 use super::{Isa, KernelFn, TileFn};
 use tandem_quant::GgmlType;
 
+/// Defines a [`KernelFn`] for one level that runs `$body` with `ny` as a constant.
+#[cfg(target_arch = "x86_64")]
+macro_rules! block_entry {
+    ($name:ident, $feat:literal, $body:ident::<$($g:ty),*>) => {
+        /// # Safety
+        /// The contract of `KernelFn`: lengths checked by `Kernel::run`; the machine has the
+        /// target features enabled here.
+        #[target_feature(enable = $feat)]
+        pub(super) unsafe fn $name(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
+            // SAFETY: this function's contract, forwarded.
+            unsafe { by_ny!(ny, $body[$($g),*](n, w.as_ptr(), ys.as_ptr(), out)) }
+        }
+    };
+}
+
+/// The [`KernelFn`]s of the block-quant types at one level (`$feat`, integer dot products `$d`),
+/// named in the order Q8_0, Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1, IQ4_XS: one list for every level.
+#[cfg(target_arch = "x86_64")]
+macro_rules! block_entries {
+    ($feat:literal $d:ident => $q8_0:ident $q4_0:ident $q5_0:ident $iq4_nl:ident $q4_1:ident $q5_1:ident $iq4_xs:ident) => {
+        block_entry!($q8_0, $feat, q8_0_act::<Q8_0, $d>);
+        block_entry!($q4_0, $feat, q8_0_act::<Q4_0, $d>);
+        block_entry!($q5_0, $feat, q8_0_act::<Q5_0, $d>);
+        block_entry!($iq4_nl, $feat, q8_0_act::<IQ4NL, $d>);
+        block_entry!($q4_1, $feat, q8_1_act::<Q4_1, $d>);
+        block_entry!($q5_1, $feat, q8_1_act::<Q5_1, $d>);
+        block_entry!($iq4_xs, $feat, iq4_xs::<$d>);
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod float;
 #[cfg(target_arch = "x86_64")]

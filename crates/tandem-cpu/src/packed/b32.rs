@@ -107,29 +107,16 @@ pub(super) fn block_sum(y: &[u8]) -> i32 {
 /// the activations' `s` instead of their block sums.
 pub(super) const Q5_1_OFF: i32 = 0;
 
-/// The AVX-512 VNNI kernels, where this build has them.
-#[cfg(target_arch = "x86_64")]
-pub(super) const SIMD_Q8_0: Option<GroupFn> = Some(x86::group_vnni::<128>);
-#[cfg(target_arch = "x86_64")]
-pub(super) const SIMD_Q5_0: Option<GroupFn> = Some(x86::group_vnni::<16>);
-#[cfg(target_arch = "x86_64")]
-pub(super) const SIMD_Q5_1: Option<GroupFn> = Some(x86::group_vnni::<Q5_1_OFF>);
-/// The AVX2 kernels of Q5_0 and Q5_1, where this build has them (Q8_0's levels up to 255 would
-/// overflow `vpmaddubsw`'s i16 pair sums).
-#[cfg(target_arch = "x86_64")]
-pub(super) const AVX2_Q5_0: Option<GroupFn> = Some(x86::group_avx2::<16>);
-#[cfg(target_arch = "x86_64")]
-pub(super) const AVX2_Q5_1: Option<GroupFn> = Some(x86::group_avx2::<Q5_1_OFF>);
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const AVX2_Q5_0: Option<GroupFn> = None;
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const AVX2_Q5_1: Option<GroupFn> = None;
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const SIMD_Q8_0: Option<GroupFn> = None;
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const SIMD_Q5_0: Option<GroupFn> = None;
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const SIMD_Q5_1: Option<GroupFn> = None;
+x86_kernels! {
+    /// The AVX-512 VNNI kernels, where this build has them.
+    SIMD_Q8_0 = x86::group_vnni::<128>;
+    SIMD_Q5_0 = x86::group_vnni::<16>;
+    SIMD_Q5_1 = x86::group_vnni::<Q5_1_OFF>;
+    /// The AVX2 kernels of Q5_0 and Q5_1, where this build has them (Q8_0's levels up to 255 would
+    /// overflow `vpmaddubsw`'s i16 pair sums).
+    AVX2_Q5_0 = x86::group_avx2::<16>;
+    AVX2_Q5_1 = x86::group_avx2::<Q5_1_OFF>;
+}
 
 /// Bytes of one packed block (group of 16 rows) and of one activation block, and where the
 /// activations' quants start, for `OFF` (Q8_0, Q5_0 or [`Q5_1_OFF`]).
@@ -183,7 +170,7 @@ pub(super) unsafe fn group_scalar<const OFF: i32>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, bcast8, prefetch_ahead};
+    use super::super::x86::{bcast, bcast8, half, prefetch_ahead};
     use super::{sizes, GroupActs, LEVELS, PACK_ROWS, Q5_1_OFF, Q8_1_S};
     use std::arch::x86_64::*;
 
@@ -241,9 +228,6 @@ mod x86 {
                 } else {
                     d
                 };
-                let half = |p: *const u8| {
-                    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)))
-                };
                 for t in 0..NY {
                     let y = a.ys.add(t * a.yb + b * ab);
                     let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
@@ -269,24 +253,16 @@ mod x86 {
         unsafe { super::super::x86::store(&acc, out, ostride) };
     }
 
-    /// A [`super::GroupFn`] for AVX2 (`OFF` 16 for Q5_0, [`Q5_1_OFF`] for Q5_1): each half of the
-    /// 16 rows in a ymm register; `vpmaddubsw` takes the 5-bit levels (<= 31, so four of its i16
-    /// pair sums added stay below 2^15) and one `vpmaddwd` by ones per four makes them the exact
-    /// integer sums of the VNNI kernel.
-    ///
-    /// # Safety
-    /// As [`super::GroupFn`] (Q8_0 activations with their block sums; Q8_1 activations for Q5_1),
-    /// and the machine has AVX2.
-    pub(super) unsafe fn group_avx2<const OFF: i32>(
-        nb: usize,
-        w: *const u8,
-        a: GroupActs,
-        ny: usize,
-        out: *mut f32,
-        ostride: usize,
-    ) {
-        // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
-        unsafe { by_ny_pf!(ny, group2[OFF](nb, w, a, out, ostride)) }
+    group_entry! {
+        /// A [`super::GroupFn`] for AVX2 (`OFF` 16 for Q5_0, [`Q5_1_OFF`] for Q5_1): each half of the
+        /// 16 rows in a ymm register; `vpmaddubsw` takes the 5-bit levels (<= 31, so four of its i16
+        /// pair sums added stay below 2^15) and one `vpmaddwd` by ones per four makes them the exact
+        /// integer sums of the VNNI kernel.
+        ///
+        /// # Safety
+        /// As [`super::GroupFn`] (Q8_0 activations with their block sums; Q8_1 activations for Q5_1),
+        /// and the machine has AVX2.
+        group_avx2<const OFF: i32> => group2, acts
     }
 
     /// # Safety
@@ -307,10 +283,6 @@ mod x86 {
         // (see the layout).
         let factors = unsafe { w.add(nb * LEVELS) };
         let mins = factors.wrapping_add(nb * 2 * PACK_ROWS);
-        let half = |p: *const u8| {
-            // SAFETY: the callers pass fp16 values in bounds.
-            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(unsafe { (p as *const u16).read_unaligned() } as i32)))
-        };
         for b in 0..nb {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {

@@ -52,11 +52,10 @@ fn index(blk: &[u8], j: usize, r: usize, e: usize) -> usize {
     (if e < 16 { byte & 0x0F } else { byte >> 4 }) as usize
 }
 
-/// The AVX-512 VNNI kernel, where this build has one.
-#[cfg(target_arch = "x86_64")]
-pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni);
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const SIMD: Option<GroupFn> = None;
+x86_kernels! {
+    /// The AVX-512 VNNI kernel, where this build has one.
+    SIMD = x86::group_vnni;
+}
 
 /// The scalar reference: the arithmetic of the module docs, spelled out.
 ///
@@ -81,18 +80,16 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::q40::NL_LEVELS;
-    use super::super::x86::{bcast, prefetch_part};
+    use super::super::x86::{token_blocks, bcast, prefetch_part};
     use super::{GroupActs, D, GROUP_BLOCK, LS, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QS, SUBS};
     use std::arch::x86_64::*;
 
-    /// A [`super::GroupFn`] for AVX-512 VNNI.
-    ///
-    /// # Safety
-    /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
-    pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-        let (ys, yb) = (a.ys, a.yb);
-        // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny_pf!(ny, group[](nb, w, ys, yb, out, ostride)) }
+    group_entry! {
+        /// A [`super::GroupFn`] for AVX-512 VNNI.
+        ///
+        /// # Safety
+        /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
+        group_vnni => group, q8k
     }
 
     /// # Safety
@@ -116,7 +113,7 @@ mod x86 {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
                 let wb = w.add(b * GROUP_BLOCK);
-                let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
+                let y: [*const u8; NY] = token_blocks(ys, yb, b, Q8K_BYTES);
                 let mut isum = [_mm512_setzero_si512(); NY];
                 let mut ibias = [_mm512_setzero_si512(); NY];
                 for j in 0..SUBS {

@@ -14,6 +14,61 @@
 //! `iq4xs.rs`, against Q8_K activations), Q8_0 and Q5_0 (`b32.rs`), Q4_0 and IQ4_NL (`q40.rs`,
 //! against Q8_0), Q4_1 (`q40.rs`) and Q5_1 (`b32.rs`), against Q8_1.
 
+/// `$name`: `Some($f)`, a [`GroupFn`] of the `x86` module, on x86-64 builds; `None` elsewhere.
+macro_rules! x86_kernels {
+    ($($(#[$doc:meta])* $name:ident = $f:expr;)*) => {$(
+        $(#[$doc])*
+        #[cfg(target_arch = "x86_64")]
+        pub(super) const $name: Option<GroupFn> = Some($f);
+        #[cfg(not(target_arch = "x86_64"))]
+        pub(super) const $name: Option<GroupFn> = None;
+    )*};
+}
+
+/// Defines `$name`, a [`GroupFn`] that runs `$kernel::<.., PF, NY>` with the processor's prefetch
+/// hint and `ny` as constants: on `(nb, w, a, out, ostride)` (`acts`), or on the token rows
+/// unpacked as `(nb, w, a.ys, a.yb, out, ostride)` (`q8k`). Its docs (with `# Safety`) are the
+/// invocation's.
+macro_rules! group_entry {
+    ($(#[$doc:meta])* $name:ident$(<$(const $c:ident: $t:ty),*>)? => $kernel:ident, $acts:ident) => {
+        $(#[$doc])*
+        pub(super) unsafe fn $name$(<$(const $c: $t),*>)?(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+            // SAFETY: forwarded from the caller, who checked that the machine runs the kernel.
+            unsafe { group_entry!(@call $acts, ny, $kernel[$($($c),*)?], nb, w, a, out, ostride) }
+        }
+    };
+    (@call q8k, $ny:ident, $k:ident[$($g:tt),*], $nb:ident, $w:ident, $a:ident, $out:ident, $os:ident) => {
+        by_ny_pf!($ny, $k[$($g),*]($nb, $w, $a.ys, $a.yb, $out, $os))
+    };
+    (@call acts, $ny:ident, $k:ident[$($g:tt),*], $nb:ident, $w:ident, $a:ident, $out:ident, $os:ident) => {
+        by_ny_pf!($ny, $k[$($g),*]($nb, $w, $a, $out, $os))
+    };
+}
+
+/// `$v` shifted so that bit `$p` of every byte lands on bit `$to` of that byte (other bits are
+/// garbage for the caller to mask off), by `$sll` / `$srl`: the 16-bit lane shifts of its width.
+macro_rules! to_bit {
+    ($v:expr, $p:expr, $to:literal, $sll:ident, $srl:ident) => {
+        match ($p) as i32 - $to {
+            -7 => $sll::<7>($v),
+            -6 => $sll::<6>($v),
+            -5 => $sll::<5>($v),
+            -4 => $sll::<4>($v),
+            -3 => $sll::<3>($v),
+            -2 => $sll::<2>($v),
+            -1 => $sll::<1>($v),
+            0 => $v,
+            1 => $srl::<1>($v),
+            2 => $srl::<2>($v),
+            3 => $srl::<3>($v),
+            4 => $srl::<4>($v),
+            5 => $srl::<5>($v),
+            6 => $srl::<6>($v),
+            _ => $srl::<7>($v),
+        }
+    };
+}
+
 mod b32;
 mod iq4xs;
 mod q2k;
@@ -268,6 +323,26 @@ unsafe fn store_scalar(out: *mut f32, t: usize, ostride: usize, acc: &[f32; PACK
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
+
+    /// The fp16 at `p` as f32.
+    ///
+    /// # Safety
+    /// `p` points at 2 readable bytes; the machine has F16C.
+    #[inline(always)]
+    pub(super) unsafe fn half(p: *const u8) -> f32 {
+        // SAFETY: the caller guarantees 2 readable bytes and F16C.
+        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32))) }
+    }
+
+    /// Block `b` (`bytes` long) of each of the `NY` token rows `yb` bytes apart from `ys`.
+    ///
+    /// # Safety
+    /// The blocks are in bounds (see [`super::GroupFn`]).
+    #[inline(always)]
+    pub(super) unsafe fn token_blocks<const NY: usize>(ys: *const u8, yb: usize, b: usize, bytes: usize) -> [*const u8; NY] {
+        // SAFETY: the caller guarantees the blocks are in bounds.
+        std::array::from_fn(|t| unsafe { ys.add(t * yb + b * bytes) })
+    }
 
     /// Four bytes at `p` in every 32-bit lane.
     ///

@@ -51,16 +51,12 @@ fn level(blk: &[u8], s: usize, r: usize, e: usize) -> i32 {
     ((blk[QS + 64 * s + 4 * r + e % 4] >> (2 * (e / 4))) & 3) as i32
 }
 
-/// The AVX2 kernel, where this build has one.
-#[cfg(target_arch = "x86_64")]
-pub(super) const AVX2: Option<GroupFn> = Some(x86::group_avx2);
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const AVX2: Option<GroupFn> = None;
-/// The AVX-512 VNNI kernel, where this build has one.
-#[cfg(target_arch = "x86_64")]
-pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni);
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const SIMD: Option<GroupFn> = None;
+x86_kernels! {
+    /// The AVX2 kernel, where this build has one.
+    AVX2 = x86::group_avx2;
+    /// The AVX-512 VNNI kernel, where this build has one.
+    SIMD = x86::group_vnni;
+}
 
 /// The scalar reference: the arithmetic of the module docs, spelled out.
 ///
@@ -85,18 +81,16 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, bcast8, prefetch_part};
+    use super::super::x86::{token_blocks, bcast, bcast8, prefetch_part};
     use super::{GroupActs, D, DMIN, GROUP_BLOCK, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QS, SM, SUBS};
     use std::arch::x86_64::*;
 
-    /// A [`super::GroupFn`] for AVX-512 VNNI.
-    ///
-    /// # Safety
-    /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
-    pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-        let (ys, yb) = (a.ys, a.yb);
-        // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny_pf!(ny, group[](nb, w, ys, yb, out, ostride)) }
+    group_entry! {
+        /// A [`super::GroupFn`] for AVX-512 VNNI.
+        ///
+        /// # Safety
+        /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
+        group_vnni => group, q8k
     }
 
     /// # Safety
@@ -118,7 +112,7 @@ mod x86 {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
                 let wb = w.add(b * GROUP_BLOCK);
-                let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
+                let y: [*const u8; NY] = token_blocks(ys, yb, b, Q8K_BYTES);
                 let mut isum = [_mm512_setzero_si512(); NY];
                 let mut imin = [_mm512_setzero_si512(); NY];
                 for i in 0..SUBS / 2 {
@@ -176,16 +170,14 @@ mod x86 {
         unsafe { super::super::x86::store(&acc, out, ostride) };
     }
 
-    /// A [`super::GroupFn`] for AVX2: each half of the 16 rows in a ymm register; `vpmaddubsw` on
-    /// the 2-bit levels (four of its i16 pair sums added stay far below 2^15) and one `vpmaddwd`
-    /// against the (scale, scale) pair per group give the VNNI kernel's exact integer sums.
-    ///
-    /// # Safety
-    /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    pub(super) unsafe fn group_avx2(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-        let (ys, yb) = (a.ys, a.yb);
-        // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
-        unsafe { by_ny_pf!(ny, group2[](nb, w, ys, yb, out, ostride)) }
+    group_entry! {
+        /// A [`super::GroupFn`] for AVX2: each half of the 16 rows in a ymm register; `vpmaddubsw` on
+        /// the 2-bit levels (four of its i16 pair sums added stay far below 2^15) and one `vpmaddwd`
+        /// against the (scale, scale) pair per group give the VNNI kernel's exact integer sums.
+        ///
+        /// # Safety
+        /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX2.
+        group_avx2 => group2, q8k
     }
 
     /// # Safety
@@ -207,7 +199,7 @@ mod x86 {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
                 let wb = w.add(b * GROUP_BLOCK);
-                let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
+                let y: [*const u8; NY] = token_blocks(ys, yb, b, Q8K_BYTES);
                 for hf in 0..2 {
                     let mut isum = [_mm256_setzero_si256(); NY];
                     let mut imin = [_mm256_setzero_si256(); NY];

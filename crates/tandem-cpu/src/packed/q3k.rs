@@ -61,16 +61,12 @@ fn level(blk: &[u8], s: usize, r: usize, e: usize) -> i32 {
     (low | high << 2) as i32
 }
 
-/// The AVX2 kernel, where this build has one.
-#[cfg(target_arch = "x86_64")]
-pub(super) const AVX2: Option<GroupFn> = Some(x86::group_avx2);
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const AVX2: Option<GroupFn> = None;
-/// The AVX-512 VNNI kernel, where this build has one.
-#[cfg(target_arch = "x86_64")]
-pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni);
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const SIMD: Option<GroupFn> = None;
+x86_kernels! {
+    /// The AVX2 kernel, where this build has one.
+    AVX2 = x86::group_avx2;
+    /// The AVX-512 VNNI kernel, where this build has one.
+    SIMD = x86::group_vnni;
+}
 
 /// The scalar reference: the arithmetic of the module docs, spelled out.
 ///
@@ -94,18 +90,16 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, bcast8, prefetch_part};
+    use super::super::x86::{token_blocks, bcast, bcast8, prefetch_part};
     use super::{GroupActs, D, GROUP_BLOCK, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QH, QS, SC, SUBS};
     use std::arch::x86_64::*;
 
-    /// A [`super::GroupFn`] for AVX-512 VNNI.
-    ///
-    /// # Safety
-    /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
-    pub(super) unsafe fn group_vnni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-        let (ys, yb) = (a.ys, a.yb);
-        // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny_pf!(ny, group[](nb, w, ys, yb, out, ostride)) }
+    group_entry! {
+        /// A [`super::GroupFn`] for AVX-512 VNNI.
+        ///
+        /// # Safety
+        /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
+        group_vnni => group, q8k
     }
 
     /// # Safety
@@ -128,7 +122,7 @@ mod x86 {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
                 let wb = w.add(b * GROUP_BLOCK);
-                let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
+                let y: [*const u8; NY] = token_blocks(ys, yb, b, Q8K_BYTES);
                 let mut isum = [_mm512_setzero_si512(); NY];
                 let mut ibias = [_mm512_setzero_si512(); NY];
                 for i in 0..SUBS / 2 {
@@ -194,48 +188,24 @@ mod x86 {
     #[inline(always)]
     unsafe fn to_bit2(v: __m512i, p: usize) -> __m512i {
         // SAFETY: only called from functions enabling AVX-512 BW.
-        unsafe {
-            match p {
-                0 => _mm512_slli_epi16::<2>(v),
-                1 => _mm512_slli_epi16::<1>(v),
-                2 => v,
-                3 => _mm512_srli_epi16::<1>(v),
-                4 => _mm512_srli_epi16::<2>(v),
-                5 => _mm512_srli_epi16::<3>(v),
-                6 => _mm512_srli_epi16::<4>(v),
-                _ => _mm512_srli_epi16::<5>(v),
-            }
-        }
+        unsafe { to_bit!(v, p, 2, _mm512_slli_epi16, _mm512_srli_epi16) }
     }
 
     /// [`to_bit2`] on a ymm register.
     #[inline(always)]
     unsafe fn to_bit2_256(v: __m256i, p: usize) -> __m256i {
         // SAFETY: only called from functions enabling AVX2.
-        unsafe {
-            match p {
-                0 => _mm256_slli_epi16::<2>(v),
-                1 => _mm256_slli_epi16::<1>(v),
-                2 => v,
-                3 => _mm256_srli_epi16::<1>(v),
-                4 => _mm256_srli_epi16::<2>(v),
-                5 => _mm256_srli_epi16::<3>(v),
-                6 => _mm256_srli_epi16::<4>(v),
-                _ => _mm256_srli_epi16::<5>(v),
-            }
-        }
+        unsafe { to_bit!(v, p, 2, _mm256_slli_epi16, _mm256_srli_epi16) }
     }
 
-    /// A [`super::GroupFn`] for AVX2: each half of the 16 rows in a ymm register; `vpmaddubsw` on
-    /// the 3-bit levels (four of its i16 pair sums added stay far below 2^15) and one `vpmaddwd`
-    /// against the (scale, scale) pair per group give the VNNI kernel's exact integer sums.
-    ///
-    /// # Safety
-    /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    pub(super) unsafe fn group_avx2(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-        let (ys, yb) = (a.ys, a.yb);
-        // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
-        unsafe { by_ny_pf!(ny, group2[](nb, w, ys, yb, out, ostride)) }
+    group_entry! {
+        /// A [`super::GroupFn`] for AVX2: each half of the 16 rows in a ymm register; `vpmaddubsw` on
+        /// the 3-bit levels (four of its i16 pair sums added stay far below 2^15) and one `vpmaddwd`
+        /// against the (scale, scale) pair per group give the VNNI kernel's exact integer sums.
+        ///
+        /// # Safety
+        /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX2.
+        group_avx2 => group2, q8k
     }
 
     /// # Safety
@@ -259,7 +229,7 @@ mod x86 {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
                 let wb = w.add(b * GROUP_BLOCK);
-                let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
+                let y: [*const u8; NY] = token_blocks(ys, yb, b, Q8K_BYTES);
                 for hf in 0..2 {
                     let mut isum = [_mm256_setzero_si256(); NY];
                     let mut ibias = [_mm256_setzero_si256(); NY];

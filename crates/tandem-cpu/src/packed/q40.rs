@@ -98,29 +98,16 @@ fn code(codes: &[u8], r: usize, e: usize) -> u8 {
     }
 }
 
-/// The AVX-512 VNNI kernels, where this build has them: Q4_0, IQ4_NL.
-#[cfg(target_arch = "x86_64")]
-pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni::<false, false>);
-#[cfg(target_arch = "x86_64")]
-pub(super) const SIMD_NL: Option<GroupFn> = Some(x86::group_vnni::<true, false>);
-#[cfg(target_arch = "x86_64")]
-pub(super) const SIMD_Q4_1: Option<GroupFn> = Some(x86::group_vnni::<false, true>);
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const SIMD: Option<GroupFn> = None;
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const SIMD_NL: Option<GroupFn> = None;
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const SIMD_Q4_1: Option<GroupFn> = None;
-/// The AVX2 kernels of Q4_0 and Q4_1, where this build has them (IQ4_NL's levels up to 241 would
-/// overflow `vpmaddubsw`'s i16 pair sums).
-#[cfg(target_arch = "x86_64")]
-pub(super) const AVX2: Option<GroupFn> = Some(x86::group_avx2::<false>);
-#[cfg(target_arch = "x86_64")]
-pub(super) const AVX2_Q4_1: Option<GroupFn> = Some(x86::group_avx2::<true>);
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const AVX2: Option<GroupFn> = None;
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const AVX2_Q4_1: Option<GroupFn> = None;
+x86_kernels! {
+    /// The AVX-512 VNNI kernels, where this build has them: Q4_0, IQ4_NL.
+    SIMD = x86::group_vnni::<false, false>;
+    SIMD_NL = x86::group_vnni::<true, false>;
+    SIMD_Q4_1 = x86::group_vnni::<false, true>;
+    /// The AVX2 kernels of Q4_0 and Q4_1, where this build has them (IQ4_NL's levels up to 241 would
+    /// overflow `vpmaddubsw`'s i16 pair sums).
+    AVX2 = x86::group_avx2::<false>;
+    AVX2_Q4_1 = x86::group_avx2::<true>;
+}
 
 /// The scalar reference: the arithmetic of the module docs, spelled out (Q4_0, with `NL` IQ4_NL,
 /// with `MIN` Q4_1). Computes the block sums itself (`a.sums` is not read).
@@ -167,38 +154,17 @@ pub(super) unsafe fn group_scalar<const NL: bool, const MIN: bool>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, bcast8, prefetch_ahead};
+    use super::super::x86::{bcast, bcast8, half, prefetch_ahead};
     use super::{sizes, GroupActs, CODES, NL_LEVELS, PACK_ROWS, Q8_1_S};
     use std::arch::x86_64::*;
 
-    /// The fp16 at `p` as f32.
-    ///
-    /// # Safety
-    /// `p` points at 2 readable bytes.
-    #[inline(always)]
-    unsafe fn half(p: *const u8) -> f32 {
-        // SAFETY: the caller upholds this function's `# Safety` contract.
-        unsafe {
-            // SAFETY: the caller guarantees 2 readable bytes.
-            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)))
-        }
-    }
-
-    /// A [`super::GroupFn`] for AVX-512 VNNI (Q4_0, with `NL` IQ4_NL, with `MIN` Q4_1).
-    ///
-    /// # Safety
-    /// As [`super::GroupFn`] (Q8_0 activations with their block sums; Q8_1 for Q4_1), and the
-    /// machine has AVX-512 VNNI.
-    pub(super) unsafe fn group_vnni<const NL: bool, const MIN: bool>(
-        nb: usize,
-        w: *const u8,
-        a: GroupActs,
-        ny: usize,
-        out: *mut f32,
-        ostride: usize,
-    ) {
-        // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny_pf!(ny, group[NL, MIN](nb, w, a, out, ostride)) }
+    group_entry! {
+        /// A [`super::GroupFn`] for AVX-512 VNNI (Q4_0, with `NL` IQ4_NL, with `MIN` Q4_1).
+        ///
+        /// # Safety
+        /// As [`super::GroupFn`] (Q8_0 activations with their block sums; Q8_1 for Q4_1), and the
+        /// machine has AVX-512 VNNI.
+        group_vnni<const NL: bool, const MIN: bool> => group, acts
     }
 
     /// # Safety
@@ -271,23 +237,15 @@ mod x86 {
         unsafe { super::super::x86::store(&acc, out, ostride) };
     }
 
-    /// A [`super::GroupFn`] for AVX2: each half of the 16 rows in a ymm register, `vpmaddubsw`
-    /// (codes <= 15, so the i16 pair sums of eight of them stay below 2^15) and one `vpmaddwd`
-    /// per block give the same exact integer sums as `vpdpbusd`.
-    ///
-    /// # Safety
-    /// As [`super::GroupFn`] (Q8_0 activations with their block sums; with `MIN`, Q4_1, Q8_1
-    /// activations), and the machine has AVX2.
-    pub(super) unsafe fn group_avx2<const MIN: bool>(
-        nb: usize,
-        w: *const u8,
-        a: GroupActs,
-        ny: usize,
-        out: *mut f32,
-        ostride: usize,
-    ) {
-        // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
-        unsafe { by_ny_pf!(ny, group2[MIN](nb, w, a, out, ostride)) }
+    group_entry! {
+        /// A [`super::GroupFn`] for AVX2: each half of the 16 rows in a ymm register, `vpmaddubsw`
+        /// (codes <= 15, so the i16 pair sums of eight of them stay below 2^15) and one `vpmaddwd`
+        /// per block give the same exact integer sums as `vpdpbusd`.
+        ///
+        /// # Safety
+        /// As [`super::GroupFn`] (Q8_0 activations with their block sums; with `MIN`, Q4_1, Q8_1
+        /// activations), and the machine has AVX2.
+        group_avx2<const MIN: bool> => group2, acts
     }
 
     /// # Safety

@@ -122,25 +122,15 @@ fn level<const HIGH: bool>(blk: &[u8], j: usize, r: usize, e: usize) -> i32 {
     (q | h << 4) as i32
 }
 
-/// The AVX-512 VNNI kernels, where this build has them.
-#[cfg(target_arch = "x86_64")]
-pub(super) const SIMD: Option<GroupFn> = Some(x86::group_vnni::<false>);
-#[cfg(target_arch = "x86_64")]
-pub(super) const SIMD_Q5K: Option<GroupFn> = Some(x86::group_vnni::<true>);
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const SIMD: Option<GroupFn> = None;
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const SIMD_Q5K: Option<GroupFn> = None;
-/// The AVX2 kernel of Q4_K, where this build has one.
-#[cfg(target_arch = "x86_64")]
-pub(super) const AVX2: Option<GroupFn> = Some(x86::group_avx2::<false>);
-/// The AVX2 kernel of Q5_K, where this build has one.
-#[cfg(target_arch = "x86_64")]
-pub(super) const AVX2_Q5K: Option<GroupFn> = Some(x86::group_avx2::<true>);
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const AVX2_Q5K: Option<GroupFn> = None;
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const AVX2: Option<GroupFn> = None;
+x86_kernels! {
+    /// The AVX-512 VNNI kernels, where this build has them.
+    SIMD = x86::group_vnni::<false>;
+    SIMD_Q5K = x86::group_vnni::<true>;
+    /// The AVX2 kernel of Q4_K, where this build has one.
+    AVX2 = x86::group_avx2::<false>;
+    /// The AVX2 kernel of Q5_K, where this build has one.
+    AVX2_Q5K = x86::group_avx2::<true>;
+}
 
 /// The scalar reference: the arithmetic of the module docs, spelled out.
 ///
@@ -172,7 +162,7 @@ pub(super) unsafe fn group_scalar<const HIGH: bool>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, bcast8, prefetch_part};
+    use super::super::x86::{token_blocks, bcast, bcast8, prefetch_part};
     use super::{layout, GroupActs, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, SUBS};
     use std::arch::x86_64::*;
 
@@ -217,21 +207,12 @@ mod x86 {
         unsafe { _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(p as *const __m128i)), pairs) }
     }
 
-    /// A [`super::GroupFn`] for AVX-512 VNNI (Q4_K, or with `HIGH` Q5_K).
-    ///
-    /// # Safety
-    /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
-    pub(super) unsafe fn group_vnni<const HIGH: bool>(
-        nb: usize,
-        w: *const u8,
-        a: GroupActs,
-        ny: usize,
-        out: *mut f32,
-        ostride: usize,
-    ) {
-        let (ys, yb) = (a.ys, a.yb);
-        // SAFETY: forwarded from the caller, who checked that the machine has AVX-512 VNNI.
-        unsafe { by_ny_pf!(ny, group[HIGH](nb, w, ys, yb, out, ostride)) }
+    group_entry! {
+        /// A [`super::GroupFn`] for AVX-512 VNNI (Q4_K, or with `HIGH` Q5_K).
+        ///
+        /// # Safety
+        /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
+        group_vnni<const HIGH: bool> => group, q8k
     }
 
     /// # Safety
@@ -258,7 +239,7 @@ mod x86 {
                 // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
                 {
                     let wb = w.add(b * lay.size);
-                    let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
+                    let y: [*const u8; NY] = token_blocks(ys, yb, b, Q8K_BYTES);
                     let mut isum = [_mm512_setzero_si512(); NY];
                     for j in 0..SUBS {
                         if NY == 1 {
@@ -335,24 +316,15 @@ mod x86 {
         }
     }
 
-    /// A [`super::GroupFn`] for Q4_K (or with `HIGH` Q5_K) on AVX2: each half of the 16 rows in
-    /// a ymm register; `vpmaddubsw` (Q4_K's levels <= 15, so the i16 pair sums of the eight of a
-    /// group stay below 2^15; Q5_K's <= 31, so four at a time) and `vpmaddwd` against the group's
-    /// scale give the exact integer sums of the VNNI kernel.
-    ///
-    /// # Safety
-    /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    pub(super) unsafe fn group_avx2<const HIGH: bool>(
-        nb: usize,
-        w: *const u8,
-        a: GroupActs,
-        ny: usize,
-        out: *mut f32,
-        ostride: usize,
-    ) {
-        let (ys, yb) = (a.ys, a.yb);
-        // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
-        unsafe { by_ny_pf!(ny, group2[HIGH](nb, w, ys, yb, out, ostride)) }
+    group_entry! {
+        /// A [`super::GroupFn`] for Q4_K (or with `HIGH` Q5_K) on AVX2: each half of the 16 rows in
+        /// a ymm register; `vpmaddubsw` (Q4_K's levels <= 15, so the i16 pair sums of the eight of a
+        /// group stay below 2^15; Q5_K's <= 31, so four at a time) and `vpmaddwd` against the group's
+        /// scale give the exact integer sums of the VNNI kernel.
+        ///
+        /// # Safety
+        /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX2.
+        group_avx2<const HIGH: bool> => group2, q8k
     }
 
     /// # Safety
@@ -375,7 +347,7 @@ mod x86 {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
                 let wb = w.add(b * lay.size);
-                let y: [*const u8; NY] = std::array::from_fn(|t| ys.add(t * yb + b * Q8K_BYTES));
+                let y: [*const u8; NY] = token_blocks(ys, yb, b, Q8K_BYTES);
                 let sums: [[i32; 4]; NY] = std::array::from_fn(|t| group_sum_pairs(y[t]));
                 for hf in 0..2 {
                     let mut isum = [_mm256_setzero_si256(); NY];
@@ -457,18 +429,7 @@ mod x86 {
     #[inline(always)]
     unsafe fn to_bit4_256(v: __m256i, p: usize) -> __m256i {
         // SAFETY: only called from functions enabling AVX2.
-        unsafe {
-            match p {
-                0 => _mm256_slli_epi16::<4>(v),
-                1 => _mm256_slli_epi16::<3>(v),
-                2 => _mm256_slli_epi16::<2>(v),
-                3 => _mm256_slli_epi16::<1>(v),
-                4 => v,
-                5 => _mm256_srli_epi16::<1>(v),
-                6 => _mm256_srli_epi16::<2>(v),
-                _ => _mm256_srli_epi16::<3>(v),
-            }
-        }
+        unsafe { to_bit!(v, p, 4, _mm256_slli_epi16, _mm256_srli_epi16) }
     }
 
     /// `v` shifted so that bit `p` of every byte lands on bit 4 of that byte (other bits are
@@ -476,18 +437,7 @@ mod x86 {
     #[inline(always)]
     unsafe fn to_bit4(v: __m512i, p: usize) -> __m512i {
         // SAFETY: only called from functions enabling AVX-512 BW.
-        unsafe {
-            match p {
-                0 => _mm512_slli_epi16::<4>(v),
-                1 => _mm512_slli_epi16::<3>(v),
-                2 => _mm512_slli_epi16::<2>(v),
-                3 => _mm512_slli_epi16::<1>(v),
-                4 => v,
-                5 => _mm512_srli_epi16::<1>(v),
-                6 => _mm512_srli_epi16::<2>(v),
-                _ => _mm512_srli_epi16::<3>(v),
-            }
-        }
+        unsafe { to_bit!(v, p, 4, _mm512_slli_epi16, _mm512_srli_epi16) }
     }
 }
 

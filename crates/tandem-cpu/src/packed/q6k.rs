@@ -108,11 +108,10 @@ pub(super) fn simd() -> Option<GroupFn> {
     None
 }
 
-/// The AVX2 kernel, where this build has one.
-#[cfg(target_arch = "x86_64")]
-pub(super) const AVX2: Option<GroupFn> = Some(x86::group_avx2);
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) const AVX2: Option<GroupFn> = None;
+x86_kernels! {
+    /// The AVX2 kernel, where this build has one.
+    AVX2 = x86::group_avx2;
+}
 
 /// Both copies of the AVX-512 VNNI kernel, each with whether this machine runs it (besides AVX-512
 /// VNNI), for the tests to check each whatever the machine picks.
@@ -154,28 +153,26 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, bcast8, prefetch_part};
+    use super::super::x86::{token_blocks, bcast, bcast8, prefetch_part};
     use super::{GroupActs, D, GROUP_BLOCK, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QH, QL, SC, SUBS};
     use std::arch::x86_64::*;
 
-    /// A [`super::GroupFn`] for AVX-512 VNNI without GFNI: each high-bit pair shifted into place
-    /// and masked.
-    ///
-    /// # Safety
-    /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
-    pub(super) unsafe fn group_plain(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-        // SAFETY: forwarded from the caller.
-        unsafe { by_ny_pf!(ny, group[](nb, w, a, out, ostride)) }
+    group_entry! {
+        /// A [`super::GroupFn`] for AVX-512 VNNI without GFNI: each high-bit pair shifted into place
+        /// and masked.
+        ///
+        /// # Safety
+        /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
+        group_plain => group, acts
     }
 
-    /// [`group_plain`] on a machine with GFNI: each high-bit pair moved into place and masked by
-    /// one `vgf2p8affineqb`.
-    ///
-    /// # Safety
-    /// As [`group_plain`], and the machine has GFNI.
-    pub(super) unsafe fn group_gfni(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-        // SAFETY: forwarded from the caller.
-        unsafe { by_ny_pf!(ny, group_gf[](nb, w, a, out, ostride)) }
+    group_entry! {
+        /// [`group_plain`] on a machine with GFNI: each high-bit pair moved into place and masked by
+        /// one `vgf2p8affineqb`.
+        ///
+        /// # Safety
+        /// As [`group_plain`], and the machine has GFNI.
+        group_gfni => group_gf, acts
     }
 
     /// The kernel, without (`group`) and with (`group_gf`) GFNI: two copies compiled for their
@@ -201,7 +198,7 @@ mod x86 {
                     // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
                     unsafe {
                         let wb = w.add(b * GROUP_BLOCK);
-                        let y: [*const u8; NY] = std::array::from_fn(|t| a.ys.add(t * a.yb + b * Q8K_BYTES));
+                        let y: [*const u8; NY] = token_blocks(a.ys, a.yb, b, Q8K_BYTES);
                         let mut isum = [_mm512_setzero_si512(); NY];
                         let mut imin = [_mm512_setzero_si512(); NY];
                         for j in 0..SUBS {
@@ -287,16 +284,15 @@ mod x86 {
         unsafe { _mm512_gf2p8affine_epi64_epi8::<0>(h, _mm512_set1_epi64(matrix as i64)) }
     }
 
-    /// A [`super::GroupFn`] for AVX2: each half of the 16 rows in a ymm register. `vpmaddubsw`
-    /// takes the 6-bit codes (<= 63) against the activations; two of its i16 pair sums added
-    /// stay within i16 (2 x 2 x 63 x 128 = 32256), then one `vpmaddwd` against the (scale,
-    /// scale) pair makes them i32: the exact integer sums of the VNNI kernel.
-    ///
-    /// # Safety
-    /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    pub(super) unsafe fn group_avx2(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-        // SAFETY: forwarded from the caller, who checked that the machine has AVX2.
-        unsafe { by_ny_pf!(ny, group2[](nb, w, a, out, ostride)) }
+    group_entry! {
+        /// A [`super::GroupFn`] for AVX2: each half of the 16 rows in a ymm register. `vpmaddubsw`
+        /// takes the 6-bit codes (<= 63) against the activations; two of its i16 pair sums added
+        /// stay within i16 (2 x 2 x 63 x 128 = 32256), then one `vpmaddwd` against the (scale,
+        /// scale) pair makes them i32: the exact integer sums of the VNNI kernel.
+        ///
+        /// # Safety
+        /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX2.
+        group_avx2 => group2, acts
     }
 
     /// # Safety
@@ -318,7 +314,7 @@ mod x86 {
             // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
             unsafe {
                 let wb = w.add(b * GROUP_BLOCK);
-                let y: [*const u8; NY] = std::array::from_fn(|t| a.ys.add(t * a.yb + b * Q8K_BYTES));
+                let y: [*const u8; NY] = token_blocks(a.ys, a.yb, b, Q8K_BYTES);
                 for hf in 0..2 {
                     let mut isum = [_mm256_setzero_si256(); NY];
                     let mut imin = [_mm256_setzero_si256(); NY];

@@ -351,24 +351,4 @@ unsafe fn iq4_xs<D: Dot, const NY: usize>(n: usize, w: *const u8, ys: *const u8,
     }
 }
 
-/// Defines a [`super::KernelFn`] for one level that runs `$body` with `ny` as a constant.
-macro_rules! entry {
-    ($name:ident, $feat:literal, $body:ident::<$($g:ty),*>) => {
-        /// # Safety
-        /// The contract of `KernelFn`: lengths checked by `Kernel::run`; the machine has the
-        /// target features enabled here.
-        #[target_feature(enable = $feat)]
-        pub(super) unsafe fn $name(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
-            // SAFETY: this function's contract, forwarded.
-            unsafe { by_ny!(ny, $body[$($g),*](n, w.as_ptr(), ys.as_ptr(), out)) }
-        }
-    };
-}
-
-entry!(q8_0_avx2, "avx2,fma,f16c", q8_0_act::<Q8_0, Avx2>);
-entry!(q4_0_avx2, "avx2,fma,f16c", q8_0_act::<Q4_0, Avx2>);
-entry!(q5_0_avx2, "avx2,fma,f16c", q8_0_act::<Q5_0, Avx2>);
-entry!(iq4_nl_avx2, "avx2,fma,f16c", q8_0_act::<IQ4NL, Avx2>);
-entry!(q4_1_avx2, "avx2,fma,f16c", q8_1_act::<Q4_1, Avx2>);
-entry!(q5_1_avx2, "avx2,fma,f16c", q8_1_act::<Q5_1, Avx2>);
-entry!(iq4_xs_avx2, "avx2,fma,f16c", iq4_xs::<Avx2>);
+block_entries!("avx2,fma,f16c" Avx2 => q8_0_avx2 q4_0_avx2 q5_0_avx2 iq4_nl_avx2 q4_1_avx2 q5_1_avx2 iq4_xs_avx2);

@@ -376,35 +376,10 @@ unsafe fn iq4_xs<D: Dot512, const NY: usize>(n: usize, w: *const u8, ys: *const 
     }
 }
 
-/// Defines a [`super::KernelFn`] for one level that runs `$body` with `ny` as a constant.
-macro_rules! entry {
-    ($name:ident, $feat:literal, $body:ident::<$($g:ty),*>) => {
-        /// # Safety
-        /// The contract of `KernelFn`: lengths checked by `Kernel::run`; the machine has the
-        /// target features enabled here.
-        #[target_feature(enable = $feat)]
-        pub(super) unsafe fn $name(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
-            // SAFETY: this function's contract, forwarded.
-            unsafe { by_ny!(ny, $body[$($g),*](n, w.as_ptr(), ys.as_ptr(), out)) }
-        }
-    };
-}
-
-entry!(q8_0_avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq", q8_0_act::<Q8_0, Bw>);
-entry!(q4_0_avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq", q8_0_act::<Q4_0, Bw>);
-entry!(q5_0_avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq", q8_0_act::<Q5_0, Bw>);
-entry!(iq4_nl_avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq", q8_0_act::<IQ4NL, Bw>);
-entry!(q4_1_avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq", q8_1_act::<Q4_1, Bw>);
-entry!(q5_1_avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq", q8_1_act::<Q5_1, Bw>);
-entry!(iq4_xs_avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq", iq4_xs::<Bw>);
-
-entry!(q8_0_vnni512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni", q8_0_act::<Q8_0, Vnni>);
-entry!(q4_0_vnni512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni", q8_0_act::<Q4_0, Vnni>);
-entry!(q5_0_vnni512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni", q8_0_act::<Q5_0, Vnni>);
-entry!(iq4_nl_vnni512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni", q8_0_act::<IQ4NL, Vnni>);
-entry!(q4_1_vnni512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni", q8_1_act::<Q4_1, Vnni>);
-entry!(q5_1_vnni512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni", q8_1_act::<Q5_1, Vnni>);
-entry!(iq4_xs_vnni512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni", iq4_xs::<Vnni>);
+block_entries!("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq" Bw
+    => q8_0_avx512 q4_0_avx512 q5_0_avx512 iq4_nl_avx512 q4_1_avx512 q5_1_avx512 iq4_xs_avx512);
+block_entries!("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni" Vnni
+    => q8_0_vnni512 q4_0_vnni512 q5_0_vnni512 iq4_nl_vnni512 q4_1_vnni512 q5_1_vnni512 iq4_xs_vnni512);
 
 /// Defines a [`super::super::TileFn`] at the VNNI level for one signed-weight type.
 macro_rules! tile_entry {
