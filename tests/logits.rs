@@ -17,8 +17,10 @@ fn load(path: &Path) -> Arc<Model> {
     Arc::new(Model::load(Arc::new(gguf)).unwrap())
 }
 
+/// A context in llama.cpp's arithmetic: MLA files attend absorbed (the default `Auto` may
+/// decompress a fixture's prompt run; `mla_forms_match_llama_cpp` holds that form to its bound).
 fn context(model: &Arc<Model>, threads: usize, ubatch: usize, ctk: &str, ctv: &str) -> Context {
-    context_mla(model, threads, ubatch, ctk, ctv, MlaMode::default())
+    context_mla(model, threads, ubatch, ctk, ctv, MlaMode::Absorbed)
 }
 
 fn context_mla(model: &Arc<Model>, threads: usize, ubatch: usize, ctk: &str, ctv: &str, mla: MlaMode) -> Context {
@@ -163,16 +165,14 @@ fn within_tolerance(f: &Fixture, got: &[f32], label: &str) -> bool {
 /// values rebuilt from the latent) computes the same function but cannot round the latent
 /// attention output to Q8 before `attn_v_b` as llama.cpp does; on the F32 and F16 files it must
 /// meet the same bounds, and on quantized files (where that rounding is 2^-8, amplified through
-/// expert choices) its median distance must stay within 1.5x of the distance between llama.cpp's
+/// expert choices) its median distance must stay within 1.25x of the distance between llama.cpp's
 /// own reference and its flash-attention run (the fixture's `other_numerics.flash_attn`), with
 /// the argmax agreeing at >= 85% of positions (a wrong mask, scale or head shows up as 40-70%: the
-/// fixtures' `sensitivity`). Measured when this was written: medians 1.10-1.26x llama.cpp's
-/// flash-attention distance; argmax agreement 88.3-97.7% (llama.cpp's flash attention:
-/// 93.0-98.4%), with 1-2 of ~90 clear-margin positions flipped on the Q8_0 and IQ4_XS files
-/// (llama.cpp's flash attention flips none). Since the keys are rebuilt by a Q8_0 product
-/// (2026-12-02; exact f32 where `attn_k_b` is a float type): medians 1.24-1.31x, argmax agreement
-/// 90.6-97.7%, 1-3 of 77-92 clear-margin positions flipped on every quantized file. This is why
-/// `--mla absorbed` is the default.
+/// fixtures' `sensitivity`). That bound is what lets `--mla auto` (decompressed prompt runs) be
+/// the default. Measured 2026-12-05 with the keys and values rebuilt by exact f32 products:
+/// medians 1.09-1.18x llama.cpp's flash-attention distance; with both rebuilt by Q8_0 products
+/// (the latent quantized as activations) they were 1.24-1.31x, with only the keys exact
+/// 1.10-1.26x, only the values 1.18-1.29x.
 #[test]
 fn mla_forms_match_llama_cpp() {
     let mut failures = Vec::new();
@@ -195,7 +195,7 @@ fn mla_forms_match_llama_cpp() {
                 let median = errs[errs.len() / 2];
                 let agree = pp.iter().filter(|p| p.1).count() as f32 / pp.len() as f32;
                 println!("    median {median:.2e} = {:.2}x llama.cpp's flash-attention distance {fa:.2e}", median / fa);
-                median <= 1.5 * fa.max(2e-2) && agree >= 0.85
+                median <= 1.25 * fa && agree >= 0.85
             };
             if !ok {
                 failures.push(format!("{}{label}", f.name));

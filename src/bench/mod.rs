@@ -71,8 +71,9 @@ pub struct BenchArgs {
     /// KV cache type for V: f32, f16, bf16, q8_0 (also -ctv).
     #[arg(long = "cache-type-v", value_name = "TYPE", default_value = "f16")]
     pub cache_type_v: String,
-    /// MLA attention: absorbed (llama.cpp's arithmetic), auto or decompressed (see `tandem run --help`).
-    #[arg(long = "mla", value_name = "absorbed|auto|decompressed", default_value = "absorbed")]
+    /// MLA attention: auto (the default), absorbed (llama.cpp's arithmetic) or decompressed (see
+    /// `tandem run --help`).
+    #[arg(long = "mla", value_name = "absorbed|auto|decompressed", default_value = "auto")]
     pub mla: String,
     /// llama-sweep-bench's method: prefill -ub tokens, then decode -n, at N_KV = 0, UB, 2 UB, ... up to -c.
     #[arg(long)]

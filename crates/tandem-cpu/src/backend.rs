@@ -6,12 +6,13 @@ use crate::attention::{Attn, KvType};
 use crate::jobs::{ffn_jobs, matmul_jobs, FfnJob, MatJob};
 use crate::matmul::{quantize_activations, QuantizedActs, WeightRef};
 use crate::mla::{cache_rows_f32, mla_prefill, MlaPrefill};
-use crate::packed::{pack, packable, packing_pays_for, Packed, PACK_ROWS};
+use crate::gemm::{gemm, Dims};
+use crate::vmath::Level;
 use crate::{Error, Result, Threads};
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use tandem_quant::{dequantize_row, quantize_row, row_size, vec_dot_type, GgmlType};
+use tandem_quant::{dequantize_row, row_size, vec_dot_type};
 
 /// Multi-head latent attention in the decompressed form for a run of tokens of one sequence:
 /// every cached row's key and value rebuilt per head from the latent (`attn_k_b`, `attn_v_b`),
@@ -29,11 +30,12 @@ pub struct MlaDecompressed<'a> {
     pub kv_type: KvType,
     /// Rows each token attends (its position + 1).
     pub n_kv: &'a [usize],
-    /// `attn_k_b` as stored (`[n_head * kv_lora]` rows of `nope`), never a packed copy: its
-    /// transpose is made from these bytes once and kept under `k_b_key`.
+    /// `attn_k_b` as stored (`[n_head * kv_lora]` rows of `nope`), never a packed copy: made f32
+    /// from these bytes once and kept under `k_b_key` ([`MlaWeights`]).
     pub k_b: WeightRef<'a>,
     pub k_b_key: &'a str,
-    /// `attn_v_b`, `[n_head * dv]` rows of `kv_lora` (packed or not).
+    /// `attn_v_b` as stored, `[n_head * dv]` rows of `kv_lora`, never a packed copy (kept with
+    /// `attn_k_b`'s).
     pub v_b: WeightRef<'a>,
     pub scale: f32,
 }
@@ -42,14 +44,14 @@ pub struct MlaDecompressed<'a> {
 /// makes once.
 pub struct CpuBackend {
     threads: Threads,
-    /// Per `attn_k_b` (by key): the matrix that rebuilds the decompressed MLA's keys, made on
-    /// first use ([`KeysWeight`]).
-    keys: Mutex<HashMap<String, Arc<KeysWeight>>>,
+    /// Per layer (by `attn_k_b`'s key): the matrices that rebuild the decompressed MLA's keys
+    /// and values, made on first use ([`MlaWeights`]).
+    mla: Mutex<HashMap<String, Arc<MlaWeights>>>,
 }
 
 impl CpuBackend {
     pub fn new(threads: Threads) -> CpuBackend {
-        CpuBackend { threads, keys: Mutex::new(HashMap::new()) }
+        CpuBackend { threads, mla: Mutex::new(HashMap::new()) }
     }
 
     pub fn threads(&self) -> &Threads {
@@ -146,7 +148,12 @@ impl CpuBackend {
             return Ok(false);
         }
         let (nh, kl) = (a.n_head, a.kv_lora);
-        if a.k_b.packed || a.k_b.rows != nh * kl || a.k_b.cols != a.nope || a.v_b.rows != nh * a.dv || a.v_b.cols != kl
+        if a.k_b.packed
+            || a.v_b.packed
+            || a.k_b.rows != nh * kl
+            || a.k_b.cols != a.nope
+            || a.v_b.rows != nh * a.dv
+            || a.v_b.cols != kl
         {
             return Err(Error::Shape(format!("{}: attn_k_b / attn_v_b shapes do not fit the attention", a.k_b_key)));
         }
@@ -154,10 +161,7 @@ impl CpuBackend {
         if a.q.len() != n * nh * dk || out.len() != n * nh * dv {
             return Err(Error::Shape(format!("decompressed MLA attention of {n} tokens: query or output size wrong")));
         }
-        if !kl.is_multiple_of(GgmlType::Q8_0.block_size()) {
-            return Ok(false);
-        }
-        let keys = self.keys_weight(a, nh, kl, nope)?;
+        let w = self.mla_weights(a)?;
         let rows = a.n_kv.iter().copied().max().unwrap_or(0);
         let pool = self.threads.for_tokens(n);
         let kv = cache_rows_f32(pool, a.kv, a.kv_type, rows, row)?;
@@ -189,13 +193,10 @@ impl CpuBackend {
         for h0 in (0..nh).step_by(hg) {
             let h1 = (h0 + hg).min(nh);
             let g = h1 - h0;
-            // Keys and values: attn_k_b (transposed) and attn_v_b times every cached latent, as
-            // quantized matrix products.
-            let mut k = vec![0f32; rows * g * nope];
-            let kw = keys.weight_ref()?.rows(h0 * nope, g * nope)?;
-            crate::matmul(pool, &kw, &latent, &mut k)?;
-            let mut v = vec![0f32; rows * g * dv];
-            crate::matmul(pool, &a.v_b.rows(h0 * dv, g * dv)?, &latent, &mut v)?;
+            // Keys and values: every cached latent times attn_k_b and attn_v_b as f32 (exact
+            // products of the weights' own values, as llama.cpp's absorbed form multiplies them).
+            let k = rebuild(pool, &latent, &w.k[h0 * kl * nope..h1 * kl * nope], kl, nope);
+            let v = rebuild(pool, &latent, &w.v[h0 * kl * dv..h1 * kl * dv], kl, dv);
             let qg: Vec<f32> = if g == nh {
                 std::mem::take(&mut q)
             } else {
@@ -227,73 +228,86 @@ impl CpuBackend {
         Ok(true)
     }
 
-    /// `attn_k_b` (`[n_head][kv_lora][nope]`) as the matrix whose product with a cached latent is
-    /// that row's keys: made once per weight and kept.
-    fn keys_weight(&self, a: &MlaDecompressed, nh: usize, kl: usize, nope: usize) -> Result<Arc<KeysWeight>> {
-        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(w) = keys.get(a.k_b_key) {
+    /// A layer's [`MlaWeights`]: made once per `attn_k_b` key and kept.
+    fn mla_weights(&self, a: &MlaDecompressed) -> Result<Arc<MlaWeights>> {
+        let mut all = self.mla.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = all.get(a.k_b_key) {
             return Ok(w.clone());
         }
-        let k_b = &a.k_b;
-        let head_bytes = row_size(k_b.ty, kl * nope)?;
-        if k_b.data.len() != nh * head_bytes {
-            return Err(Error::Shape(format!(
-                "{}: {} bytes for {nh} heads of {head_bytes}",
-                a.k_b_key,
-                k_b.data.len()
-            )));
-        }
-        // Float weights stay exact (as f32); quantized ones are requantized to Q8_0 along the
-        // latent, as the values' `attn_v_b` rows already run.
-        let float = matches!(k_b.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
-        let ty = if float { GgmlType::F32 } else { GgmlType::Q8_0 };
-        let row_q = row_size(ty, kl)?;
-        let mut data = vec![0u8; nh * nope * row_q];
-        self.threads.for_tokens(2).install(|| {
-            data.par_chunks_mut(nope * row_q).zip(k_b.data.par_chunks(head_bytes)).try_for_each(
-                |(o, b)| -> Result<()> {
-                    let mut w = vec![0f32; kl * nope];
-                    dequantize_row(k_b.ty, b, &mut w)?;
-                    let mut col = vec![0f32; kl];
-                    for (i, o) in o.chunks_exact_mut(row_q).enumerate() {
-                        for (j, c) in col.iter_mut().enumerate() {
-                            *c = w[j * nope + i];
-                        }
-                        quantize_row(ty, &col, o)?;
-                    }
-                    Ok(())
-                },
-            )
+        let (kl, nope, dv) = (a.kv_lora, a.nope, a.dv);
+        let pool = self.threads.for_tokens(2);
+        // attn_k_b is `[n_head][kv_lora][nope]` already; attn_v_b is `[n_head][dv][kv_lora]`,
+        // each head's matrix transposed to `[kv_lora][dv]`.
+        let k = dequantized(pool, &a.k_b, kl * nope, |raw, o| o.copy_from_slice(raw))?;
+        let v = dequantized(pool, &a.v_b, kl * dv, |raw, o| {
+            for (d, row) in raw.chunks_exact(kl).enumerate() {
+                for (j, x) in row.iter().enumerate() {
+                    o[j * dv + d] = *x;
+                }
+            }
         })?;
-        let rows = nh * nope;
-        let w = if packing_pays_for(ty) && packable(ty, rows, kl) && nope.is_multiple_of(PACK_ROWS) {
-            KeysWeight::Packed(pack(ty, rows, kl, &data)?)
-        } else {
-            KeysWeight::Rows { ty, rows, cols: kl, data }
-        };
-        let w = Arc::new(w);
-        keys.insert(a.k_b_key.to_string(), w.clone());
+        let w = Arc::new(MlaWeights { k, v });
+        all.insert(a.k_b_key.to_string(), w.clone());
         Ok(w)
     }
 }
 
-/// `attn_k_b` transposed, `[n_head][nope][kv_lora]`: each row of `kv_lora` quantized to Q8_0
-/// (packed where that pays on this machine), or f32 where `attn_k_b` is a float type. The
-/// decompressed MLA attention rebuilds every cached row's keys with it in one product, as it
-/// rebuilds the values with `attn_v_b`, instead of an f32 product of the dequantized `attn_k_b`.
-/// About 1.1 bytes per value of a quantized `attn_k_b`: 4.5 MB per layer for Kimi K2's 64 heads.
-enum KeysWeight {
-    Rows { ty: GgmlType, rows: usize, cols: usize, data: Vec<u8> },
-    Packed(Packed),
+/// `attn_k_b` and `attn_v_b` of one layer as f32, per head the matrix a cached latent multiplies
+/// to give that head's keys, `k: [n_head][kv_lora][nope]`, and values, `v: [n_head][kv_lora][dv]`.
+/// Exact f32 (not requantized, and the latent not quantized as activations): llama.cpp's absorbed
+/// form multiplies the weights' own values with the f16 latent, and requantizing both operands to
+/// Q8_0 put the decompressed form 1.24-1.31x llama.cpp's own flash-attention distance from its
+/// logits, against 1.09-1.18x exact (tests/logits.rs `mla_forms_match_llama_cpp`). About 4 bytes
+/// per value of the two weights: 33.5 MB per layer at Kimi K2's 64 heads, 2.0 GB for its 61
+/// layers, made only when a prompt runs decompressed.
+struct MlaWeights {
+    k: Vec<f32>,
+    v: Vec<f32>,
 }
 
-impl KeysWeight {
-    fn weight_ref(&self) -> Result<WeightRef<'_>> {
-        match self {
-            KeysWeight::Rows { ty, rows, cols, data } => WeightRef::new(*ty, *rows, *cols, data),
-            KeysWeight::Packed(p) => Ok(p.weight_ref()),
-        }
+/// A weight of `heads` matrices of `per` values each as f32: each head's values, dequantized in
+/// the stored order, written out by `arrange` into the head's part of the result; on `pool`.
+fn dequantized(
+    pool: &rayon::ThreadPool,
+    w: &WeightRef,
+    per: usize,
+    arrange: impl Fn(&[f32], &mut [f32]) + Sync,
+) -> Result<Vec<f32>> {
+    let bytes = row_size(w.ty, per)?;
+    if bytes == 0 || !w.data.len().is_multiple_of(bytes) || w.data.len() / bytes * per != w.rows * w.cols {
+        return Err(Error::Shape(format!("{} bytes of {} are not whole heads of {per} values", w.data.len(), w.ty)));
     }
+    let mut out = vec![0f32; w.rows * w.cols];
+    pool.install(|| {
+        out.par_chunks_mut(per).zip(w.data.par_chunks(bytes)).try_for_each(|(o, b)| -> Result<()> {
+            let mut raw = vec![0f32; per];
+            dequantize_row(w.ty, b, &mut raw)?;
+            arrange(&raw, o);
+            Ok(())
+        })
+    })?;
+    Ok(out)
+}
+
+/// `[rows][g][d]`: every row of `latent` (`[rows][kl]`) times each of the `g` matrices of `w`
+/// (`[g][kl][d]`), by f32 products of blocks of rows on `pool`.
+fn rebuild(pool: &rayon::ThreadPool, latent: &[f32], w: &[f32], kl: usize, d: usize) -> Vec<f32> {
+    // Rows per task: each head's matrix (256 KB at kv_lora 512 and d 128) passes over this many.
+    const RB: usize = 192;
+    let g = w.len() / (kl * d);
+    let rows = latent.len() / kl;
+    let mut out = vec![0f32; rows * g * d];
+    let level = Level::detected();
+    pool.install(|| {
+        out.par_chunks_mut(RB * g * d).zip(latent.par_chunks(RB * kl)).for_each(|(o, lat)| {
+            let m = lat.len() / kl;
+            for (h, wh) in w.chunks_exact(kl * d).enumerate() {
+                let dims = Dims { m, n: d, k: kl, lda: kl, ka: 1, ldb: d, ldc: g * d };
+                gemm(dims, lat, wh, &mut o[h * d..], level);
+            }
+        })
+    });
+    out
 }
 
 /// Most bytes of rebuilt keys and values the decompressed MLA attention holds at once (see
@@ -306,6 +320,8 @@ const Q_ROUND_TOKENS: usize = 16;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::packed::{pack, packable, packing_pays_for, Packed};
+    use tandem_quant::{quantize_row, GgmlType};
 
     fn rand(seed: u64, n: usize, scale: f32) -> Vec<f32> {
         crate::test_data(seed, n).into_iter().map(|v| v * scale).collect()

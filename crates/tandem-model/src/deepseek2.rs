@@ -289,15 +289,13 @@ impl Deepseek2 {
 
     /// Whether a run of tokens attending `n_kv` rows each takes the decompressed form: by `mode`,
     /// or under `Auto` when it costs fewer multiply-adds per head than the absorbed form, products
-    /// of quantized weights (int8) counted at a third of an f32 one (on the bench model with 2
-    /// threads the forms break even at about 100 tokens, at depth 0 and at 3072). Absorbed:
-    /// `2 kv_lora + n_rot` per token and row, plus `W_kb` on each query and `W_vb` on each output.
+    /// of quantized weights (int8) counted at a third of an f32 one. Absorbed: `2 kv_lora +
+    /// n_rot` per token and row, plus `W_kb` on each query and `W_vb` on each output (quantized).
     /// Decompressed: `nope + n_rot + dv` per token and row, plus rebuilding every row's key and
-    /// value. The key rebuild is counted as an f32 product although it runs quantized since the
-    /// keys' Q8_0 matrix (`CpuBackend`): so weighted, the model switches at 116 tokens at depth
-    /// 3072, where the two forms measured alike at 96 tokens (Zen 5, 2 threads, 2026-12-02);
-    /// counted at a third it would switch at 58, where the absorbed form was 20% faster (64
-    /// tokens: 100-122 against 87-92 t/s).
+    /// value (f32 products since `CpuBackend` rebuilds them exactly). So the model switches at
+    /// about 180 tokens at depth 3072; on the bench model with 2 threads (Zen 4, 2026-12-05) the
+    /// forms measured alike at 192 tokens (94.7 against 93.4 t/s), absorbed 1.3x faster at 128
+    /// and decompressed 1.13x at 256, 1.54x at 512.
     fn decompress(&self, mode: MlaMode, n_kv: &[usize]) -> bool {
         match mode {
             MlaMode::Absorbed => false,
@@ -313,7 +311,7 @@ fn decompress_pays(kv_lora: usize, n_rot: usize, nope: usize, dv: usize, n_kv: &
     let pairs: f64 = n_kv.iter().map(|&k| k as f64).sum();
     let (n, rows) = (n_kv.len() as f64, n_kv.iter().copied().max().unwrap_or(0) as f64);
     let absorbed = pairs * (2.0 * kl + nr) + n * (nope * kl + kl * dv) / 3.0;
-    let decompressed = pairs * (nope + nr + dv) + rows * (nope * kl + kl * dv / 3.0);
+    let decompressed = pairs * (nope + nr + dv) + rows * (nope * kl + kl * dv);
     decompressed < absorbed
 }
 
@@ -402,8 +400,8 @@ mod tests {
 
     /// Kimi's shapes (latent 512, rope 64, nope 128, dv 128), as measured with `tandem bench
     /// --mla` on the bench model: decoding and short runs stay absorbed; prompt runs of 256 and
-    /// 512 tokens at depth 0 and 3072 are decompressed; 64 tokens at depth 3072 stay absorbed
-    /// (decompressed was 1.3x slower there); 160 tokens at 3072 are decompressed (1.2x faster).
+    /// 512 tokens at depth 0 and 3072 are decompressed; 64 and 128 tokens at depth 3072 stay
+    /// absorbed (decompressed was 1.3x slower at 128).
     #[test]
     fn auto_decompresses_long_runs_only() {
         let run = |depth: usize, n: usize| (depth + 1..=depth + n).collect::<Vec<_>>();
@@ -411,8 +409,7 @@ mod tests {
         for depth in [0, 100, 3072, 100_000] {
             assert!(!pays(depth, 1), "decode at {depth}");
         }
-        assert!(!pays(3072, 64) && !pays(0, 16) && !pays(0, 64));
-        assert!(pays(3072, 160) && pays(0, 160));
+        assert!(!pays(3072, 64) && !pays(3072, 128) && !pays(0, 16) && !pays(0, 64));
         assert!(pays(0, 256) && pays(0, 512) && pays(3072, 256) && pays(3072, 512));
         assert!(!decompress_pays(512, 64, 128, 128, &[]));
     }

@@ -400,8 +400,9 @@ impl Device for HostDevice {
         if self.stand_in && !self.holds.contains(&k_b.name) {
             return Err(Error::Model(format!("{}: not held by {}", k_b.name, self.name)));
         }
-        // attn_k_b as stored (its transpose is made from the file's bytes), attn_v_b as multiplied.
+        // attn_k_b and attn_v_b as stored (never a packed copy): made f32 once from these bytes.
         let k_plain = WeightRef::new(k_b.ty, k_b.rows(), k_b.cols(), k_b.bytes())?;
+        let v_plain = WeightRef::new(v_b.ty, v_b.rows(), v_b.cols(), v_b.bytes())?;
         let input = tandem_cpu::MlaDecompressed {
             q,
             n_head: s.n_head,
@@ -414,7 +415,7 @@ impl Device for HostDevice {
             n_kv,
             k_b: k_plain,
             k_b_key: &k_b.name,
-            v_b: self.matrix(v_b)?,
+            v_b: v_plain,
             scale,
         };
         let mut out = vec![0f32; n_kv.len() * s.n_head * s.dv];

@@ -49,8 +49,8 @@ impl Weight {
 
     /// Gives the memory of the tensor's own bytes back to the system once its packed copy exists
     /// and the file was read into memory (`--no-mmap`), for a matrix that nothing else reads
-    /// (`raw_readers`: the tensors bound more than once or read by rows; `attn_k_b`, which the
-    /// decompressed MLA form dequantizes); returns the bytes given back. [`Weight::bytes`] is
+    /// (`raw_readers`: the tensors bound more than once or read by rows; `attn_k_b` and
+    /// `attn_v_b`, which the decompressed MLA form dequantizes); returns the bytes given back. [`Weight::bytes`] is
     /// empty afterwards.
     pub(crate) fn release_source(&self, raw_readers: &HashSet<usize>) -> u64 {
         if !self.releasable(raw_readers) || !matches!(self.pack_result(), Some(Ok(_))) || !self.src.can_release() {
@@ -62,14 +62,15 @@ impl Weight {
         }
         // SAFETY: from here on `bytes()` of this weight and its clones is empty; the products
         // take the packed copy (made above, never dropped while the weight lives); the weight
-        // has no other binding (`raw_readers`), and `attn_k_b`, the one matrix whose bytes a
-        // backend reads itself, is never released.
+        // has no other binding (`raw_readers`), and `attn_k_b` and `attn_v_b`, the matrices
+        // whose bytes a backend reads itself, are never released.
         unsafe { self.src.release(t) }
     }
 
     /// Whether [`Weight::release_source`] may give this weight's bytes back once it is packed.
     pub(crate) fn releasable(&self, raw_readers: &HashSet<usize>) -> bool {
-        self.packed.is_some() && !self.name.ends_with("attn_k_b.weight") && !raw_readers.contains(&self.index)
+        let read_raw = self.name.ends_with("attn_k_b.weight") || self.name.ends_with("attn_v_b.weight");
+        self.packed.is_some() && !read_raw && !raw_readers.contains(&self.index)
     }
 
     /// Elements per row (`ne[0]`).
