@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 use std::sync::mpsc::{channel, Receiver};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tandem_engine::{
     Engine, EngineConfig, Error, Event, Failure, Finish, FinishReason, LengthLimit, Prompt, Request, SamplingParams,
@@ -17,11 +17,12 @@ fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models").join(name)
 }
 
-/// The log of this thread (and of the engines it starts, whose threads log where the thread that
-/// started them does) into a buffer, until the guard drops.
-fn capture_log() -> (Arc<std::sync::Mutex<Vec<u8>>>, tracing::subscriber::DefaultGuard) {
+/// The log of every engine in this test binary: one global subscriber, installed by [`engine`]
+/// before any engine starts. A test picks its own lines by its requests' ids.
+fn log_of(id_prefix: &str) -> Vec<String> {
+    static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
     #[derive(Clone)]
-    struct Buf(Arc<std::sync::Mutex<Vec<u8>>>);
+    struct Buf(Arc<Mutex<Vec<u8>>>);
     impl std::io::Write for Buf {
         fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
             self.0.lock().unwrap().extend_from_slice(b);
@@ -31,17 +32,22 @@ fn capture_log() -> (Arc<std::sync::Mutex<Vec<u8>>>, tracing::subscriber::Defaul
             Ok(())
         }
     }
-    let buf = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let sink = Buf(buf.clone());
-    let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer(move || sink.clone()).finish();
-    (buf, tracing::subscriber::set_default(subscriber))
-}
-
-fn log_lines(buf: &std::sync::Mutex<Vec<u8>>) -> Vec<String> {
-    String::from_utf8_lossy(&buf.lock().unwrap()).lines().map(str::to_string).collect()
+    let buf = LOG.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let sink = Buf(buf.clone());
+        let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer(move || sink.clone()).finish();
+        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber of this binary");
+        buf
+    });
+    let mine = format!("request{{id={id_prefix}");
+    String::from_utf8_lossy(&buf.lock().unwrap()).lines().filter(|l| l.contains(&mine)).map(str::to_string).collect()
 }
 
 fn engine(model: &str, n_ctx: usize, config: EngineConfig) -> Engine {
+    // The subscriber before any engine logs: a line whose callsite was first reached with none
+    // installed stayed disabled after it was (in parallel runs, "request started" and "request
+    // finished" went missing).
+    log_of("");
     let gguf = Arc::new(GgufModel::open(fixture(model), LoadOptions::default()).unwrap());
     let tok = Tokenizer::from_gguf(&gguf).unwrap();
     let model = Arc::new(Model::load(gguf).unwrap());
@@ -55,6 +61,11 @@ fn greedy(prompt: &str, max_tokens: u32) -> Request {
     let mut r = Request::new(Prompt::Text(prompt.into()));
     r.sampling = SamplingParams::greedy();
     r.max_tokens = max_tokens;
+    r
+}
+
+fn named(mut r: Request, id: &str) -> Request {
+    r.id = id.into();
     r
 }
 
@@ -155,7 +166,6 @@ fn stop_strings_end_generation_and_are_not_sent() {
 #[test]
 fn prompt_cache_and_system_prompt_are_reused() {
     let long: String = PROMPTS.iter().cycle().take(12).copied().collect::<Vec<_>>().join(" ");
-    let (lines, _logging) = capture_log();
     let config = EngineConfig {
         n_parallel: 2,
         system_prompt: Some("You are a helpful assistant.".into()),
@@ -165,32 +175,34 @@ fn prompt_cache_and_system_prompt_are_reused() {
     let e = engine("deepseek2-mla-tiny.gguf", 512, config);
     let sys = e.handle().info().system_prompt_tokens as u32;
     assert!(sys > 4);
-    let (first_ids, _, f1) = run(&e, greedy(&long, 4));
+    let (first_ids, _, f1) = run(&e, named(greedy(&long, 4), "cache-1"));
     assert_eq!(f1.usage.cached_tokens, sys, "a first request starts from the system prompt");
-    let (_, _, f2) = run(&e, greedy(&format!("{long} and then"), 4));
+    let (_, _, f2) = run(&e, named(greedy(&format!("{long} and then"), 4), "cache-2"));
     assert!(f2.usage.cached_tokens >= f1.usage.prompt_tokens - 1, "{:?} vs {:?}", f2.usage, f1.usage);
     // a reused prefix gives the same tokens as computing it
-    let (again, _, f3) = run(&e, greedy(&long, 4));
+    let (again, _, f3) = run(&e, named(greedy(&long, 4), "cache-3"));
     assert_eq!(again, first_ids);
     assert_eq!(f3.usage.cached_tokens, f3.usage.prompt_tokens - 1);
     // a prompt that diverges from the cache is logged with where and what
-    run(&e, greedy(&format!("{} zebra {}", &long[..60], &long[60..]), 2));
-    let lines = log_lines(&lines);
+    run(&e, named(greedy(&format!("{} zebra {}", &long[..60], &long[60..]), 2), "cache-4"));
+    let lines = log_of("cache-");
     assert!(lines.iter().any(|l| l.contains("diverges") && l.contains("zebra")), "{lines:?}");
     // every request's lines carry its id
-    assert!(lines.iter().any(|l| l.contains("request{id=") && l.contains("request finished")), "{lines:?}");
+    for id in ["cache-1", "cache-2", "cache-3", "cache-4"] {
+        let done = format!("request{{id={id}}}: tandem_engine::slot: request finished");
+        assert!(lines.iter().any(|l| l.contains(&done)), "{id}: {lines:?}");
+    }
     assert!(e.handle().stats().cache_divergences.get() >= 1);
 }
 
 #[test]
 fn prompt_text_stays_out_of_the_log_by_default() {
     let long: String = PROMPTS.iter().cycle().take(12).copied().collect::<Vec<_>>().join(" ");
-    let (lines, _logging) = capture_log();
     let config = EngineConfig { n_parallel: 2, ..EngineConfig::default() };
     let e = engine("llama-tiny.gguf", 512, config);
-    run(&e, greedy(&long, 2));
-    run(&e, greedy(&format!("{} zebra {}", &long[..60], &long[60..]), 2));
-    let lines = log_lines(&lines);
+    run(&e, named(greedy(&long, 2), "quiet-1"));
+    run(&e, named(greedy(&format!("{} zebra {}", &long[..60], &long[60..]), 2), "quiet-2"));
+    let lines = log_of("quiet-");
     let diverged: Vec<&String> = lines.iter().filter(|l| l.contains("diverges")).collect();
     assert_eq!(diverged.len(), 1, "{lines:?}");
     assert!(diverged[0].contains("hash") && !diverged[0].contains("zebra"), "{diverged:?}");
