@@ -329,7 +329,7 @@ fn repacked_weights_match_llama_cpp_and_are_invariant() {
         let gguf = GgufModel::open(&f.model, LoadOptions::default()).unwrap();
         let model = Arc::new(Model::load_with(Arc::new(gguf), true).unwrap());
         if model.packed_bytes(&|_| false) == 0 {
-            // At TANDEM_CPU_ISA=avx2 Q8_0, IQ4_XS and IQ4_NL have no packed kernel.
+            // None of its types has a packed kernel here (every packed type has one at AVX2 and up).
             println!("SKIPPED {name} --repack: none of its types has a packed kernel at this instruction-set level");
             continue;
         }

@@ -11,7 +11,8 @@
 //! (fp16), then for Q5_1 every block's minimums `m[block][16]` (fp16). Q8_0 keeps its 34 bytes per
 //! row and block; Q5_0 grows from 22 to 34, Q5_1 from 24 to 36.
 //!
-//! Kernels: AVX-512 VNNI for all three; AVX2 for Q5_0 and Q5_1 (`vpmaddubsw` on levels <= 31).
+//! Kernels: AVX-512 VNNI and AVX2 for all three (AVX2: `vpmaddubsw` on Q5_0's and Q5_1's levels
+//! <= 31, on the two nibbles of Q8_0's).
 
 use super::{f16_at, GroupActs, GroupFn, PACK_ROWS};
 use tandem_quant::blocks::{BlockQ8_0, BlockQ8_1};
@@ -112,8 +113,8 @@ x86_kernels! {
     SIMD_Q8_0 = x86::group_vnni::<128>;
     SIMD_Q5_0 = x86::group_vnni::<16>;
     SIMD_Q5_1 = x86::group_vnni::<Q5_1_OFF>;
-    /// The AVX2 kernels of Q5_0 and Q5_1, where this build has them (Q8_0's levels up to 255 would
-    /// overflow `vpmaddubsw`'s i16 pair sums).
+    /// The AVX2 kernels, where this build has them.
+    AVX2_Q8_0 = x86::group_avx2::<128>;
     AVX2_Q5_0 = x86::group_avx2::<16>;
     AVX2_Q5_1 = x86::group_avx2::<Q5_1_OFF>;
 }
@@ -170,7 +171,7 @@ pub(super) unsafe fn group_scalar<const OFF: i32>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, bcast8, half, prefetch_ahead};
+    use super::super::x86::{bcast, bcast8, half, nibble_dot8, nibbles8, prefetch_ahead};
     use super::{sizes, GroupActs, LEVELS, PACK_ROWS, Q5_1_OFF, Q8_1_S};
     use std::arch::x86_64::*;
 
@@ -254,10 +255,11 @@ mod x86 {
     }
 
     group_entry! {
-        /// A [`super::GroupFn`] for AVX2 (`OFF` 16 for Q5_0, [`Q5_1_OFF`] for Q5_1): each half of the
-        /// 16 rows in a ymm register; `vpmaddubsw` takes the 5-bit levels (<= 31, so four of its i16
-        /// pair sums added stay below 2^15) and one `vpmaddwd` by ones per four makes them the exact
-        /// integer sums of the VNNI kernel.
+        /// A [`super::GroupFn`] for AVX2 (`OFF` 128 for Q8_0, 16 for Q5_0, [`Q5_1_OFF`] for Q5_1):
+        /// each half of the 16 rows in a ymm register; `vpmaddubsw` takes the 5-bit levels (<= 31,
+        /// so four of its i16 pair sums added stay below 2^15) and one `vpmaddwd` by ones per four
+        /// makes them the exact integer sums of the VNNI kernel. Q8_0's levels (up to 255) would
+        /// overflow the pair sums: they go in as their two nibbles ([`nibble_dot8`]).
         ///
         /// # Safety
         /// As [`super::GroupFn`] (Q8_0 activations with their block sums; Q8_1 activations for Q5_1),
@@ -292,8 +294,13 @@ mod x86 {
                 }
                 for hf in 0..2 {
                     let mut wv = [_mm256_setzero_si256(); 8];
+                    // Q8_0's levels in nibbles
+                    let mut nib = [[_mm256_setzero_si256(); 8]; 2];
                     for (q, v) in wv.iter_mut().enumerate() {
                         *v = _mm256_loadu_si256(wb.add(64 * q + 32 * hf) as *const __m256i);
+                        if OFF == 128 {
+                            [nib[0][q], nib[1][q]] = nibbles8(*v);
+                        }
                     }
                     let d =
                         _mm256_cvtph_ps(_mm_loadu_si128(factors.add(b * 2 * PACK_ROWS + 16 * hf) as *const __m128i));
@@ -304,12 +311,19 @@ mod x86 {
                     };
                     for t in 0..NY {
                         let y = a.ys.add(t * a.yb + b * ab);
-                        let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                        for q in 0..4 {
-                            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[q], bcast8(y.add(qs + 4 * q))));
-                            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wv[q + 4], bcast8(y.add(qs + 16 + 4 * q))));
-                        }
-                        let sum = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+                        let sum = if OFF == 128 {
+                            nibble_dot8(&nib[0], &nib[1], y.add(qs), ones)
+                        } else {
+                            let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                            for q in 0..4 {
+                                s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[q], bcast8(y.add(qs + 4 * q))));
+                                s1 = _mm256_add_epi16(
+                                    s1,
+                                    _mm256_maddubs_epi16(wv[q + 4], bcast8(y.add(qs + 16 + 4 * q))),
+                                );
+                            }
+                            _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones))
+                        };
                         let isum = if OFF == Q5_1_OFF {
                             sum
                         } else {

@@ -9,6 +9,9 @@
 //! byte `4v + k` of the row's group: element `4v + k` in its low nibble, `16 + 4v + k` in its
 //! high one), then `ls[8][16]` (the 6-bit group scales, one byte each), then `d[16]` (fp16), then
 //! 32 bytes of padding to a whole number of cache lines.
+//!
+//! Kernels: AVX-512 VNNI and AVX2 (two byte shuffles give each level's two nibbles, which
+//! `vpmaddubsw` takes without overflowing its i16 pair sums; see `x86::nibble_dot8` in `mod.rs`).
 
 use super::{f16_at, GroupActs, GroupFn, PACK_ROWS, Q8K_BSUMS, Q8K_BYTES, Q8K_QS};
 use tandem_quant::blocks::{BlockIQ4XS, KVALUES_IQ4NL};
@@ -55,6 +58,8 @@ fn index(blk: &[u8], j: usize, r: usize, e: usize) -> usize {
 x86_kernels! {
     /// The AVX-512 VNNI kernel, where this build has one.
     SIMD = x86::group_vnni;
+    /// The AVX2 kernel, where this build has one.
+    AVX2 = x86::group_avx2;
 }
 
 /// The scalar reference: the arithmetic of the module docs, spelled out.
@@ -80,7 +85,7 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::q40::NL_LEVELS;
-    use super::super::x86::{token_blocks, bcast, prefetch_part};
+    use super::super::x86::{bcast, bcast8, nibble_dot8, nibbles8, nl_nibbles8, prefetch_part, token_blocks};
     use super::{GroupActs, D, GROUP_BLOCK, LS, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QS, SUBS};
     use std::arch::x86_64::*;
 
@@ -154,6 +159,75 @@ mod x86 {
         }
         // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
         unsafe { super::super::x86::store(&acc, out, ostride) };
+    }
+
+    group_entry! {
+        /// A [`super::GroupFn`] for AVX2: each half of the 16 rows in a ymm register; the levels
+        /// as their two nibbles (two byte shuffles of the indices) through [`nibble_dot8`], whose
+        /// `vpmaddwd` takes the group scale, give the exact integer sums of the VNNI kernel.
+        ///
+        /// # Safety
+        /// As [`super::GroupFn`] (Q8_K activations), and the machine has AVX2.
+        group_avx2 => group2, q8k
+    }
+
+    /// # Safety
+    /// As [`group_avx2`] with `ny == NY`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
+    unsafe fn group2<const PF: u8, const NY: usize>(
+        nb: usize,
+        w: *const u8,
+        ys: *const u8,
+        yb: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
+        let off32 = _mm256_set1_epi16(32);
+        let mut acc = [[_mm256_setzero_ps(); 2]; NY];
+        for b in 0..nb {
+            // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
+            unsafe {
+                let wb = w.add(b * GROUP_BLOCK);
+                let y: [*const u8; NY] = token_blocks(ys, yb, b, Q8K_BYTES);
+                for hf in 0..2 {
+                    let mut isum = [_mm256_setzero_si256(); NY];
+                    let mut ibias = [_mm256_setzero_si256(); NY];
+                    for j in 0..SUBS {
+                        if NY == 1 {
+                            prefetch_part::<PF>(wb, GROUP_BLOCK, hf * SUBS + j, 2 * SUBS);
+                        }
+                        // (ls - 32, ls - 32) as an i16 pair per lane: the factor of `nibble_dot8`,
+                        // and against the pair (bsums[2j], bsums[2j + 1]).
+                        let ls = _mm_loadl_epi64(wb.add(LS + 16 * j + 8 * hf) as *const __m128i);
+                        let ll = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(ls, ls)), off32);
+                        // the levels in nibbles: the low indices' (elements 4v..) then the high ones'
+                        let mut nl = [[_mm256_setzero_si256(); 8]; 2];
+                        for v in 0..4 {
+                            let raw = _mm256_loadu_si256(wb.add(QS + 256 * j + 64 * v + 32 * hf) as *const __m256i);
+                            let [lo, hi] = nibbles8(raw);
+                            [nl[0][v], nl[1][v]] = nl_nibbles8(lo);
+                            [nl[0][v + 4], nl[1][v + 4]] = nl_nibbles8(hi);
+                        }
+                        for t in 0..NY {
+                            let s = nibble_dot8(&nl[0], &nl[1], y[t].add(Q8K_QS + 32 * j), ll);
+                            isum[t] = _mm256_add_epi32(isum[t], s);
+                            let bias = _mm256_madd_epi16(ll, bcast8(y[t].add(Q8K_BSUMS + 4 * j)));
+                            ibias[t] = _mm256_add_epi32(ibias[t], bias);
+                        }
+                    }
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(D + 16 * hf) as *const __m128i));
+                    for t in 0..NY {
+                        let i = _mm256_sub_epi32(isum[t], _mm256_slli_epi32::<7>(ibias[t]));
+                        let v = _mm256_mul_ps(_mm256_cvtepi32_ps(i), d);
+                        let yd = _mm256_set1_ps((y[t] as *const f32).read_unaligned());
+                        acc[t][hf] = _mm256_fmadd_ps(v, yd, acc[t][hf]);
+                    }
+                }
+            }
+        }
+        // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
+        unsafe { super::super::x86::store_halves(&acc, out, ostride) };
     }
 }
 

@@ -137,8 +137,7 @@ pub fn packable(ty: GgmlType, rows: usize, cols: usize) -> bool {
 }
 
 /// Whether packing pays on this machine for some type (see [`packing_pays_for`]): every type has
-/// an AVX-512 VNNI kernel, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 an AVX2 one
-/// too.
+/// an AVX-512 VNNI kernel and an AVX2 one.
 pub fn packing_pays() -> bool {
     !paying_types().is_empty()
 }
@@ -402,6 +401,61 @@ mod x86 {
         }
     }
 
+    /// The low and the high nibble of every byte of `v` (`u = lo + 16 * hi`).
+    #[inline(always)]
+    pub(super) unsafe fn nibbles8(v: __m256i) -> [__m256i; 2] {
+        // SAFETY: only called from functions enabling AVX2.
+        unsafe {
+            let nib = _mm256_set1_epi8(0x0F);
+            [_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16::<4>(v), nib)]
+        }
+    }
+
+    /// The exact `sum_e u_e * a_e` of each 32-bit lane (4 elements of one row per vector) over
+    /// eight vectors of unsigned bytes `u = lo + 16 * hi` (0..=255, given as the nibble vectors
+    /// `lo` and `hi`), vector `i` against the four activation bytes at `q + 4 i`, each lane's sum
+    /// times the i16 pair of its lane in `f` (ones, or a scale twice). Where AVX2 has no
+    /// `vpdpbusd`: `vpmaddubsw` of nibbles (<= 15) against any bytes gives i16 pair sums within
+    /// +-3840, so the eight of each nibble add up exactly in i16 (within +-30720) before a
+    /// `vpmaddwd` by `f` (the low ones) and by `16 f` (the high ones) widens them. Whole bytes
+    /// would not do: 255 * -128 twice overflows the pair sum (and the sign trick fails on -128).
+    ///
+    /// # Safety
+    /// `q` points at 32 readable bytes; `16 f` fits in i16; the machine has AVX2.
+    #[inline(always)]
+    pub(super) unsafe fn nibble_dot8(lo: &[__m256i; 8], hi: &[__m256i; 8], q: *const u8, f: __m256i) -> __m256i {
+        // SAFETY: the caller guarantees 32 readable bytes and AVX2.
+        unsafe {
+            let [mut l0, mut l1, mut h0, mut h1] = [_mm256_setzero_si256(); 4];
+            for i in 0..4 {
+                let (a0, a1) = (bcast8(q.add(4 * i)), bcast8(q.add(16 + 4 * i)));
+                l0 = _mm256_add_epi16(l0, _mm256_maddubs_epi16(lo[i], a0));
+                h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(hi[i], a0));
+                l1 = _mm256_add_epi16(l1, _mm256_maddubs_epi16(lo[i + 4], a1));
+                h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(hi[i + 4], a1));
+            }
+            _mm256_add_epi32(
+                _mm256_madd_epi16(_mm256_add_epi16(l0, l1), f),
+                _mm256_madd_epi16(_mm256_add_epi16(h0, h1), _mm256_slli_epi16::<4>(f)),
+            )
+        }
+    }
+
+    /// IQ4_NL's levels plus 128 ([`super::q40::NL_LEVELS`]) of the 4-bit codes in `codes` (one a
+    /// byte), split into nibbles as [`nibble_dot8`] takes them: a byte shuffle of each nibble's
+    /// table.
+    #[inline(always)]
+    pub(super) unsafe fn nl_nibbles8(codes: __m256i) -> [__m256i; 2] {
+        // SAFETY: only called from functions enabling AVX2; the tables are 16 readable bytes.
+        unsafe {
+            let table = |t: &[u8; 16]| _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr() as *const __m128i));
+            [
+                _mm256_shuffle_epi8(table(&super::q40::NL_LEVELS_LO), codes),
+                _mm256_shuffle_epi8(table(&super::q40::NL_LEVELS_HI), codes),
+            ]
+        }
+    }
+
     /// Each token's 16 results, held as two halves of 8, into `out` (`ostride` floats apart).
     ///
     /// # Safety
@@ -441,13 +495,13 @@ fn simd_kernels(ty: GgmlType) -> (Option<GroupFn>, Option<GroupFn>) {
         GgmlType::Q4_K => (q4k::SIMD, q4k::AVX2),
         GgmlType::Q5_K => (q4k::SIMD_Q5K, q4k::AVX2_Q5K),
         GgmlType::Q6_K => (q6k::simd(), q6k::AVX2),
-        GgmlType::IQ4_XS => (iq4xs::SIMD, None),
+        GgmlType::IQ4_XS => (iq4xs::SIMD, iq4xs::AVX2),
         GgmlType::Q4_0 => (q40::SIMD, q40::AVX2),
-        GgmlType::IQ4_NL => (q40::SIMD_NL, None),
+        GgmlType::IQ4_NL => (q40::SIMD_NL, q40::AVX2_NL),
         GgmlType::Q4_1 => (q40::SIMD_Q4_1, q40::AVX2_Q4_1),
         GgmlType::Q5_0 => (b32::SIMD_Q5_0, b32::AVX2_Q5_0),
         GgmlType::Q5_1 => (b32::SIMD_Q5_1, b32::AVX2_Q5_1),
-        GgmlType::Q8_0 => (b32::SIMD_Q8_0, None),
+        GgmlType::Q8_0 => (b32::SIMD_Q8_0, b32::AVX2_Q8_0),
         _ => (None, None),
     }
 }

@@ -13,6 +13,9 @@
 //! `k` of row `r` in vector `v` is byte `4v + k` of the row's ggml block: element `4v + k` in its
 //! low nibble, `16 + 4v + k` in its high one), then every block's factors `d[block][16]` (fp16),
 //! then for Q4_1 every block's minimums `m[block][16]` (fp16): as large as ggml's blocks.
+//!
+//! Kernels: AVX-512 VNNI and AVX2 for all three (AVX2: `vpmaddubsw` on the codes; for IQ4_NL on
+//! the two nibbles of each level, which two byte shuffles of the codes give).
 
 use super::b32::{block_sum, Q8_0_BYTES, Q8_1_BYTES};
 use super::{f16_at, GroupActs, GroupFn, PACK_ROWS};
@@ -51,6 +54,23 @@ pub(super) const NL_LEVELS: [u8; 16] = {
     }
     l
 };
+
+/// The low and the high nibbles of [`NL_LEVELS`]: the tables of the AVX2 kernels' two byte
+/// shuffles, which give a code's level plus 128 split as `vpmaddubsw` takes it exactly (see
+/// `x86::nibble_dot8` in `mod.rs`).
+pub(super) const NL_LEVELS_LO: [u8; 16] = split_levels(0);
+pub(super) const NL_LEVELS_HI: [u8; 16] = split_levels(4);
+
+/// The nibble at bit `shift` of each of [`NL_LEVELS`].
+const fn split_levels(shift: u32) -> [u8; 16] {
+    let mut l = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        l[i] = (NL_LEVELS[i] >> shift) & 0x0F;
+        i += 1;
+    }
+    l
+}
 
 /// The unsigned level of code `u` (0..16) and the offset taken back through the block sums: Q4_0
 /// (`NL` false), IQ4_NL, or with `MIN` Q4_1 (no offset).
@@ -103,10 +123,10 @@ x86_kernels! {
     SIMD = x86::group_vnni::<false, false>;
     SIMD_NL = x86::group_vnni::<true, false>;
     SIMD_Q4_1 = x86::group_vnni::<false, true>;
-    /// The AVX2 kernels of Q4_0 and Q4_1, where this build has them (IQ4_NL's levels up to 241 would
-    /// overflow `vpmaddubsw`'s i16 pair sums).
-    AVX2 = x86::group_avx2::<false>;
-    AVX2_Q4_1 = x86::group_avx2::<true>;
+    /// The AVX2 kernels, where this build has them: Q4_0, IQ4_NL, Q4_1.
+    AVX2 = x86::group_avx2::<false, false>;
+    AVX2_NL = x86::group_avx2::<true, false>;
+    AVX2_Q4_1 = x86::group_avx2::<false, true>;
 }
 
 /// The scalar reference: the arithmetic of the module docs, spelled out (Q4_0, with `NL` IQ4_NL,
@@ -154,7 +174,7 @@ pub(super) unsafe fn group_scalar<const NL: bool, const MIN: bool>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{bcast, bcast8, half, prefetch_ahead};
+    use super::super::x86::{bcast, bcast8, half, nibble_dot8, nibbles8, nl_nibbles8, prefetch_ahead};
     use super::{sizes, GroupActs, CODES, NL_LEVELS, PACK_ROWS, Q8_1_S};
     use std::arch::x86_64::*;
 
@@ -238,28 +258,30 @@ mod x86 {
     }
 
     group_entry! {
-        /// A [`super::GroupFn`] for AVX2: each half of the 16 rows in a ymm register, `vpmaddubsw`
-        /// (codes <= 15, so the i16 pair sums of eight of them stay below 2^15) and one `vpmaddwd`
-        /// per block give the same exact integer sums as `vpdpbusd`.
+        /// A [`super::GroupFn`] for AVX2 (Q4_0, with `NL` IQ4_NL, with `MIN` Q4_1): each half of
+        /// the 16 rows in a ymm register, `vpmaddubsw` (codes <= 15, so the i16 pair sums of eight
+        /// of them stay below 2^15) and one `vpmaddwd` per block give the same exact integer sums
+        /// as `vpdpbusd`. IQ4_NL's levels (up to 241) would overflow the pair sums: two byte
+        /// shuffles give each level's two nibbles instead, for [`nibble_dot8`].
         ///
         /// # Safety
         /// As [`super::GroupFn`] (Q8_0 activations with their block sums; with `MIN`, Q4_1, Q8_1
         /// activations), and the machine has AVX2.
-        group_avx2<const MIN: bool> => group2, acts
+        group_avx2<const NL: bool, const MIN: bool> => group2, acts
     }
 
     /// # Safety
     /// As [`group_avx2`] with `ny == NY`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-    unsafe fn group2<const MIN: bool, const PF: u8, const NY: usize>(
+    unsafe fn group2<const NL: bool, const MIN: bool, const PF: u8, const NY: usize>(
         nb: usize,
         w: *const u8,
         a: GroupActs,
         out: *mut f32,
         ostride: usize,
     ) {
-        let nib = _mm256_set1_epi8(0x0F);
+        let off = if NL { 128 } else { 8 };
         let ones = _mm256_set1_epi16(1);
         let (_, ab, qs) = const { sizes(MIN) };
         let mut acc = [[_mm256_setzero_ps(); 2]; NY];
@@ -277,10 +299,14 @@ mod x86 {
                 for hf in 0..2 {
                     let mut lo = [_mm256_setzero_si256(); 4];
                     let mut hi = [_mm256_setzero_si256(); 4];
+                    // IQ4_NL's levels in nibbles: the low codes' (elements 4v..) then the high ones'
+                    let mut nl = [[_mm256_setzero_si256(); 8]; 2];
                     for v in 0..4 {
-                        let raw = _mm256_loadu_si256(wb.add(64 * v + 32 * hf) as *const __m256i);
-                        lo[v] = _mm256_and_si256(raw, nib);
-                        hi[v] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), nib);
+                        [lo[v], hi[v]] = nibbles8(_mm256_loadu_si256(wb.add(64 * v + 32 * hf) as *const __m256i));
+                        if NL {
+                            [nl[0][v], nl[1][v]] = nl_nibbles8(lo[v]);
+                            [nl[0][v + 4], nl[1][v + 4]] = nl_nibbles8(hi[v]);
+                        }
                     }
                     let d =
                         _mm256_cvtph_ps(_mm_loadu_si128(factors.add(b * 2 * PACK_ROWS + 16 * hf) as *const __m128i));
@@ -291,17 +317,21 @@ mod x86 {
                     };
                     for t in 0..NY {
                         let y = a.ys.add(t * a.yb + b * ab);
-                        let mut s = _mm256_setzero_si256();
-                        for v in 0..4 {
-                            let q = y.add(qs + 4 * v);
-                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[v], bcast8(q)));
-                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[v], bcast8(q.add(16))));
-                        }
-                        let isum = if MIN {
-                            _mm256_madd_epi16(s, ones)
+                        let sum = if NL {
+                            nibble_dot8(&nl[0], &nl[1], y.add(qs), ones)
                         } else {
-                            let corr = _mm256_set1_epi32(8 * *a.sums.add(t * nb + b));
-                            _mm256_sub_epi32(_mm256_madd_epi16(s, ones), corr)
+                            let mut s = _mm256_setzero_si256();
+                            for v in 0..4 {
+                                let q = y.add(qs + 4 * v);
+                                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[v], bcast8(q)));
+                                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[v], bcast8(q.add(16))));
+                            }
+                            _mm256_madd_epi16(s, ones)
+                        };
+                        let isum = if MIN {
+                            sum
+                        } else {
+                            _mm256_sub_epi32(sum, _mm256_set1_epi32(off * *a.sums.add(t * nb + b)))
                         };
                         let da = half(y);
                         acc[t][hf] =
