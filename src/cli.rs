@@ -116,6 +116,13 @@ pub struct ModelArgs {
     pub model: Option<PathBuf>,
     #[command(flatten)]
     pub hub: crate::hub::HubArgs,
+    #[command(flatten)]
+    pub load: LoadArgs,
+}
+
+/// How a model's files are brought into memory and whether its weights are repacked.
+#[derive(Args, Debug, Clone)]
+pub struct LoadArgs {
     /// Read the files into memory instead of memory-mapping them.
     #[arg(long)]
     pub no_mmap: bool,
@@ -140,6 +147,17 @@ pub struct ModelArgs {
     pub read_ahead: crate::load::ReadAhead,
 }
 
+impl LoadArgs {
+    /// Whether the weights are repacked at load: unless `--no-repack` came after any `--repack`.
+    pub fn repacks(&self) -> bool {
+        !self.no_repack
+    }
+
+    pub fn load_options(&self) -> tandem_gguf::LoadOptions {
+        tandem_gguf::LoadOptions { mmap: !self.no_mmap, mlock: self.mlock }
+    }
+}
+
 impl ModelArgs {
     /// The model file (after [`ModelArgs::resolve`] for `-hf`).
     pub fn path(&self) -> &std::path::Path {
@@ -152,15 +170,6 @@ impl ModelArgs {
             self.model = Some(self.hub.fetch()?);
         }
         Ok(())
-    }
-
-    /// Whether the weights are repacked at load: unless `--no-repack` came after any `--repack`.
-    pub fn repacks(&self) -> bool {
-        !self.no_repack
-    }
-
-    pub fn load_options(&self) -> tandem_gguf::LoadOptions {
-        tandem_gguf::LoadOptions { mmap: !self.no_mmap, mlock: self.mlock }
     }
 }
 

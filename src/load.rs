@@ -70,10 +70,10 @@ impl LoadSpec {
         }
         Ok(LoadSpec {
             path: Some(model.path().to_path_buf()),
-            mmap: !model.no_mmap,
-            mlock: model.mlock,
-            repack: model.repacks(),
-            read_ahead: model.read_ahead,
+            mmap: !model.load.no_mmap,
+            mlock: model.load.mlock,
+            repack: model.load.repacks(),
+            read_ahead: model.load.read_ahead,
             threads,
             threads_batch: rt.threads_batch.unwrap_or(threads),
             ctx_total: rt.ctx_size,
@@ -260,8 +260,8 @@ pub fn request(placement: &PlacementArgs, model: &ModelArgs, rt: &RuntimeArgs) -
             offload: !placement.no_kv_offload,
         },
         ubatch: u32_flag("--ubatch-size", rt.ubatch_size)?.max(1),
-        mmap: !model.no_mmap,
-        mlock: model.mlock,
+        mmap: !model.load.no_mmap,
+        mlock: model.load.mlock,
         // the types the CUDA runtime multiplies: the plan keeps the others on the CPU
         gpu_types: Some(tandem_cuda::MATVEC_TYPES.to_vec()),
     })

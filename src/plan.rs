@@ -78,7 +78,7 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     let model = ModelInfo::from_gguf(&gguf, &path.display().to_string())?;
     let req = request(&args.placement, &args.model, &args.runtime)?;
     let plan = tandem_plan::plan(&model, &req)?;
-    let repack = match args.model.repacks() {
+    let repack = match args.model.load.repacks() {
         true => tandem_model::Model::load_with(std::sync::Arc::new(gguf), true).ok().and_then(|m| repacking(&m, &plan)),
         false => None,
     };
@@ -101,7 +101,7 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     } else {
         let mut s = plan.to_text(args.tensors);
         if let Some(r) = &repack {
-            s.push_str(&repacking_line(r, &plan, args.model.no_mmap));
+            s.push_str(&repacking_line(r, &plan, args.model.load.no_mmap));
         }
         s
     };

@@ -26,26 +26,8 @@ pub struct ServeArgs {
     pub model: Option<PathBuf>,
     #[command(flatten)]
     pub hub: crate::hub::HubArgs,
-    /// Read the files into memory instead of memory-mapping them.
-    #[arg(long)]
-    pub no_mmap: bool,
-    /// Lock the model's memory so it is never paged out.
-    #[arg(long)]
-    pub mlock: bool,
-    /// Repack the Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
-    /// matrices the CPU multiplies into 16-row interleaved groups at load (faster prefill and
-    /// decode; with AVX2 only, all but IQ4_XS, IQ4_NL and Q8_0; a second copy of those weights in
-    /// memory, made only when it fits).
-    /// The default, as in llama.cpp; --no-repack turns it off.
-    #[arg(long, overrides_with = "no_repack")]
-    pub repack: bool,
-    /// Use the weights as they are stored: no repacked copy (llama.cpp's -nr).
-    #[arg(long = "no-repack", overrides_with = "repack")]
-    pub no_repack: bool,
-    /// Ask the kernel ahead for the weights of a model mapped from storage (see `tandem run
-    /// --help`); auto: when the CPU's part of the model exceeds the memory available.
-    #[arg(long = "read-ahead", value_name = "WHEN", value_enum, default_value_t = crate::load::ReadAhead::Auto)]
-    pub read_ahead: crate::load::ReadAhead,
+    #[command(flatten)]
+    pub load: crate::cli::LoadArgs,
     /// Address to listen on.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
     pub host: String,
@@ -128,15 +110,8 @@ pub struct ServeArgs {
 
 /// The loader's spec from serve's flags (no `-m`: the demo model).
 fn load_spec(args: &ServeArgs) -> anyhow::Result<crate::load::LoadSpec> {
-    let model_args = crate::cli::ModelArgs {
-        model: args.model.clone(),
-        hub: Default::default(),
-        no_mmap: args.no_mmap,
-        mlock: args.mlock,
-        repack: args.repack,
-        no_repack: args.no_repack,
-        read_ahead: args.read_ahead,
-    };
+    let model_args =
+        crate::cli::ModelArgs { model: args.model.clone(), hub: Default::default(), load: args.load.clone() };
     let mut spec = crate::load::LoadSpec::from_args(&model_args, &args.runtime, &args.placement)?;
     spec.path = args.model.clone();
     Ok(spec)
@@ -158,8 +133,8 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
     match (&up.plan, &up.plan_error) {
         (Some(plan), _) => {
             plan.to_text(false).lines().for_each(log);
-            if let Some(r) = (!args.no_repack).then(|| crate::load::repacking(&model, plan)).flatten() {
-                log(crate::load::repacking_line(&r, plan, args.no_mmap).trim_end());
+            if let Some(r) = args.load.repacks().then(|| crate::load::repacking(&model, plan)).flatten() {
+                log(crate::load::repacking_line(&r, plan, args.load.no_mmap).trim_end());
             }
         }
         (None, Some(e)) if !demo => log(&format!("no memory plan: {e}")),

@@ -78,7 +78,7 @@ struct Output<'a> {
 
 pub fn run(args: &TokenizeArgs) -> anyhow::Result<()> {
     let text = input_text(&args.text, &args.file, "text")?;
-    let gguf = GgufModel::open(args.model.path(), args.model.load_options())?;
+    let gguf = GgufModel::open(args.model.path(), args.model.load.load_options())?;
     let tok = Tokenizer::from_gguf(&gguf)?;
     let ids = tok.encode(&text, !args.no_bos, args.parse_special)?;
     let pieces = ids.iter().map(|&id| tok.token_to_piece(id, true).map(show_piece)).collect::<Result<Vec<_>, _>>()?;

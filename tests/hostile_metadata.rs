@@ -10,21 +10,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tandem_gguf::{Array, GgufFile, GgufWriter, Value};
+use tandem_model::demo::SplitMix64;
 
-/// splitmix64: a seeded stream with no dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
+/// A uniform index below `n` from the seeded stream (modulo: the bias does not matter here).
+fn below(rng: &mut SplitMix64, n: usize) -> usize {
+    (rng.next_u64() % n as u64) as usize
 }
 
 fn fixtures() -> Vec<PathBuf> {
@@ -232,11 +222,11 @@ fn cases(n: usize, seed: u64) -> Vec<Case> {
     known.retain(|c| seen.insert((c.fixture.clone(), c.key.clone(), format!("{:?}", c.value))));
     all.retain(|c| seen.insert((c.fixture.clone(), c.key.clone(), format!("{:?}", c.value))));
     assert!(all.len() + known.len() >= n, "only {} mutations of the fixtures' metadata", all.len() + known.len());
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64(seed);
     // A partial Fisher-Yates shuffle picks the sample.
     let take = n.saturating_sub(known.len());
     for i in 0..take {
-        let j = i + rng.below(all.len() - i);
+        let j = i + below(&mut rng, all.len() - i);
         all.swap(i, j);
     }
     all.truncate(take);

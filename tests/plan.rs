@@ -57,7 +57,7 @@ fn seed_command_lines_parse() {
     assert_eq!((a.runtime.threads, a.runtime.threads_batch), (Some(13), Some(26)));
     assert_eq!(a.placement.override_tensor, ["exps=CPU"]);
     assert_eq!(a.placement.n_gpu_layers, Some(tandem_plan::GpuLayers::Count(999)));
-    assert!(a.model.no_mmap);
+    assert!(a.model.load.no_mmap);
     assert_eq!(a.compat.mla_use, Some(3));
     assert_eq!(a.serving.n_predict, Some(128));
     let a = parse(SEED_LINES[1]).unwrap();

@@ -7,7 +7,7 @@
 mod serve_util;
 
 use serve_util::process::Served;
-use serve_util::{endless, first_token, PROMPTS};
+use serve_util::{endless, first_token, raise_open_file_limit, PROMPTS};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -16,16 +16,7 @@ use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
 fn descriptor_budget(wanted: usize) -> usize {
-    // SAFETY: getrlimit/setrlimit with a valid pointer to a local rlimit.
-    let soft = unsafe {
-        let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
-        r.rlim_cur = r.rlim_max;
-        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
-        r.rlim_cur as usize
-    };
-    wanted.min(soft.saturating_sub(300))
+    wanted.min(raise_open_file_limit().saturating_sub(300))
 }
 
 async fn http_health(addr: &str) -> String {

@@ -11,7 +11,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper::StatusCode;
 use hyper_util::rt::TokioIo;
-use serve_util::{endless, first_token, start_with, TestServer, PROMPTS};
+use serve_util::{endless, first_token, raise_open_file_limit, start_with, TestServer, PROMPTS};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -315,16 +315,7 @@ async fn silent_crawling_and_idle_connections_are_closed_in_time() {
 
 /// Connections the test may open: the open-file limit (raised to its maximum) less some room.
 fn connection_budget(wanted: usize) -> usize {
-    // SAFETY: getrlimit/setrlimit with a valid pointer to a local rlimit.
-    let soft = unsafe {
-        let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
-        r.rlim_cur = r.rlim_max;
-        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
-        r.rlim_cur as usize
-    };
-    wanted.min(soft.saturating_sub(512) / 2)
+    wanted.min(raise_open_file_limit().saturating_sub(512) / 2)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

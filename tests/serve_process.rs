@@ -5,9 +5,8 @@
 mod serve_util;
 
 use serve_util::process::Served;
-use serve_util::{drain_stream, endless, first_token, greedy, Streamed, PROMPTS};
+use serve_util::{drain_stream, endless, first_token, greedy, python_script, Streamed, PROMPTS};
 use std::net::SocketAddr;
-use std::process::Command;
 use std::time::Duration;
 use tandem_server::pb;
 use tonic::Code;
@@ -148,21 +147,9 @@ async fn a_python_client_generated_with_grpcio_tools_streams_a_generation() {
         "TANDEM_GRPC_PYTHON is not set: run scripts/test.sh, which installs grpcio-tools into .test-venv and sets it",
     );
     let s = Served::start(&["-np", "2", "-c", "1024", "-t", "1"]);
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/grpc_client.py");
-    let out = tokio::task::spawn_blocking({
-        let addr = s.addr.to_string();
-        move || {
-            Command::new(python)
-                .arg(script)
-                .args(["--addr", &addr, "--prompt", "Hello from Python", "--max-tokens", "12", "--check"])
-                .output()
-                .expect("running scripts/grpc_client.py")
-        }
-    })
-    .await
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let addr = s.addr.to_string();
+    let args = ["--addr", &addr, "--prompt", "Hello from Python", "--max-tokens", "12", "--check"];
+    let stdout = python_script(python, "grpc_client.py", &args).await;
     assert!(stdout.contains("finish: FINISH_REASON_LENGTH") && stdout.contains("12 tokens"), "{stdout}");
     s.signal(libc::SIGTERM);
     assert_eq!(s.exit_code(), 0);
@@ -264,15 +251,10 @@ async fn grpcio_over_tls_and_openai_over_https_with_an_api_key() {
         Served::start(&["-c", "1024", "-t", "1", "--ssl-cert-file", c, "--ssl-key-file", k, "--api-key-file", f]);
     let https = s.log.iter().find_map(|l| l.split("HTTP on ").nth(1)).unwrap().split(' ').next().unwrap().to_string();
     assert!(https.starts_with("https://"), "{https}");
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/secure_client_check.py");
-    let args =
-        ["--grpc", &s.addr.to_string(), "--https", &https, "--ca", c, "--key", "secret-of-the-test"].map(String::from);
-    let out = tokio::task::spawn_blocking(move || Command::new(python).arg(script).args(args).output().unwrap())
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let grpc = s.addr.to_string();
+    let args = ["--grpc", &grpc, "--https", &https, "--ca", c, "--key", "secret-of-the-test"];
+    let stdout = python_script(python, "secure_client_check.py", &args).await;
     println!("{stdout}");
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("grpcio over TLS") && stdout.contains("openai over HTTPS"), "{stdout}");
     s.signal(libc::SIGTERM);
     s.wait_for("stopped");

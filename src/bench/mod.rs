@@ -19,6 +19,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 use crate::load::{LoadSpec, Opened};
+use tandem_model::demo::SplitMix64;
 use tandem_model::{Batch, CacheType, Context, MlaMode};
 
 /// The KV-cache sequence the benchmark uses.
@@ -322,21 +323,13 @@ impl Plan {
     }
 }
 
-/// SplitMix64: a small, seeded generator for the random tokens (quality is not a concern here).
-struct Rng(u64);
+/// The random tokens: [`SplitMix64`], a small, seeded generator (quality is not a concern here).
+struct Rng(SplitMix64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
     /// Uniform in `0..n` (Lemire's multiply-shift; the bias is below 2^-32 for any vocabulary).
     fn below(&mut self, n: usize) -> u32 {
-        ((self.next() as u128 * n as u128) >> 64) as u32
+        ((self.0.next_u64() as u128 * n as u128) >> 64) as u32
     }
 
     fn tokens(&mut self, n: usize, n_vocab: usize) -> Vec<u32> {
@@ -601,7 +594,7 @@ fn run_threads(opened: &Opened, plan: &Plan, n_ctx: usize, t: usize, a: &BenchAr
         out.pb.suspend(|| tracing::info!("{line}"));
     }
     let ctx = up.ctx;
-    let mut r = Runner { ctx, rng: Rng(a.seed), batch: plan.batch, n_vocab: model.n_vocab(), pb: out.pb };
+    let mut r = Runner { ctx, rng: Rng(SplitMix64(a.seed)), batch: plan.batch, n_vocab: model.n_vocab(), pb: out.pb };
     out.line(&format!(
         "\nmain: n_kv_max = {n_ctx}, n_batch = {}, n_ubatch = {}, n_threads = {t}, n_threads_batch = {t}, type_k = {}, type_v = {}, mla = {}, repetitions = {}\n",
         plan.batch,
@@ -827,7 +820,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
             threads: &plan.threads,
             active_bytes_per_token: active,
             read_bandwidth_gbs: bandwidth.iter().map(|(t, g)| (t.to_string(), *g)).collect(),
-            repack: a.model.repacks() && tandem_cpu::packed::packing_pays(),
+            repack: a.model.load.repacks() && tandem_cpu::packed::packing_pays(),
             rows: &rows,
         };
         let mut o = std::io::stdout().lock();
@@ -853,8 +846,8 @@ mod tests {
 
     #[test]
     fn random_tokens_are_seeded_and_in_range() {
-        let a = Rng(7).tokens(1000, 13);
-        assert_eq!(a, Rng(7).tokens(1000, 13));
+        let a = Rng(SplitMix64(7)).tokens(1000, 13);
+        assert_eq!(a, Rng(SplitMix64(7)).tokens(1000, 13));
         assert!(a.iter().all(|&t| t < 13));
         // Every id of a small vocabulary shows up.
         assert!((0..13).all(|id| a.contains(&id)));

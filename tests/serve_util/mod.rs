@@ -38,6 +38,34 @@ pub fn engine(model: &str, n_ctx: usize, config: EngineConfig) -> Engine {
     Engine::start(ctx, tok, config).unwrap()
 }
 
+/// Runs `python scripts/SCRIPT ARGS` off the async runtime's threads and returns what it printed
+/// to stdout; fails the test, with its stdout and stderr, when it does not succeed.
+pub async fn python_script(python: String, script: &str, args: &[&str]) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts").join(script);
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let out = tokio::task::spawn_blocking(move || std::process::Command::new(python).arg(path).args(args).output())
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("running scripts/{script}: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{script} failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    stdout
+}
+
+/// The open-file limit, raised first to the most this process may have (tests that open
+/// thousands of connections).
+pub fn raise_open_file_limit() -> usize {
+    // SAFETY: getrlimit/setrlimit with a valid pointer to a local rlimit.
+    unsafe {
+        let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
+        r.rlim_cur = r.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+        r.rlim_cur as usize
+    }
+}
+
 /// A server that is not ready yet (health NOT_SERVING), with metrics.
 pub async fn start_unready() -> RunningServer {
     let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();

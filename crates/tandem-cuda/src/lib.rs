@@ -284,6 +284,23 @@ impl Batched<'_> {
             ids: None,
         }
     }
+
+    /// One matrix per head, `w_head_bytes` apart: head `h` of token `t` reads `x_head` values at
+    /// `(t * n_heads + h) * x_head` and writes `y_head` values at `(t * n_heads + h) * y_head`.
+    pub fn per_head(n: usize, n_heads: usize, x_head: usize, y_head: usize, w_head_bytes: usize) -> Batched<'static> {
+        Batched {
+            n_tokens: n,
+            n_groups: n_heads,
+            x_tok: n_heads * x_head,
+            x_grp: x_head,
+            x_grp_div: 1,
+            y_tok: n_heads * y_head,
+            y_grp: y_head,
+            w_grp_bytes: w_head_bytes,
+            n_mats: n_heads,
+            ids: None,
+        }
+    }
 }
 
 /// `tandem_matvec_<t>`.

@@ -149,34 +149,14 @@ pub fn gbnf_to_lark(src: &str) -> Result<String> {
             }
             '"' => {
                 let start = i;
-                i += 1;
-                while i < chars.len() && chars[i] != '"' {
-                    if chars[i] == '\\' {
-                        i += 1;
-                    }
-                    i += 1;
-                }
-                if i >= chars.len() {
-                    return Err(bad("a string is not closed".into()));
-                }
-                i += 1;
+                i = closed(&chars, i, '"').ok_or_else(|| bad("a string is not closed".into()))?;
                 out.extend(&chars[start..i]);
                 out.push(' ');
                 continue;
             }
             '[' => {
                 let start = i;
-                i += 1;
-                while i < chars.len() && chars[i] != ']' {
-                    if chars[i] == '\\' {
-                        i += 1;
-                    }
-                    i += 1;
-                }
-                if i >= chars.len() {
-                    return Err(bad("a character class is not closed".into()));
-                }
-                i += 1;
+                i = closed(&chars, i, ']').ok_or_else(|| bad("a character class is not closed".into()))?;
                 let class: String = chars[start..i].iter().collect();
                 out.push('/');
                 out.push_str(&class.replace('/', "\\/"));
@@ -225,6 +205,19 @@ pub fn gbnf_to_lark(src: &str) -> Result<String> {
         return Err(bad("no root rule (root ::= ...)".into()));
     }
     Ok(format!("start: r_root\n{}\n", out.trim()))
+}
+
+/// Where the string or class that opens at `chars[open]` ends: the index after its `close`
+/// (a `\` escapes the character after it), or `None` when it is not closed.
+fn closed(chars: &[char], open: usize, close: char) -> Option<usize> {
+    let mut i = open + 1;
+    while i < chars.len() && chars[i] != close {
+        if chars[i] == '\\' {
+            i += 1;
+        }
+        i += 1;
+    }
+    (i < chars.len()).then_some(i + 1)
 }
 
 #[cfg(test)]

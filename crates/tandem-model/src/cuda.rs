@@ -492,18 +492,7 @@ impl Device for CudaDevice {
         let qb = self.mine(q)?;
         let qr = self.rounded(w.ty, qb, n * nh, nope, dk, true)?;
         let out = self.out(n * nh * dq, "absorbed queries")?;
-        let b = Batched {
-            n_tokens: 1,
-            n_groups: nh,
-            x_tok: nh * dk,
-            x_grp: dk,
-            x_grp_div: 1,
-            y_tok: nh * dq,
-            y_grp: dq,
-            w_grp_bytes: tandem_cuda::weight_bytes(w.ty, kl, nope).map_err(cuda)?,
-            n_mats: nh,
-            ids: None,
-        };
+        let b = Batched::per_head(1, nh, dk, dq, tandem_cuda::weight_bytes(w.ty, kl, nope).map_err(cuda)?);
         self.matvec_tokens(w, qr.as_ref().unwrap_or(qb), out.buf()?, kl, nope, n, &b, &k_b.name)?;
         // Each head's q_pe after its absorbed part.
         let c = CopyRows { rows: n * nh, width: nr, src_stride: dk, src_rep: 1, dst_stride: dq };
@@ -519,18 +508,7 @@ impl Device for CudaDevice {
         }
         let w = self.weight(v_b)?;
         let out = self.out(n * nh * dv, "attention values")?;
-        let b = Batched {
-            n_tokens: 1,
-            n_groups: nh,
-            x_tok: nh * kl,
-            x_grp: kl,
-            x_grp_div: 1,
-            y_tok: nh * dv,
-            y_grp: dv,
-            w_grp_bytes: tandem_cuda::weight_bytes(w.ty, dv, kl).map_err(cuda)?,
-            n_mats: nh,
-            ids: None,
-        };
+        let b = Batched::per_head(1, nh, kl, dv, tandem_cuda::weight_bytes(w.ty, dv, kl).map_err(cuda)?);
         let lb = self.mine(lat)?;
         let lr = self.rounded(w.ty, lb, n * nh, kl, kl, true)?;
         self.matvec_tokens(w, lr.as_ref().unwrap_or(lb), out.buf()?, dv, kl, n, &b, &v_b.name)?;

@@ -215,7 +215,7 @@ impl Deepseek2 {
                         if let Some(out) =
                             ex.mla_decompressed(cache, il, seq, &qs, &n_kv, k_b, v_b, shape, self.kq_scale)?
                         {
-                            scatter_rows(ex, &mut o, &out, nh * dv, &tokens)?;
+                            ex.scatter_rows(&mut o, &out, nh * dv, &tokens)?;
                             continue;
                         }
                     }
@@ -224,7 +224,7 @@ impl Deepseek2 {
                 if !absorbed.is_empty() {
                     let qs = ex.gather_rows(&q, nh * dk, &absorbed)?;
                     let out = self.absorbed(ex, cache, il, ub, &absorbed, &qs, k_b, v_b)?;
-                    scatter_rows(ex, &mut o, &out, nh * dv, &absorbed)?;
+                    ex.scatter_rows(&mut o, &out, nh * dv, &absorbed)?;
                 }
                 Ok(o)
             }
@@ -313,23 +313,6 @@ fn decompress_pays(kv_lora: usize, n_rot: usize, nope: usize, dv: usize, n_kv: &
     let absorbed = pairs * (2.0 * kl + nr) + n * (nope * kl + kl * dv) / 3.0;
     let decompressed = pairs * (nope + nr + dv) + rows * (nope * kl + kl * dv);
     decompressed < absorbed
-}
-
-/// Rows `src` (rows of `cols`) into rows `rows` of `dst`.
-fn scatter_rows(ex: &Exec, dst: &mut Tensor, src: &Tensor, cols: usize, rows: &[usize]) -> Result<()> {
-    for (i, &r) in rows.iter().enumerate() {
-        let c = Copy2d {
-            rows: 1,
-            width: cols,
-            src_stride: cols,
-            src_off: i * cols,
-            src_rep: 1,
-            dst_stride: cols,
-            dst_off: r * cols,
-        };
-        ex.copy_rows(dst, src, c)?;
-    }
-    Ok(())
 }
 
 /// The micro-batch's token indices per sequence, in order of first appearance.

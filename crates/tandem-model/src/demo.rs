@@ -41,11 +41,13 @@ const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}\
 {% else %}{{ m['content'] }}{% endif %}{% endfor %}\
 {% if add_generation_prompt %}<｜Assistant｜>{% endif %}";
 
-/// splitmix64: a tiny, well-mixed generator; the same seed gives the same weights everywhere.
-struct Rng(u64);
+/// splitmix64: a tiny, well-mixed generator with no dependency; the same seed gives the same
+/// stream everywhere (the demo model's weights, `tandem bench`'s random tokens, tests' cases).
+#[derive(Clone, Debug)]
+pub struct SplitMix64(pub u64);
 
-impl Rng {
-    fn next(&mut self) -> u64 {
+impl SplitMix64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -54,8 +56,8 @@ impl Rng {
     }
 
     /// Uniform in [-a, a).
-    fn uniform(&mut self, a: f32) -> f32 {
-        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
+    pub fn uniform(&mut self, a: f32) -> f32 {
+        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
         (2.0 * u - 1.0) * a
     }
 }
@@ -77,7 +79,7 @@ fn byte_tokens() -> Vec<String> {
 
 struct Builder {
     w: GgufWriter,
-    rng: Rng,
+    rng: SplitMix64,
 }
 
 impl Builder {
@@ -145,7 +147,7 @@ pub fn demo_gguf_bytes() -> Result<Vec<u8>> {
     w.add("tokenizer.ggml.padding_token_id", 2u32).add("tokenizer.ggml.add_bos_token", true);
     w.add("tokenizer.chat_template", CHAT_TEMPLATE);
 
-    let mut b = Builder { w, rng: Rng(SEED) };
+    let mut b = Builder { w, rng: SplitMix64(SEED) };
     let (f16, q8) = (GgmlType::F16, GgmlType::Q8_0);
     b.matrix("token_embd.weight", &[N_EMBD, n_vocab], f16, 0.5)?;
     for il in 0..N_LAYER {

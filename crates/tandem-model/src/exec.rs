@@ -169,6 +169,21 @@ pub(crate) struct Copy2d {
     pub dst_off: usize,
 }
 
+impl Copy2d {
+    /// One row of `width` values: row `src_row` of the source to row `dst_row` of the destination.
+    pub(crate) fn row(width: usize, src_row: usize, dst_row: usize) -> Copy2d {
+        Copy2d {
+            rows: 1,
+            width,
+            src_stride: width,
+            src_off: src_row * width,
+            src_rep: 1,
+            dst_stride: width,
+            dst_off: dst_row * width,
+        }
+    }
+}
+
 /// Shapes of the absorbed MLA projections: `n_head` heads, query heads of `dk = nope + n_rot`,
 /// a latent of `kv_lora`, value heads of `dv`.
 #[derive(Clone, Copy, Debug)]
@@ -480,18 +495,17 @@ impl Exec {
     pub(crate) fn gather_rows(&self, x: &Tensor, cols: usize, rows: &[usize]) -> Result<Tensor> {
         let mut out = self.zeros(x.dev, rows.len() * cols)?;
         for (i, &r) in rows.iter().enumerate() {
-            let c = Copy2d {
-                rows: 1,
-                width: cols,
-                src_stride: cols,
-                src_off: r * cols,
-                src_rep: 1,
-                dst_stride: cols,
-                dst_off: i * cols,
-            };
-            self.copy_rows(&mut out, x, c)?;
+            self.copy_rows(&mut out, x, Copy2d::row(cols, r, i))?;
         }
         Ok(out)
+    }
+
+    /// The rows of `src` (rows of `cols`) into rows `rows` of `dst`.
+    pub(crate) fn scatter_rows(&self, dst: &mut Tensor, src: &Tensor, cols: usize, rows: &[usize]) -> Result<()> {
+        for (i, &r) in rows.iter().enumerate() {
+            self.copy_rows(dst, src, Copy2d::row(cols, i, r))?;
+        }
+        Ok(())
     }
 
     /// A SwiGLU FFN on the device that holds its three matrices (else the CPU).

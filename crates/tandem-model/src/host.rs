@@ -11,6 +11,7 @@ use crate::moe::Moe;
 use crate::weights::{Vector, Weight};
 use crate::{Error, Result};
 use std::any::Any;
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -46,6 +47,24 @@ fn named(name: &str) -> impl Fn(tandem_cpu::Error) -> Error + '_ {
         tandem_cpu::Error::Shape(s) => Error::Model(format!("{name}: {s}")),
         other => other.into(),
     }
+}
+
+/// Each head's rows, one after another, of `n` tokens laid out `[n][n_heads][stride]`: for head
+/// `h`, the first `width` values at `(t * n_heads + h) * stride` of every token `t`; for one token
+/// they are where they are in `x`.
+fn head_rows(x: &[f32], n: usize, n_heads: usize, stride: usize, width: usize) -> Vec<Cow<'_, [f32]>> {
+    (0..n_heads)
+        .map(|h| match n {
+            1 => Cow::Borrowed(&x[h * stride..][..width]),
+            _ => {
+                let mut v = Vec::with_capacity(n * width);
+                for t in 0..n {
+                    v.extend_from_slice(&x[(t * n_heads + h) * stride..][..width]);
+                }
+                Cow::Owned(v)
+            }
+        })
+        .collect()
 }
 
 impl HostDevice {
@@ -312,23 +331,9 @@ impl Device for HostDevice {
             return Err(Error::Model(format!("{}: {} query values for heads of {dk}", k_b.name, q.len())));
         }
         let m = self.matrix(k_b)?;
-        // Each head's `q_nope` rows; for one token they are in place in `q`.
-        let q_nope: Vec<Vec<f32>> = match n {
-            1 => Vec::new(),
-            _ => (0..nh)
-                .map(|hd| {
-                    let mut v = Vec::with_capacity(n * nope);
-                    for t in 0..n {
-                        v.extend_from_slice(&q[(t * nh + hd) * dk..(t * nh + hd) * dk + nope]);
-                    }
-                    v
-                })
-                .collect(),
-        };
-        let xs: Vec<&[f32]> = match n {
-            1 => (0..nh).map(|hd| &q[hd * dk..hd * dk + nope]).collect(),
-            _ => q_nope.iter().map(|v| &v[..]).collect(),
-        };
+        // Each head's `q_nope` rows.
+        let q_nope = head_rows(q, n, nh, dk, nope);
+        let xs: Vec<&[f32]> = q_nope.iter().map(|v| &v[..]).collect();
         let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * kl, kl)).collect();
         let mut absorbed = vec![vec![0f32; n * kl]; nh];
         self.cpu.matmul_groups(&m, &groups, &xs, &mut absorbed).map_err(named(&k_b.name))?;
@@ -352,23 +357,9 @@ impl Device for HostDevice {
             return Err(Error::Model(format!("{}: {} latent values for heads of {kl}", v_b.name, lat.len())));
         }
         let m = self.matrix(v_b)?;
-        // Each head's latent output; for one token they are in place in `lat`.
-        let lat_h: Vec<Vec<f32>> = match n {
-            1 => Vec::new(),
-            _ => (0..nh)
-                .map(|hd| {
-                    let mut v = Vec::with_capacity(n * kl);
-                    for i in 0..n {
-                        v.extend_from_slice(&lat[(i * nh + hd) * kl..(i * nh + hd + 1) * kl]);
-                    }
-                    v
-                })
-                .collect(),
-        };
-        let xs: Vec<&[f32]> = match n {
-            1 => lat.chunks_exact(kl).collect(),
-            _ => lat_h.iter().map(|v| &v[..]).collect(),
-        };
+        // Each head's latent output.
+        let lat_h = head_rows(lat, n, nh, kl, kl);
+        let xs: Vec<&[f32]> = lat_h.iter().map(|v| &v[..]).collect();
         let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * dv, dv)).collect();
         let mut ys = vec![vec![0f32; n * dv]; nh];
         self.cpu.matmul_groups(&m, &groups, &xs, &mut ys).map_err(named(&v_b.name))?;

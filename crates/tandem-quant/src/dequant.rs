@@ -162,14 +162,19 @@ fn q3_k(x: &BlockQ3K, y: &mut [f32]) {
     }
 }
 
+/// The scale and min of group `j` of a Q4_K / Q5_K block whose super-block scale and min are `d`
+/// and `min`.
+fn scale_min(j: usize, scales: &[u8; K_SCALE_SIZE], d: f32, min: f32) -> (f32, f32) {
+    let (sc, m) = get_scale_min_k4(j, scales);
+    (d * sc as f32, min * m as f32)
+}
+
 /// ggml `dequantize_row_q4_K`.
 fn q4_k(x: &BlockQ4K, y: &mut [f32]) {
     let (d, min) = (fp16_to_f32(x.d), fp16_to_f32(x.dmin));
     for (j, (q, y)) in x.qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
-        let (sc1, m1) = get_scale_min_k4(2 * j, &x.scales);
-        let (sc2, m2) = get_scale_min_k4(2 * j + 1, &x.scales);
-        let (d1, m1) = (d * sc1 as f32, min * m1 as f32);
-        let (d2, m2) = (d * sc2 as f32, min * m2 as f32);
+        let (d1, m1) = scale_min(2 * j, &x.scales, d, min);
+        let (d2, m2) = scale_min(2 * j + 1, &x.scales, d, min);
         for l in 0..32 {
             y[l] = d1 * (q[l] & 0xF) as f32 - m1;
             y[l + 32] = d2 * (q[l] >> 4) as f32 - m2;
@@ -182,10 +187,8 @@ fn q5_k(x: &BlockQ5K, y: &mut [f32]) {
     let (d, min) = (fp16_to_f32(x.d), fp16_to_f32(x.dmin));
     let (mut u1, mut u2) = (1u8, 2u8);
     for (j, (ql, y)) in x.qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
-        let (sc1, m1) = get_scale_min_k4(2 * j, &x.scales);
-        let (sc2, m2) = get_scale_min_k4(2 * j + 1, &x.scales);
-        let (d1, m1) = (d * sc1 as f32, min * m1 as f32);
-        let (d2, m2) = (d * sc2 as f32, min * m2 as f32);
+        let (d1, m1) = scale_min(2 * j, &x.scales, d, min);
+        let (d2, m2) = scale_min(2 * j + 1, &x.scales, d, min);
         for l in 0..32 {
             let h1 = if x.qh[l] & u1 != 0 { 16 } else { 0 };
             let h2 = if x.qh[l] & u2 != 0 { 16 } else { 0 };

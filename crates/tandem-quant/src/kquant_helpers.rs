@@ -44,10 +44,9 @@ pub(crate) fn c_f32_to_u8(v: f32) -> u8 {
     c_trunc_i32(v) as u8
 }
 
-/// Signed symmetric levels with an rmse-refined scale (ggml `make_qx_quants`); `l` receives
-/// levels shifted to `0..2*nmax`.
-pub(crate) fn make_qx_quants(nmax: i32, x: &[f32], l_out: &mut [i8], rmse_type: i32, qw: Option<&[f32]>) -> f32 {
-    let n = x.len();
+/// The first value of `x` with the largest magnitude, sign kept; `None` when that magnitude is
+/// below [`GROUP_MAX_EPS`] (a group of zeros).
+fn signed_max(x: &[f32]) -> Option<f32> {
     let mut max = 0f32;
     let mut amax = 0f32;
     for &xi in x {
@@ -57,10 +56,17 @@ pub(crate) fn make_qx_quants(nmax: i32, x: &[f32], l_out: &mut [i8], rmse_type: 
             max = xi;
         }
     }
-    if amax < GROUP_MAX_EPS {
+    (amax >= GROUP_MAX_EPS).then_some(max)
+}
+
+/// Signed symmetric levels with an rmse-refined scale (ggml `make_qx_quants`); `l` receives
+/// levels shifted to `0..2*nmax`.
+pub(crate) fn make_qx_quants(nmax: i32, x: &[f32], l_out: &mut [i8], rmse_type: i32, qw: Option<&[f32]>) -> f32 {
+    let n = x.len();
+    let Some(max) = signed_max(x) else {
         l_out[..n].fill(0);
         return 0.0;
-    }
+    };
     let mut iscale = -(nmax as f32) / max;
     if rmse_type == 0 {
         for i in 0..n {
@@ -126,19 +132,10 @@ pub(crate) fn make_qx_quants(nmax: i32, x: &[f32], l_out: &mut [i8], rmse_type: 
 /// receives levels shifted to `0..2*nmax`.
 pub(crate) fn make_q3_quants(nmax: i32, x: &[f32], l_out: &mut [i8], do_rmse: bool) -> f32 {
     let n = x.len();
-    let mut max = 0f32;
-    let mut amax = 0f32;
-    for &xi in x {
-        let ax = xi.abs();
-        if ax > amax {
-            amax = ax;
-            max = xi;
-        }
-    }
-    if amax < GROUP_MAX_EPS {
+    let Some(max) = signed_max(x) else {
         l_out[..n].fill(0);
         return 0.0;
-    }
+    };
     let iscale = -(nmax as f32) / max;
     if do_rmse {
         let mut sumlx = 0f32;

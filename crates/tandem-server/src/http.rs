@@ -25,7 +25,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
-use tandem_engine::{Error as EngineError, Event, Failure, Finish, PositionLogprobs, Request, Sink};
+use tandem_engine::{Error as EngineError, Event, Failure, Finish, PositionLogprobs, Request, Sink, Usage};
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
 
@@ -332,6 +332,18 @@ where
 
 const DONE: &str = "[DONE]";
 
+/// The last events of an OpenAI stream after its finishing chunks `out`: with `include_usage`,
+/// `usage_chunk` (a chunk of the stream) with no choices and the usage, then `[DONE]`.
+fn stream_end(mut out: Vec<String>, usage_chunk: Option<Value>, usage: &Usage) -> (Vec<String>, bool) {
+    if let Some(mut u) = usage_chunk {
+        u["choices"] = json!([]);
+        u["usage"] = openai::usage(usage);
+        out.push(u.to_string());
+    }
+    out.push(DONE.into());
+    (out, true)
+}
+
 fn error_data(f: &Failure) -> Vec<String> {
     vec![failure(f).body().to_string()]
 }
@@ -464,14 +476,7 @@ async fn chat(
                 reason = "tool_calls".into();
             }
             out.push(end(json!({}), Value::Null, reason).to_string());
-            if include_usage {
-                let mut u = end(Value::Null, Value::Null, Value::Null);
-                u["choices"] = json!([]);
-                u["usage"] = openai::usage(&finish.usage);
-                out.push(u.to_string());
-            }
-            out.push(DONE.into());
-            (out, true)
+            stream_end(out, include_usage.then(|| end(Value::Null, Value::Null, Value::Null)), &finish.usage)
         }
         Event::Failed(f) => (error_data(&f), true),
     }))
@@ -529,15 +534,8 @@ async fn completions(
             (vec![chunk(&text, lp, Value::Null).to_string()], false)
         }
         Event::Finished { text, finish } => {
-            let mut out = vec![chunk(&text, Value::Null, openai::finish_reason(&finish).into()).to_string()];
-            if include_usage {
-                let mut u = chunk("", Value::Null, Value::Null);
-                u["choices"] = json!([]);
-                u["usage"] = openai::usage(&finish.usage);
-                out.push(u.to_string());
-            }
-            out.push(DONE.into());
-            (out, true)
+            let out = vec![chunk(&text, Value::Null, openai::finish_reason(&finish).into()).to_string()];
+            stream_end(out, include_usage.then(|| chunk("", Value::Null, Value::Null)), &finish.usage)
         }
         Event::Failed(f) => (error_data(&f), true),
     }))

@@ -52,31 +52,20 @@ pub fn render(state: &State) -> String {
     histogram(o, "tandem_inter_token_latency_seconds", "Time between two tokens of one stream.", &s.inter_token);
     histogram(o, "tandem_request_duration_seconds", "Time from arrival to the end of a request.", &s.end_to_end);
     histogram(o, "tandem_queue_time_seconds", "Time a request waited for a slot.", &s.queue_time);
-    let c = |o: &mut String, name: &str, help: &str, v: u64| scalar(o, name, "counter", help, v as f64);
-    c(o, "tandem_prompt_tokens_total", "Prompt tokens of admitted requests.", s.prompt_tokens.get());
-    c(
-        o,
-        "tandem_cached_prompt_tokens_total",
-        "Prompt tokens reused from the prompt cache.",
-        s.cached_prompt_tokens.get(),
-    );
-    c(o, "tandem_generated_tokens_total", "Tokens generated.", s.generated_tokens.get());
-    c(o, "tandem_requests_finished_total", "Requests that ended with a finish reason.", s.requests_finished.get());
-    c(o, "tandem_requests_cancelled_total", "Requests aborted or whose client went away.", s.requests_cancelled.get());
-    c(
-        o,
-        "tandem_requests_failed_total",
-        "Requests that failed (deadline, shutdown, internal).",
-        s.requests_failed.get(),
-    );
-    c(o, "tandem_requests_rejected_total", "Requests refused because the queue was full.", s.requests_rejected.get());
-    c(o, "tandem_decode_steps_total", "Batches decoded.", s.steps.get());
-    c(
-        o,
-        "tandem_prompt_cache_divergences_total",
-        "Prompts that diverged from a cached prefix.",
-        s.cache_divergences.get(),
-    );
+    let counters = [
+        ("tandem_prompt_tokens_total", "Prompt tokens of admitted requests.", &s.prompt_tokens),
+        ("tandem_cached_prompt_tokens_total", "Prompt tokens reused from the prompt cache.", &s.cached_prompt_tokens),
+        ("tandem_generated_tokens_total", "Tokens generated.", &s.generated_tokens),
+        ("tandem_requests_finished_total", "Requests that ended with a finish reason.", &s.requests_finished),
+        ("tandem_requests_cancelled_total", "Requests aborted or whose client went away.", &s.requests_cancelled),
+        ("tandem_requests_failed_total", "Requests that failed (deadline, shutdown, internal).", &s.requests_failed),
+        ("tandem_requests_rejected_total", "Requests refused because the queue was full.", &s.requests_rejected),
+        ("tandem_decode_steps_total", "Batches decoded.", &s.steps),
+        ("tandem_prompt_cache_divergences_total", "Prompts that diverged from a cached prefix.", &s.cache_divergences),
+    ];
+    for (name, help, c) in counters {
+        scalar(o, name, "counter", help, c.get() as f64);
+    }
     histogram(
         o,
         "tandem_prompt_cache_divergence_position_tokens",

@@ -127,7 +127,7 @@ impl Splitter {
 }
 
 /// Bytes at the end of `s` that start `tag` (a tag still arriving).
-fn partial_suffix(s: &str, tag: &str) -> usize {
+pub(crate) fn partial_suffix(s: &str, tag: &str) -> usize {
     (1..tag.len().min(s.len() + 1))
         .rev()
         .find(|&n| s.is_char_boundary(s.len() - n) && tag.starts_with(&s[s.len() - n..]))

@@ -6,6 +6,7 @@
 //! not a call stays content. While streaming, content goes out until a call begins; the calls
 //! are sent whole at the end.
 
+use crate::reasoning::partial_suffix;
 use serde_json::{json, Value};
 
 /// A parsed call: the function's name and its arguments as JSON text (OpenAI's shape).
@@ -73,37 +74,45 @@ fn arguments_text(args: Value) -> Option<String> {
 }
 
 fn kimi(section: &str) -> Option<Vec<ToolCall>> {
-    let section = section.split(KIMI_END).next().unwrap_or(section);
-    let mut calls = Vec::new();
-    for call in section.split(KIMI_CALL).skip(1) {
-        let call = call.split(KIMI_CALL_END).next()?;
+    marked_calls(section, KIMI_END, KIMI_CALL, KIMI_CALL_END, |call| {
         let (id, args) = call.split_once(KIMI_ARGS)?;
         // functions.NAME:INDEX
         let id = id.trim();
         let name = id.strip_prefix("functions.").unwrap_or(id);
-        let name = name.rsplit_once(':').map_or(name, |(n, _)| n);
-        let args: Value = serde_json::from_str(args.trim()).ok()?;
-        calls.push(ToolCall { name: name.to_string(), arguments: arguments_text(args)? });
-    }
-    (!calls.is_empty()).then_some(calls)
+        Some((name.rsplit_once(':').map_or(name, |(n, _)| n), args.trim()))
+    })
 }
 
 fn deepseek(section: &str) -> Option<Vec<ToolCall>> {
-    let section = section.split(DS_END).next().unwrap_or(section);
-    let mut calls = Vec::new();
-    for call in section.split(DS_CALL).skip(1) {
-        let call = call.split(DS_CALL_END).next()?;
+    marked_calls(section, DS_END, DS_CALL, DS_CALL_END, |call| {
         let (head, body) = call.split_once(DS_SEP)?;
-        let (name, args) = if head.trim() == "function" {
+        if head.trim() == "function" {
             // V3 / R1: function<sep>NAME\n```json\n{...}\n```
             let (name, rest) = body.split_once('\n')?;
             let rest = rest.trim();
             let rest = rest.strip_prefix("```json").or_else(|| rest.strip_prefix("```")).unwrap_or(rest);
-            (name.trim(), rest.strip_suffix("```").unwrap_or(rest).trim())
+            Some((name.trim(), rest.strip_suffix("```").unwrap_or(rest).trim()))
         } else {
             // V3.1: NAME<sep>{...}
-            (head.trim(), body.trim())
-        };
+            Some((head.trim(), body.trim()))
+        }
+    })
+}
+
+/// The calls of a section of marked calls (up to `end`): each one between `call` and `call_end`,
+/// whose text `name_args` splits into the function's name and its JSON arguments. `None` when
+/// there is none or one is malformed.
+fn marked_calls<'a>(
+    section: &'a str,
+    end: &str,
+    call: &str,
+    call_end: &str,
+    name_args: impl Fn(&'a str) -> Option<(&'a str, &'a str)>,
+) -> Option<Vec<ToolCall>> {
+    let section = section.split(end).next().unwrap_or(section);
+    let mut calls = Vec::new();
+    for c in section.split(call).skip(1) {
+        let (name, args) = name_args(c.split(call_end).next()?)?;
         let args: Value = serde_json::from_str(args).ok()?;
         calls.push(ToolCall { name: name.to_string(), arguments: arguments_text(args)? });
     }
@@ -189,13 +198,6 @@ impl ToolStream {
         let held = std::mem::take(&mut self.held);
         parse(&held)
     }
-}
-
-fn partial_suffix(s: &str, tag: &str) -> usize {
-    (1..tag.len().min(s.len() + 1))
-        .rev()
-        .find(|&n| s.is_char_boundary(s.len() - n) && tag.starts_with(&s[s.len() - n..]))
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! The [`Runtime`]'s KV cache and attention kernels: rows stored into the cache at each token's
 //! [`crate::KvMeta`], and attention over them, split over the rows and combined.
 
-use super::{grid, grid_yz, int, long, Runtime, BLOCK_1D};
+use super::{grid, grid_yz, int, long, Runtime};
 use crate::memory::DeviceBuffer;
 use crate::{AttnShape, CacheKind, Error, Result, ATTN_MAX_HEAD_DIM, MLA_HEADS, MLA_MAX_DK, MLA_MAX_DV};
 
@@ -57,7 +57,7 @@ impl Runtime {
             int(width, "kv")?,
         );
         let name = format!("tandem_kv_store_{}", kind.name());
-        self.launch(&name, [grid(n_tokens)?, 1, 1], [BLOCK_1D, 1, 1], &mut args![sp, ss, mp, l, rb, bo, wd])
+        self.launch_rows(&name, n_tokens, &mut args![sp, ss, mp, l, rb, bo, wd])
     }
 
     /// Attention of `s.n_tokens` query rows (`q`, `[n][n_head][dk]`) over each one's cache rows

@@ -1,7 +1,7 @@
 //! The [`Runtime`]'s element-wise kernels (kernels/ABI.md): RMS norm, rope, SwiGLU, additions and
 //! scalings, strided row copies.
 
-use super::{grid, grid_yz, int, long, Runtime, BLOCK_1D};
+use super::{grid, grid_yz, int, long, Runtime};
 use crate::memory::DeviceBuffer;
 use crate::{CopyRows, Error, Result};
 
@@ -30,7 +30,7 @@ impl Runtime {
             None => 0,
         };
         let (d, rs, yp) = (int(dim, "rmsnorm dim")?, long(row_stride, "rmsnorm")?, xp);
-        self.launch("tandem_rmsnorm_f32", [grid(n_rows)?, 1, 1], [BLOCK_1D, 1, 1], &mut args![xp, wp, yp, d, rs, eps])
+        self.launch_rows("tandem_rmsnorm_f32", n_rows, &mut args![xp, wp, yp, d, rs, eps])
     }
 
     /// Rotary embedding of `n_rows` rows of `n_heads` heads at `x[off + t * row_stride + h *

@@ -177,6 +177,11 @@ impl Runtime {
         unsafe { self.drv.launch(name, grid, block, args) }
     }
 
+    /// A kernel with one block of [`BLOCK_1D`] threads per row, `n_rows` rows.
+    fn launch_rows(&self, name: &str, n_rows: usize, args: &mut [*mut c_void]) -> Result<()> {
+        self.launch(name, [grid(n_rows)?, 1, 1], [BLOCK_1D, 1, 1], args)
+    }
+
     fn launch_1d(&self, name: &str, n: usize, args: &mut [*mut c_void]) -> Result<()> {
         if n == 0 {
             return Ok(());

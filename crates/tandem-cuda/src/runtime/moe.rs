@@ -1,7 +1,7 @@
 //! The [`Runtime`]'s MoE kernels: expert selection from router logits, the packet of each token's
 //! row, experts and weights, and the weighted sum of the experts' outputs.
 
-use super::{grid, int, Runtime, BLOCK_1D};
+use super::{grid, int, Runtime};
 use crate::memory::DeviceBuffer;
 use crate::{Error, Result, RouterParams, ROUTER_MAX_EXPERT};
 
@@ -70,12 +70,7 @@ impl Runtime {
         let wp = weights.at(0, n_tokens * n_used, "moe_pack weights")?;
         let pp = packet.at(0, n_tokens * (n_embd + 2 * n_used), "moe_pack packet")?;
         let (ne, nu) = (int(n_embd, "moe_pack")?, int(n_used, "moe_pack")?);
-        self.launch(
-            "tandem_moe_pack_f32",
-            [grid(n_tokens)?, 1, 1],
-            [BLOCK_1D, 1, 1],
-            &mut args![hp, ip, wp, pp, ne, nu],
-        )
+        self.launch_rows("tandem_moe_pack_f32", n_tokens, &mut args![hp, ip, wp, pp, ne, nu])
     }
 
     /// `out[t] = sum over slots of weight * y[t][slot]` (weights from the packet), in slot order.
@@ -96,6 +91,6 @@ impl Runtime {
         let pp = packet.at(0, n_tokens * row, "moe_sum packet")?;
         let op = out.at(0, n_tokens * n_embd, "moe_sum out")?;
         let (ne, nu, pr) = (int(n_embd, "moe_sum")?, int(n_used, "moe_sum")?, int(row, "moe_sum")?);
-        self.launch("tandem_moe_sum_f32", [grid(n_tokens)?, 1, 1], [BLOCK_1D, 1, 1], &mut args![yp, pp, op, ne, nu, pr])
+        self.launch_rows("tandem_moe_sum_f32", n_tokens, &mut args![yp, pp, op, ne, nu, pr])
     }
 }

@@ -2,7 +2,7 @@
 //! tokens), prefill gemms through cuBLAS on weights dequantized in chunks ([`GemmPrecision`]),
 //! dequantization, and activations rounded as ggml's CPU backend rounds them.
 
-use super::{grid, grid_yz, int, long, Runtime, BLOCK_1D};
+use super::{grid, grid_yz, int, long, Runtime};
 use crate::driver::Gemm;
 use crate::memory::DeviceBuffer;
 use crate::{dequant_name, matvec_name, weight_bytes, Batched, Elem, Error, Result, MATVEC_TYPES, MAX_MATVEC_TOKENS};
@@ -190,12 +190,7 @@ impl Runtime {
         let sc = self.scratch(scales, n_tokens, "prefill activation scales")?;
         {
             let (xh_p, sc_p, c32) = (xh.at(0, n_tokens * cols, "gemm")?, sc.at(0, n_tokens, "gemm")?, k);
-            self.launch(
-                "tandem_f32_to_f16_scaled",
-                [grid(n_tokens)?, 1, 1],
-                [BLOCK_1D, 1, 1],
-                &mut args![xp, xh_p, sc_p, c32],
-            )?;
+            self.launch_rows("tandem_f32_to_f16_scaled", n_tokens, &mut args![xp, xh_p, sc_p, c32])?;
         }
         let xh_p = xh.at(0, n_tokens * cols, "gemm")?;
         let wh = self.scratch(ws, chunk_rows * cols, "a dequantized weight chunk (f16)")?;
@@ -285,7 +280,7 @@ impl Runtime {
         let xp = x.at(x_off, (n_rows - 1) * x_stride + cols, "round x")?;
         let yp = y.at(y_off, (n_rows - 1) * y_stride + cols, "round y")?;
         let (c, xs, ys) = (int(cols, "round")?, long(x_stride, "round")?, long(y_stride, "round")?);
-        self.launch(name, [grid(n_rows)?, 1, 1], [BLOCK_1D, 1, 1], &mut args![xp, yp, c, xs, ys])?;
+        self.launch_rows(name, n_rows, &mut args![xp, yp, c, xs, ys])?;
         Ok(true)
     }
 
