@@ -156,12 +156,12 @@ impl Opened {
                         gpu = Some((exec, plan));
                     }
                     Ok(None) => {}
-                    Err(reason) => {
-                        notes.push(format!("CUDA unavailable ({reason}); running everything on the CPU"))
-                    }
+                    Err(reason) => notes.push(format!("CUDA unavailable ({reason}); running everything on the CPU")),
                 },
                 Some(Err(e)) => notes.push(format!("CUDA unavailable ({e}); running everything on the CPU")),
-                None => notes.push("CUDA unavailable (the demo model has no plan); running everything on the CPU".into()),
+                None => {
+                    notes.push("CUDA unavailable (the demo model has no plan); running everything on the CPU".into())
+                }
             }
         }
         let (mut exec, plan) = match gpu {
@@ -214,7 +214,11 @@ fn read_ahead(mode: ReadAhead, gguf: &GgufModel, exec: &mut Exec) -> Option<Stri
             if !gguf.pages_on_demand() || cpu_bytes <= free {
                 return None;
             }
-            format!("the CPU's {:.2} GiB of mapped weights exceed the {:.2} GiB of memory available", gib(cpu_bytes), gib(free))
+            format!(
+                "the CPU's {:.2} GiB of mapped weights exceed the {:.2} GiB of memory available",
+                gib(cpu_bytes),
+                gib(free)
+            )
         }
     };
     exec.set_read_ahead(true);

@@ -37,17 +37,13 @@ pub struct LogArgs {
 /// Installs the subscriber for the process; text lines start with `prefix` (`tandem`).
 pub fn init(args: &LogArgs, prefix: &'static str) -> anyhow::Result<()> {
     let filter = match std::env::var("RUST_LOG") {
-        Ok(v) if !v.trim().is_empty() => {
-            EnvFilter::try_new(&v).map_err(|e| anyhow::anyhow!("RUST_LOG '{v}': {e}"))?
-        }
+        Ok(v) if !v.trim().is_empty() => EnvFilter::try_new(&v).map_err(|e| anyhow::anyhow!("RUST_LOG '{v}': {e}"))?,
         _ => EnvFilter::new(&args.log_level),
     };
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false);
     let set = match args.log_format {
         LogFormat::Text => builder.event_format(Plain { prefix }).try_init(),
-        LogFormat::Json => {
-            builder.json().flatten_event(true).with_current_span(true).with_span_list(false).try_init()
-        }
+        LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).with_span_list(false).try_init(),
     };
     set.map_err(|e| anyhow::anyhow!("installing the logger: {e}"))
 }

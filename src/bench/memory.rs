@@ -182,4 +182,3 @@ pub(super) fn measure_bandwidth(threads: &[usize], bytes: u64, pb: &ProgressBar)
     }
     out
 }
-

@@ -10,6 +10,7 @@
 //! [`Context::decode`]; the KV cache is filled to the depth untimed and truncated back between steps.
 
 use crate::cli::{CompatArgs, ModelArgs, PlacementArgs, RuntimeArgs};
+use crate::load::{LoadSpec, Opened};
 use anyhow::{bail, Context as _};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -18,7 +19,6 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
-use crate::load::{LoadSpec, Opened};
 use tandem_model::demo::SplitMix64;
 use tandem_model::{Batch, CacheType, Context, MlaMode};
 
@@ -267,19 +267,7 @@ impl Plan {
                 bail!("-d does not apply to --parallel: each sequence starts empty, as in llama-batched-bench");
             }
         }
-        Ok(Plan {
-            threads,
-            sweep: a.sweep,
-            pp,
-            tg,
-            depths,
-            reps,
-            ctx,
-            batch,
-            ubatch,
-            mla,
-            parallel,
-        })
+        Ok(Plan { threads, sweep: a.sweep, pp, tg, depths, reps, ctx, batch, ubatch, mla, parallel })
     }
 
     /// The context to allocate, given the model's training context (for `-c 0`).
@@ -586,7 +574,14 @@ fn load_runtime(a: &BenchArgs, plan: &Plan) -> RuntimeArgs {
     }
 }
 
-fn run_threads(opened: &Opened, plan: &Plan, n_ctx: usize, t: usize, a: &BenchArgs, out: &Out) -> anyhow::Result<Vec<Row>> {
+fn run_threads(
+    opened: &Opened,
+    plan: &Plan,
+    n_ctx: usize,
+    t: usize,
+    a: &BenchArgs,
+    out: &Out,
+) -> anyhow::Result<Vec<Row>> {
     let model = &opened.model;
     // Repacking packs once (the first thread count); later ones find the copies made.
     let up = out.pb.suspend(|| opened.bring_up(t, t, n_ctx))?;

@@ -45,4 +45,3 @@ pub(super) fn plot(path: &Path, rows: &[Row], threads: &[usize], model: &str) ->
     root.present()?;
     Ok(())
 }
-

@@ -3,10 +3,10 @@
 //! knows nothing of models, only of matrices, activations and cached rows.
 
 use crate::attention::{Attn, KvType};
+use crate::gemm::{gemm, Dims};
 use crate::jobs::{ffn_jobs, matmul_jobs, FfnJob, MatJob};
 use crate::matmul::{quantize_activations, QuantizedActs, WeightRef};
 use crate::mla::{cache_rows_f32, mla_prefill, MlaPrefill};
-use crate::gemm::{gemm, Dims};
 use crate::vmath::Level;
 use crate::{Error, Result, Threads};
 use rayon::prelude::*;

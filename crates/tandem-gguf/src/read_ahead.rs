@@ -35,9 +35,9 @@ fn page_size() -> usize {
 /// be read (not Linux).
 pub fn available_memory() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| mem_available(&s));
-    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok().and_then(|own| {
-        cgroup_dirs(&own).into_iter().find_map(|(dir, v2)| cgroup_room(&dir, v2))
-    });
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|own| cgroup_dirs(&own).into_iter().find_map(|(dir, v2)| cgroup_room(&dir, v2)));
     match (meminfo, cgroup) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
@@ -81,7 +81,8 @@ fn cgroup_dirs(own: &str) -> Vec<(std::path::PathBuf, bool)> {
 /// can be reclaimed). `None` when the files are missing or the cgroup has no limit.
 fn cgroup_room(dir: &std::path::Path, v2: bool) -> Option<u64> {
     let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
-    let (limit, anon_key) = if v2 { (read("memory.max")?, "anon") } else { (read("memory.limit_in_bytes")?, "total_rss") };
+    let (limit, anon_key) =
+        if v2 { (read("memory.max")?, "anon") } else { (read("memory.limit_in_bytes")?, "total_rss") };
     let limit = limit.trim().parse::<u64>().ok().filter(|&l| l < 1 << 60)?;
     let anon = read("memory.stat").and_then(|s| stat_value(&s, anon_key)).unwrap_or(0);
     Some(limit.saturating_sub(anon))

@@ -81,7 +81,15 @@ impl HostDevice {
     }
 
     pub fn stand_in(id: DevId, cpu: Arc<CpuBackend>, holds: HashSet<String>) -> HostDevice {
-        HostDevice { id, name: format!("HOST{id}"), cpu, ledger: Ledger::default(), stand_in: true, holds, read_ahead: AtomicBool::new(false) }
+        HostDevice {
+            id,
+            name: format!("HOST{id}"),
+            cpu,
+            ledger: Ledger::default(),
+            stand_in: true,
+            holds,
+            read_ahead: AtomicBool::new(false),
+        }
     }
 
     /// Counts an op and, until the guard drops, the time spent in it.

@@ -338,7 +338,12 @@ mod x86 {
     /// # Safety
     /// The blocks are in bounds (see [`super::GroupFn`]).
     #[inline(always)]
-    pub(super) unsafe fn token_blocks<const NY: usize>(ys: *const u8, yb: usize, b: usize, bytes: usize) -> [*const u8; NY] {
+    pub(super) unsafe fn token_blocks<const NY: usize>(
+        ys: *const u8,
+        yb: usize,
+        b: usize,
+        bytes: usize,
+    ) -> [*const u8; NY] {
         // SAFETY: the caller guarantees the blocks are in bounds.
         std::array::from_fn(|t| unsafe { ys.add(t * yb + b * bytes) })
     }

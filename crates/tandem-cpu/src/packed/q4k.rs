@@ -162,7 +162,7 @@ pub(super) unsafe fn group_scalar<const HIGH: bool>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{token_blocks, bcast, bcast8, prefetch_part};
+    use super::super::x86::{bcast, bcast8, prefetch_part, token_blocks};
     use super::{layout, GroupActs, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, SUBS};
     use std::arch::x86_64::*;
 

@@ -153,7 +153,7 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::x86::{token_blocks, bcast, bcast8, prefetch_part};
+    use super::super::x86::{bcast, bcast8, prefetch_part, token_blocks};
     use super::{GroupActs, D, GROUP_BLOCK, Q8K_BSUMS, Q8K_BYTES, Q8K_QS, QH, QL, SC, SUBS};
     use std::arch::x86_64::*;
 
