@@ -327,3 +327,46 @@ fn avx2_softmax_has_the_bits_of_the_avx512_one() {
         assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{ty:?} rounding");
     }
 }
+
+/// Multiply-adds per second of one token's attention at the bench model's MLA shape (16 heads
+/// over an f16 latent cache of 3072 rows: 576 values of score and 512 of value per row), one
+/// thread: `cargo test -p tandem-cpu --release --lib decode_attention_speed -- --ignored
+/// --nocapture` (`TANDEM_CPU_ISA=avx2` for the AVX2 kernels).
+#[test]
+#[ignore]
+fn decode_attention_speed() {
+    let mut rnd = uniform(9);
+    let (nh, dk, dv, n) = (16usize, 576usize, 512usize, 3072usize);
+    let k = cache_rows(KvType::F16, &(0..n * dk).map(|_| rnd()).collect::<Vec<_>>());
+    let q: Vec<f32> = (0..nh * dk).map(|_| rnd()).collect();
+    let a = Attn {
+        q: &q,
+        n_head: nh,
+        n_head_kv: 1,
+        dk,
+        dv,
+        k: &k,
+        k_type: KvType::F16,
+        k_row: dk,
+        v: None,
+        v_type: KvType::F16,
+        v_row: dk,
+        n_kv: n,
+        scale: 0.04,
+    };
+    let qr = a.prepared_q().unwrap();
+    let level = Level::detected();
+    let mut out = vec![0f32; nh * dv];
+    let reps = 40;
+    let t = std::time::Instant::now();
+    for _ in 0..reps {
+        one_token(&a, &qr, &mut out, level);
+    }
+    let s = t.elapsed().as_secs_f64();
+    let mac = (nh * n * (dk + dv) * reps) as f64;
+    println!(
+        "{level:?} decode attention {nh} heads x {n} rows: {:.1} GFMA/s, {:.2} ms per token",
+        mac / s / 1e9,
+        s / reps as f64 * 1e3
+    );
+}

@@ -394,8 +394,10 @@ unsafe fn hsum16(lo: __m256, hi: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)))
 }
 
-/// [`scores_heads`] with AVX2: one row at a time, each sum kept in two 8-lane halves of the
-/// AVX-512 kernel's 16 lanes and reduced in its order: the same bits.
+/// [`scores_heads`] with AVX2: [`SR`] rows at a time, each sum kept in two 8-lane halves of the
+/// AVX-512 kernel's 16 lanes (the even and the odd runs of 8 values, one pass over the rows each, so
+/// that one half's accumulators of all the rows and heads fit the 16 registers) and reduced in its
+/// order: the same bits.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scores_heads_avx2<const T: u8, const HB: usize>(
@@ -414,26 +416,58 @@ unsafe fn scores_heads_avx2<const T: u8, const HB: usize>(
         let pf_every = if T == F32 { 16 } else { 32 };
         let qb = q.as_ptr();
         let op = out.as_mut_ptr();
-        for j in rows.clone() {
-            let k = row_ptr(j);
-            let pf = row_ptr((j + 8).min(rows.end - 1));
-            let mut lo = [_mm256_setzero_ps(); HB];
-            let mut hi = [_mm256_setzero_ps(); HB];
-            let mut d = 0;
-            while d < dk {
-                if d % pf_every == 0 {
+        let mut j = rows.start;
+        while j < rows.end {
+            let n = (rows.end - j).min(SR);
+            let k: [*const u8; SR] = std::array::from_fn(|r| row_ptr(j + r.min(n - 1)));
+            let lo = scores_pass::<T, HB>(k, qb, dk, 0);
+            let hi = scores_pass::<T, HB>(k, qb, dk, 8);
+            for r in 0..SR {
+                let pf = row_ptr((j + 8 + r).min(rows.end - 1));
+                let mut d = 0;
+                while d < dk {
                     _mm_prefetch::<_MM_HINT_T0>(pf.add(offset::<T>(d)) as *const i8);
+                    d += pf_every;
                 }
-                let (x0, x1) = (load8::<T>(k, d), load8::<T>(k, d + 8));
-                for h in 0..HB {
-                    lo[h] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(qb.add(h * dk + d)), lo[h]);
-                    hi[h] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(qb.add(h * dk + d + 8)), hi[h]);
+            }
+            for (r, (lo, hi)) in lo.iter().zip(&hi).enumerate().take(n) {
+                for (h, (lo, hi)) in lo.iter().zip(hi).enumerate() {
+                    *op.add(h * stride + j + r - rows.start) = hsum16(*lo, *hi) * a.scale;
                 }
-                d += 16;
             }
-            for h in 0..HB {
-                *op.add(h * stride + j - rows.start) = hsum16(lo[h], hi[h]) * a.scale;
-            }
+            j += n;
         }
+    }
+}
+
+/// Rows per pass of [`scores_heads_avx2`].
+const SR: usize = 3;
+
+/// One half (`first` 0: values 0-7 of every 16, 8: values 8-15) of the scores of `SR` rows `k`
+/// against `HB` heads of `q`: the 8-lane sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // constant indices keep the sums in registers
+unsafe fn scores_pass<const T: u8, const HB: usize>(
+    k: [*const u8; SR],
+    qb: *const f32,
+    dk: usize,
+    first: usize,
+) -> [[__m256; HB]; SR] {
+    // SAFETY: the caller's rows and queries hold `dk` values each.
+    unsafe {
+        let mut sums = [[_mm256_setzero_ps(); HB]; SR];
+        let mut d = first;
+        while d < dk {
+            let x: [__m256; SR] = std::array::from_fn(|r| load8::<T>(k[r], d));
+            for h in 0..HB {
+                let qv = _mm256_loadu_ps(qb.add(h * dk + d));
+                for r in 0..SR {
+                    sums[r][h] = _mm256_fmadd_ps(x[r], qv, sums[r][h]);
+                }
+            }
+            d += 16;
+        }
+        sums
     }
 }
