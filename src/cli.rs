@@ -131,8 +131,8 @@ pub struct LoadArgs {
     pub mlock: bool,
     /// Repack the Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
     /// matrices the CPU multiplies into 16-row interleaved groups at load (faster prefill and
-    /// decode; with AVX2 only, all but IQ4_XS, IQ4_NL and Q8_0; a second copy of those weights in
-    /// memory, made only when it fits).
+    /// decode, with AVX-512 or AVX2; a second copy of those weights in memory, made only when it
+    /// fits).
     /// The default, as in llama.cpp; --no-repack turns it off.
     #[arg(long, overrides_with = "no_repack")]
     pub repack: bool,
