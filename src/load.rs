@@ -268,6 +268,7 @@ pub fn request(placement: &PlacementArgs, model: &ModelArgs, rt: &RuntimeArgs) -
         mlock: model.load.mlock,
         // the types the CUDA runtime multiplies: the plan keeps the others on the CPU
         gpu_types: Some(tandem_cuda::MATVEC_TYPES.to_vec()),
+        mla_decompressed: MlaMode::from_name(&rt.mla)? != MlaMode::Absorbed,
     })
 }
 

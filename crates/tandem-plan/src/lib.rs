@@ -31,7 +31,8 @@ mod rules;
 pub use device::{human, in_unit, parse_size, unit_for, Device, GpuBudget, GpuLayers, GIB, KIB, MIB, TIB};
 pub use error::{Error, Result};
 pub use memory::{
-    compute_bytes, kv_cells, kv_layer_bytes, parse_cache_type, KvConfig, Roles, ATTN_KV_CHUNK, KV_CACHE_TYPES, KV_PAD,
+    compute_bytes, kv_cells, kv_layer_bytes, mla_decompressed_bytes, parse_cache_type, KvConfig, Roles, ATTN_KV_CHUNK,
+    KV_CACHE_TYPES, KV_PAD, MLA_REBUILT_MAX,
 };
 pub use model::{Attention, Hparams, ModelInfo, TensorEntry};
 pub use planner::{ngl_devices, plan, PlanRequest, DEFAULT_FIT_MARGIN};

@@ -2,7 +2,7 @@
 //! buffers for `-ub`. The KV formulas follow llama.cpp; the compute-buffer formula is tandem's
 //! own estimate of its executor's scratch, stated in [`compute_bytes`].
 
-use crate::model::{Attention, Hparams};
+use crate::model::{Attention, Hparams, TensorEntry};
 use crate::{Error, Result};
 use serde::Serialize;
 use tandem_gguf::GgmlType;
@@ -158,6 +158,37 @@ pub fn compute_bytes(h: &Hparams, ubatch: u32, cells_per_seq: u64, roles: Roles)
         per_token += 2 * n_embd;
     }
     per_token * ub * F32_BYTES
+}
+
+/// Most bytes of rebuilt keys and values the CPU's decompressed MLA holds at once (tandem-cpu's
+/// `MLA_VALUE_BYTES`: beyond it the heads go in groups).
+pub const MLA_REBUILT_MAX: u64 = 1 << 30;
+
+/// The CPU memory of MLA attention run decompressed (`--mla auto`, the default, for prompts), on
+/// top of [`compute_bytes`]: the f32 copy of every `attn_k_b` and `attn_v_b` among `on_cpu`
+/// (made at a layer's first decompressed prompt and kept: 33.5 MB per layer at Kimi K2's shape),
+/// and one layer's scratch, the cached latents as f32 (`cells * (kv_lora + rope) * 4`) and the
+/// rebuilt keys and values (`cells * n_head * (nope + dv) * 4`, at most [`MLA_REBUILT_MAX`]).
+/// 0 for other attention, or when no `attn_k_b` is on the CPU.
+pub fn mla_decompressed_bytes<'t>(
+    h: &Hparams,
+    on_cpu: impl Iterator<Item = &'t TensorEntry>,
+    cells_per_seq: u64,
+) -> u64 {
+    let Attention::Mla { kv_lora_rank, rope_dim } = h.attention else { return 0 };
+    let weights: u64 = on_cpu
+        .filter(|t| t.name.ends_with(".attn_k_b.weight") || t.name.ends_with(".attn_v_b.weight"))
+        .map(|t| t.dims.iter().product::<u64>() * F32_BYTES)
+        .sum();
+    if weights == 0 {
+        return 0;
+    }
+    let (r, p) = (u64::from(kv_lora_rank), u64::from(rope_dim));
+    let nope = u64::from(h.head_dim_k).saturating_sub(p);
+    let latent = cells_per_seq * (r + p) * F32_BYTES;
+    let rebuilt =
+        (cells_per_seq * u64::from(h.n_head) * (nope + u64::from(h.head_dim_v)) * F32_BYTES).min(MLA_REBUILT_MAX);
+    weights + latent + rebuilt
 }
 
 #[cfg(test)]

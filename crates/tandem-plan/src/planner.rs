@@ -14,7 +14,7 @@
 
 use crate::device::{human, Device, GpuBudget, GpuLayers, GIB};
 use crate::fit;
-use crate::memory::{compute_bytes, kv_cells, kv_layer_bytes, KvConfig, Roles};
+use crate::memory::{compute_bytes, kv_cells, kv_layer_bytes, mla_decompressed_bytes, KvConfig, Roles};
 use crate::model::{Attention, ModelInfo};
 use crate::report::{ByCategory, DeviceReport, HostReport, KvReport, Plan, TensorPlacement};
 use crate::rules::{Matcher, Rule};
@@ -48,6 +48,10 @@ pub struct PlanRequest {
     /// The matrix types the GPU runtime multiplies (its caller knows them: tandem-cuda's
     /// `MATVEC_TYPES`); matrices of other types stay on the CPU. `None`: no such limit.
     pub gpu_types: Option<Vec<GgmlType>>,
+    /// Whether the CPU may run MLA attention decompressed (`--mla auto` or `decompressed`): its
+    /// f32 copies of `attn_k_b` / `attn_v_b` and rebuilt keys and values count on the CPU
+    /// ([`crate::memory::mla_decompressed_bytes`]).
+    pub mla_decompressed: bool,
 }
 
 impl Default for PlanRequest {
@@ -64,6 +68,7 @@ impl Default for PlanRequest {
             mmap: true,
             mlock: false,
             gpu_types: None,
+            mla_decompressed: true,
         }
     }
 }
@@ -250,7 +255,11 @@ fn device_reports(
             roles.output |= t.name == head;
         }
         let kv_bytes: u64 = kv.devices.iter().zip(&kv.bytes).filter(|(d, _)| **d == dev).map(|(_, b)| b).sum();
-        let compute = compute_bytes(h, req.ubatch, cells_per_seq, roles);
+        let mut compute = compute_bytes(h, req.ubatch, cells_per_seq, roles);
+        if dev == Device::Cpu && req.mla_decompressed {
+            let on_cpu = model.tensors.iter().zip(placed).filter(|(_, d)| **d == Device::Cpu).map(|(t, _)| t);
+            compute += mla_decompressed_bytes(h, on_cpu, cells_per_seq);
+        }
         let weights = by_category.total();
         let budget = match dev {
             Device::Cpu => req.host_memory,

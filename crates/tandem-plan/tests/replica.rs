@@ -90,3 +90,29 @@ fn fit_fills_a_gpu_with_the_last_layers_experts() {
     assert!(p.decisions.iter().any(|d| d.contains(&format!("as --n-cpu-moe {first}"))), "{:?}", p.decisions);
     assert_eq!(p.device_of("blk.1.attn_q_b.weight"), Some(Device::Cuda(0)));
 }
+
+/// The CPU's decompressed MLA (`--mla auto`, the default) counts on the CPU: its f32 copies of
+/// attn_k_b and attn_v_b (64 heads x 512 x (128 + 128) x 4 bytes per layer at Kimi's shape) and
+/// one layer's latents and rebuilt keys and values; nothing when the attention is on a GPU.
+#[test]
+fn decompressed_mla_memory_counts_on_the_cpu() {
+    let (_dir, model) = open_replica(Ftype::Q4_K_M);
+    let cpu_compute = |req: &PlanRequest| {
+        let p = plan(&model, req).unwrap();
+        p.devices.iter().find(|d| d.name == Device::Cpu).map(|d| d.compute_bytes).unwrap()
+    };
+    let ctx = 4096u64;
+    let cpu_only = PlanRequest { kv: KvConfig { ctx: ctx as u32, ..KvConfig::default() }, ..PlanRequest::default() };
+    let absorbed = PlanRequest { mla_decompressed: false, ..cpu_only.clone() };
+    let weights = 61 * 64 * 512 * (128 + 128) * 4;
+    let scratch = ctx * 576 * 4 + ctx * 64 * 256 * 4;
+    assert_eq!(cpu_compute(&cpu_only) - cpu_compute(&absorbed), weights + scratch);
+    // 128K cells: the rebuilt keys and values are capped (the heads go in groups).
+    let long = PlanRequest { kv: KvConfig { ctx: 131072, ..KvConfig::default() }, ..PlanRequest::default() };
+    let long_absorbed = PlanRequest { mla_decompressed: false, ..long.clone() };
+    assert_eq!(cpu_compute(&long) - cpu_compute(&long_absorbed), weights + 131072 * 576 * 4 + (1 << 30));
+    // Attention on the GPU: the CPU runs none of it.
+    let gpu = issue_request();
+    let gpu_absorbed = PlanRequest { mla_decompressed: false, ..issue_request() };
+    assert_eq!(cpu_compute(&gpu), cpu_compute(&gpu_absorbed));
+}
