@@ -4,8 +4,8 @@
 //! experts run on the CPU, the logits), and a step reaches the device in one copy: each token's
 //! cache addressing, its rope rows and (on the device of the first layer) the hidden state.
 
-use crate::common::{AttnShape, Ffn, Ubatch};
-use crate::device::{Device, KvStore};
+use crate::common::{Ffn, Ubatch};
+use crate::device::{AttnCall, Device, KvStore};
 use crate::exec::{Copy2d, DevId, Heads, Ledger, MlaShape, Pending, Rows, Tensor};
 use crate::kv_cache::KvLayout;
 use crate::moe::{Gating, Moe};
@@ -543,16 +543,8 @@ impl Device for CudaDevice {
         })
     }
 
-    fn attention(
-        &self,
-        kv: &dyn KvStore,
-        il: usize,
-        ub: &Ubatch,
-        tokens: &[usize],
-        q: &Tensor,
-        s: AttnShape,
-        separate_v: bool,
-    ) -> Result<Tensor> {
+    fn attention(&self, kv: &dyn KvStore, q: &Tensor, c: &AttnCall) -> Result<Tensor> {
+        let AttnCall { il, ub, tokens, s, separate_v } = *c;
         let store = self.kv(kv)?;
         let li = store.at(il)?;
         let n = tokens.len();

@@ -9,6 +9,7 @@
 use crate::common::{AttnShape, Ffn, Ubatch};
 use crate::config::{Arch, Keys, RopeConfig, MAX_CTX, MAX_EXPERTS, MAX_HEADS, MAX_HEAD_DIM, MAX_WIDTH};
 use crate::context::Layers;
+use crate::device::{AttnCall, MlaCall};
 use crate::exec::{Copy2d, DevId, Exec, Heads, MlaShape, Rows, Tensor};
 use crate::kv_cache::{KvCache, KvLayout};
 use crate::moe::{Gating, Moe, Routing};
@@ -212,9 +213,8 @@ impl Deepseek2 {
                     let n_kv: Vec<usize> = tokens.iter().map(|&t| ub.pos[t] as usize + 1).collect();
                     if self.decompress(ub.mla, &n_kv) {
                         let qs = ex.gather_rows(&q, nh * dk, &tokens)?;
-                        if let Some(out) =
-                            ex.mla_decompressed(cache, il, seq, &qs, &n_kv, k_b, v_b, shape, self.kq_scale)?
-                        {
+                        let c = MlaCall { il, seq, n_kv: &n_kv, k_b, v_b, s: shape, scale: self.kq_scale };
+                        if let Some(out) = ex.mla_decompressed(cache, &qs, &c)? {
                             ex.scatter_rows(&mut o, &out, nh * dv, &tokens)?;
                             continue;
                         }
@@ -259,7 +259,7 @@ impl Deepseek2 {
                 ex.kv_store(cache, il, ub, &k, Some(&v))?;
                 let shape = AttnShape { n_head: nh, n_head_kv: nh, dk, dv, scale: self.kq_scale };
                 let tokens: Vec<usize> = (0..n).collect();
-                ex.attention(cache, il, ub, &tokens, &q, shape, true)
+                ex.attention(cache, &q, &AttnCall { il, ub, tokens: &tokens, s: shape, separate_v: true })
             }
         }
     }
@@ -283,7 +283,7 @@ impl Deepseek2 {
         let qcur = ex.mla_q(k_b, q, s)?;
         let shape =
             AttnShape { n_head: s.n_head, n_head_kv: 1, dk: s.kv_lora + s.n_rot, dv: s.kv_lora, scale: self.kq_scale };
-        let lat = ex.attention(cache, il, ub, tokens, &qcur, shape, false)?;
+        let lat = ex.attention(cache, &qcur, &AttnCall { il, ub, tokens, s: shape, separate_v: false })?;
         ex.mla_out(v_b, &lat, s)
     }
 

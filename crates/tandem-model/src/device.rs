@@ -84,22 +84,10 @@ pub(crate) trait Device: Send + Sync {
     /// `[n][n_head * dv]` from the latent outputs `lat` (`[n][n_head][kv_lora]`): each head's times
     /// its `attn_v_b` (`[dv]` rows of `kv_lora` per head).
     fn mla_out(&self, v_b: &Weight, lat: &Tensor, s: MlaShape) -> Result<Tensor>;
-    /// The decompressed MLA attention of a run of tokens of sequence `seq` (`n_kv[i]` rows for
-    /// token `i`), or `None` where this device does not have it.
-    #[allow(clippy::too_many_arguments)]
-    fn mla_decompressed(
-        &self,
-        kv: &dyn KvStore,
-        il: usize,
-        seq: usize,
-        q: &Tensor,
-        n_kv: &[usize],
-        k_b: &Weight,
-        v_b: &Weight,
-        s: MlaShape,
-        scale: f32,
-    ) -> Result<Option<Tensor>> {
-        let _ = (kv, il, seq, q, n_kv, k_b, v_b, s, scale);
+    /// The decompressed MLA attention of the run of tokens `c` describes (queries `q`), or `None`
+    /// where this device does not have it.
+    fn mla_decompressed(&self, kv: &dyn KvStore, q: &Tensor, c: &MlaCall) -> Result<Option<Tensor>> {
+        let _ = (kv, q, c);
         Ok(None)
     }
 
@@ -108,17 +96,32 @@ pub(crate) trait Device: Send + Sync {
     /// Appends each token's K row (`[n][k_row]`) and V row (`[n][v_row]`, none under MLA) to its
     /// sequence in layer `il`.
     fn kv_store(&self, kv: &mut dyn KvStore, il: usize, ub: &Ubatch, k: &Tensor, v: Option<&Tensor>) -> Result<()>;
-    /// Attention of the tokens `tokens` of the micro-batch over their sequences' rows `0..=pos`
-    /// in layer `il`: `q` is `[tokens.len()][n_head * dk]`; returns `[tokens.len()][n_head * dv]`.
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        kv: &dyn KvStore,
-        il: usize,
-        ub: &Ubatch,
-        tokens: &[usize],
-        q: &Tensor,
-        s: AttnShape,
-        separate_v: bool,
-    ) -> Result<Tensor>;
+    /// Attention of the tokens `c` names over their sequences' rows `0..=pos`: `q` is
+    /// `[c.tokens.len()][n_head * dk]`; returns `[c.tokens.len()][n_head * dv]`.
+    fn attention(&self, kv: &dyn KvStore, q: &Tensor, c: &AttnCall) -> Result<Tensor>;
+}
+
+/// One attention call: the tokens `tokens` of micro-batch `ub` in layer `il`, heads as `s`.
+#[derive(Clone, Copy)]
+pub(crate) struct AttnCall<'a> {
+    pub il: usize,
+    pub ub: &'a Ubatch<'a>,
+    pub tokens: &'a [usize],
+    pub s: AttnShape,
+    /// V rows cached apart from K; `false`: V is the first `dv` values of each K row (MLA's
+    /// absorbed form over the latent).
+    pub separate_v: bool,
+}
+
+/// One decompressed MLA call: a run of tokens of sequence `seq` in layer `il`, token `i`
+/// attending `n_kv[i]` rows, with the layer's `attn_k_b` and `attn_v_b`.
+#[derive(Clone, Copy)]
+pub(crate) struct MlaCall<'a> {
+    pub il: usize,
+    pub seq: usize,
+    pub n_kv: &'a [usize],
+    pub k_b: &'a Weight,
+    pub v_b: &'a Weight,
+    pub s: MlaShape,
+    pub scale: f32,
 }

@@ -10,7 +10,7 @@
 //! expert queued on the router's device before the experts start.
 
 use crate::common::{Ffn, Ubatch};
-use crate::device::{Device, KvStore};
+use crate::device::{AttnCall, Device, KvStore, MlaCall};
 use crate::host::HostDevice;
 use crate::kv_cache::KvCache;
 use crate::moe::Moe;
@@ -575,22 +575,11 @@ impl Exec {
         }
     }
 
-    /// Attention of the micro-batch's tokens `tokens` (their rows cached) over layer `il` of the
-    /// cache, on its device: `q` is `[tokens.len()][n_head * dk]`; returns `[tokens.len()][n_head *
-    /// dv]`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn attention(
-        &self,
-        cache: &KvCache,
-        il: usize,
-        ub: &Ubatch,
-        tokens: &[usize],
-        q: &Tensor,
-        s: crate::common::AttnShape,
-        separate_v: bool,
-    ) -> Result<Tensor> {
-        let (d, store) = cache.store(il)?;
-        self.devs[d].attention(store, il, ub, tokens, &*self.on(d, q)?, s, separate_v)
+    /// Attention of the micro-batch's tokens `c.tokens` (their rows cached) over layer `c.il` of
+    /// the cache, on its device: `q` is `[tokens][n_head * dk]`; returns `[tokens][n_head * dv]`.
+    pub(crate) fn attention(&self, cache: &KvCache, q: &Tensor, c: &AttnCall) -> Result<Tensor> {
+        let (d, store) = cache.store(c.il)?;
+        self.devs[d].attention(store, &*self.on(d, q)?, c)
     }
 
     /// `[n][n_head][kv_lora + n_rot]`: each head's `q_nope` times its `attn_k_b`, then its `q_pe`.
@@ -607,25 +596,13 @@ impl Exec {
 
     /// The decompressed MLA attention of one sequence's run of tokens, where the cache is, or
     /// `None` where that device does not have it or does not hold `attn_k_b` and `attn_v_b`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn mla_decompressed(
-        &self,
-        cache: &KvCache,
-        il: usize,
-        seq: usize,
-        q: &Tensor,
-        n_kv: &[usize],
-        k_b: &Weight,
-        v_b: &Weight,
-        s: MlaShape,
-        scale: f32,
-    ) -> Result<Option<Tensor>> {
-        let (d, store) = cache.store(il)?;
+    pub(crate) fn mla_decompressed(&self, cache: &KvCache, q: &Tensor, c: &MlaCall) -> Result<Option<Tensor>> {
+        let (d, store) = cache.store(c.il)?;
         // It reads the cache rows and both matrices where they are, or not at all.
-        if self.dev_of(&k_b.name) != d || self.dev_of(&v_b.name) != d {
+        if self.dev_of(&c.k_b.name) != d || self.dev_of(&c.v_b.name) != d {
             return Ok(None);
         }
-        self.devs[d].mla_decompressed(store, il, seq, &*self.on(d, q)?, n_kv, k_b, v_b, s, scale)
+        self.devs[d].mla_decompressed(store, &*self.on(d, q)?, c)
     }
 
     /// The stores a cache of these layers needs: one per device that holds a layer's attention.

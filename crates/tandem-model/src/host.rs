@@ -3,8 +3,8 @@
 //! one, with its own id and its copies and waits counted, stands in for a GPU in the tests
 //! ([`crate::Exec::with_stand_in`]).
 
-use crate::common::{AttnShape, Ffn, Ubatch};
-use crate::device::{Device, KvStore};
+use crate::common::{Ffn, Ubatch};
+use crate::device::{AttnCall, Device, KvStore, MlaCall};
 use crate::exec::{Copy2d, DevId, Heads, Ledger, MlaShape, Pending, Rows, Tensor, CPU, STEP_META_BYTES};
 use crate::kv_cache::KvLayout;
 use crate::moe::Moe;
@@ -380,18 +380,8 @@ impl Device for HostDevice {
         Ok(self.out(o))
     }
 
-    fn mla_decompressed(
-        &self,
-        kv: &dyn KvStore,
-        il: usize,
-        seq: usize,
-        q: &Tensor,
-        n_kv: &[usize],
-        k_b: &Weight,
-        v_b: &Weight,
-        s: MlaShape,
-        scale: f32,
-    ) -> Result<Option<Tensor>> {
+    fn mla_decompressed(&self, kv: &dyn KvStore, q: &Tensor, c: &MlaCall) -> Result<Option<Tensor>> {
+        let MlaCall { il, seq, n_kv, k_b, v_b, s, scale } = *c;
         let store = self.kv(kv)?;
         let Some(kv_type) = KvType::of(store.k_type) else { return Ok(None) };
         let _busy = self.op();
@@ -448,16 +438,8 @@ impl Device for HostDevice {
         Ok(())
     }
 
-    fn attention(
-        &self,
-        kv: &dyn KvStore,
-        il: usize,
-        ub: &Ubatch,
-        tokens: &[usize],
-        q: &Tensor,
-        s: AttnShape,
-        separate_v: bool,
-    ) -> Result<Tensor> {
+    fn attention(&self, kv: &dyn KvStore, q: &Tensor, c: &AttnCall) -> Result<Tensor> {
+        let AttnCall { il, ub, tokens, s, separate_v } = *c;
         let _busy = self.op();
         let store = self.kv(kv)?;
         let q = self.mine(q)?;

@@ -4,6 +4,7 @@
 use crate::common::{AttnShape, Ffn, Ubatch};
 use crate::config::{Arch, Keys, RopeConfig, MAX_CTX, MAX_WIDTH};
 use crate::context::Layers;
+use crate::device::AttnCall;
 use crate::exec::{DevId, Exec, Heads, Rows, Tensor};
 use crate::kv_cache::{KvCache, KvLayout};
 use crate::moe::Moe;
@@ -78,7 +79,7 @@ impl Gqa {
         ex.rope(&mut k, ub, Heads { row: s.n_head_kv * s.dk, n_heads: s.n_head_kv, head: s.dk, off: 0 }, style)?;
         ex.kv_store(cache, il, ub, &k, Some(&v))?;
         let tokens: Vec<usize> = (0..n).collect();
-        let o = ex.attention(cache, il, ub, &tokens, &q, s, true)?;
+        let o = ex.attention(cache, &q, &AttnCall { il, ub, tokens: &tokens, s, separate_v: true })?;
         let attn = ex.matmul(&w.wo, &o)?;
         ex.add(x, &attn)
     }
