@@ -289,8 +289,9 @@ fn dequantized(
     Ok(out)
 }
 
-/// `[rows][g][d]`: every row of `latent` (`[rows][kl]`) times each of the `g` matrices of `w`
-/// (`[g][kl][d]`), by f32 products of blocks of rows on `pool`.
+/// `[g][rows][d]`: every row of `latent` (`[rows][kl]`) times each of the `g` matrices of `w`
+/// (`[g][kl][d]`), each head's rows consecutive (as the attention's products read them), by f32
+/// products of blocks of rows on `pool`.
 fn rebuild(pool: &rayon::ThreadPool, latent: &[f32], w: &[f32], kl: usize, d: usize) -> Vec<f32> {
     // Rows per task: each head's matrix (256 KB at kv_lora 512 and d 128) passes over this many.
     const RB: usize = 192;
@@ -298,13 +299,19 @@ fn rebuild(pool: &rayon::ThreadPool, latent: &[f32], w: &[f32], kl: usize, d: us
     let rows = latent.len() / kl;
     let mut out = vec![0f32; rows * g * d];
     let level = Level::detected();
+    // (block of rows, head, its output), block by block: a thread's run of tasks keeps one block
+    // of the latent in its cache while the heads' matrices pass over it.
+    let mut tasks: Vec<(usize, usize, &mut [f32])> = out
+        .chunks_mut((rows * d).max(1))
+        .enumerate()
+        .flat_map(|(h, o)| o.chunks_mut(RB * d).enumerate().map(move |(b, o)| (b, h, o)))
+        .collect();
+    tasks.sort_by_key(|t| (t.0, t.1));
     pool.install(|| {
-        out.par_chunks_mut(RB * g * d).zip(latent.par_chunks(RB * kl)).for_each(|(o, lat)| {
-            let m = lat.len() / kl;
-            for (h, wh) in w.chunks_exact(kl * d).enumerate() {
-                let dims = Dims { m, n: d, k: kl, lda: kl, ka: 1, ldb: d, ldc: g * d };
-                gemm(dims, lat, wh, &mut o[h * d..], level);
-            }
+        tasks.into_par_iter().for_each(|(b, h, o)| {
+            let lat = &latent[b * RB * kl..][..o.len() / d * kl];
+            let dims = Dims { m: o.len() / d, n: d, k: kl, lda: kl, ka: 1, ldb: d, ldc: d };
+            gemm(dims, lat, &w[h * kl * d..(h + 1) * kl * d], o, level);
         })
     });
     out

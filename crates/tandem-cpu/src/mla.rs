@@ -2,7 +2,7 @@
 //! (a prefill). The absorbed form (what llama.cpp runs, and tandem for decoding) attends over the
 //! cached latent: per token, head and cached row it spends `kv_lora + n_rot` multiply-adds on the
 //! score and `kv_lora` on the value. Here every cached row's key and value are first rebuilt per
-//! head (`k_nope = W_kb^T latent`, `v = W_vb latent`, by the caller, as quantized products), once
+//! head (`k_nope = W_kb^T latent`, `v = W_vb latent`, by the caller, as exact f32 products), once
 //! for the whole run, and then the run attends as ordinary multi-head attention with
 //! `nope + n_rot` and `dv` per row: at a depth of thousands of rows and a few hundred tokens that
 //! is two to three times fewer operations. The attention's products are f32 matrix products
@@ -18,10 +18,6 @@ use rayon::prelude::*;
 /// Tokens per block of scores.
 const TB: usize = 64;
 
-/// Most bytes of one head's keys, or of its values, copied into consecutive rows (16 MiB: 32K
-/// cached rows at Kimi's 128 values per head).
-const VALUE_COPY_BYTES: usize = 16 << 20;
-
 /// The decompressed attention of `n = n_kv.len()` tokens of one sequence.
 pub struct MlaPrefill<'a> {
     /// `[n][n_head][nope + n_rot]`: the queries after rope.
@@ -35,9 +31,10 @@ pub struct MlaPrefill<'a> {
     /// ([`cache_rows_f32`]).
     pub kv: &'a [f32],
     /// The keys rebuilt from the latent (`attn_k_b` transposed times each cached latent),
-    /// `[rows][n_head][nope]`.
+    /// `[n_head][rows][nope]`: each head's as consecutive rows, as the products read them.
     pub k: &'a [f32],
-    /// The values rebuilt from the latent (`attn_v_b` times each cached latent), `[rows][n_head][dv]`.
+    /// The values rebuilt from the latent (`attn_v_b` times each cached latent),
+    /// `[n_head][rows][dv]`.
     pub v: &'a [f32],
     /// Rows each token attends (its position + 1), each in `1..=rows`.
     pub n_kv: &'a [usize],
@@ -113,25 +110,18 @@ pub fn cache_rows_f32(
 /// the same on any number of threads, and each token's result depends only on its query, its
 /// `n_kv` and the rows (not on the other tokens of the run).
 pub fn mla_prefill(pool: &rayon::ThreadPool, a: &MlaPrefill, out: &mut [f32]) -> crate::Result<()> {
-    mla_prefill_at(pool, a, out, Level::detected(), VALUE_COPY_BYTES)
+    mla_prefill_at(pool, a, out, Level::detected())
 }
 
-/// [`mla_prefill`] at `level`, copying a head's keys and values when they take at most
-/// `copy_bytes` each.
-fn mla_prefill_at(
-    pool: &rayon::ThreadPool,
-    a: &MlaPrefill,
-    out: &mut [f32],
-    level: Level,
-    copy_bytes: usize,
-) -> crate::Result<()> {
+/// [`mla_prefill`] at `level`.
+fn mla_prefill_at(pool: &rayon::ThreadPool, a: &MlaPrefill, out: &mut [f32], level: Level) -> crate::Result<()> {
     let cols = a.check(out)?;
     let (n, nh, dv) = (a.n_kv.len(), a.n_head, a.dv);
     if n == 0 {
         return Ok(());
     }
-    let per_head: Vec<Vec<f32>> = pool
-        .install(|| (0..nh).into_par_iter().with_max_len(1).map(|h| one_head(a, h, cols, level, copy_bytes)).collect());
+    let per_head: Vec<Vec<f32>> =
+        pool.install(|| (0..nh).into_par_iter().with_max_len(1).map(|h| one_head(a, h, cols, level)).collect());
     for (h, o) in per_head.iter().enumerate() {
         for t in 0..n {
             out[(t * nh + h) * dv..(t * nh + h + 1) * dv].copy_from_slice(&o[t * dv..(t + 1) * dv]);
@@ -143,15 +133,14 @@ fn mla_prefill_at(
 /// Head `h` for every token: `[n][dv]`. Everything is kept with the cached rows as the long
 /// dimension (keys `[cols][nope]`, scores `[cols][tokens]`), so no operand is transposed but a
 /// block of queries, and the softmax runs down the columns, one token per lane.
-fn one_head(a: &MlaPrefill, h: usize, cols: usize, level: Level, copy_bytes: usize) -> Vec<f32> {
+fn one_head(a: &MlaPrefill, h: usize, cols: usize, level: Level) -> Vec<f32> {
     let (n, nh, nope, nr, kl, dv, dk) = (a.n_kv.len(), a.n_head, a.nope, a.n_rot, a.kv_lora, a.dv, a.dk());
     let row = kl + nr;
-    // This head's keys `[cols][nope]` and values `[cols][dv]` as consecutive rows (the products
-    // read rows `nh * dv` apart 30% slower), unless a copy would be large: at most a few tasks'
-    // worth of memory per thread at long contexts.
-    let (mut kh, mut vh) = (Vec::new(), Vec::new());
-    let (kb, ldk) = head_rows(a.k, cols, nh, nope, h, copy_bytes, &mut kh);
-    let (vb, ldv) = head_rows(a.v, cols, nh, dv, h, copy_bytes, &mut vh);
+    let rows = a.kv.len() / row;
+    // This head's keys `[rows][nope]` and values `[rows][dv]`, consecutive rows (the products
+    // read rows `nh * dv` apart 30% slower).
+    let (kb, ldk) = (&a.k[h * rows * nope..(h + 1) * rows * nope], nope);
+    let (vb, ldv) = (&a.v[h * rows * dv..(h + 1) * rows * dv], dv);
     let mut o = vec![0f32; n * dv];
     let mut qt = vec![0f32; dk * TB];
     let mut st = vec![0f32; cols * TB.min(n)];
@@ -182,28 +171,6 @@ fn one_head(a: &MlaPrefill, h: usize, cols: usize, level: Level, copy_bytes: usi
         }
     }
     o
-}
-
-/// Head `h`'s `d` values of each of `cols` rows of `x` (`[rows][nh][d]`): copied into `buf` as
-/// consecutive rows when they take at most `copy_bytes`, else read in place; with the distance
-/// from one row to the next.
-fn head_rows<'x>(
-    x: &'x [f32],
-    cols: usize,
-    nh: usize,
-    d: usize,
-    h: usize,
-    copy_bytes: usize,
-    buf: &'x mut Vec<f32>,
-) -> (&'x [f32], usize) {
-    if cols * d * std::mem::size_of::<f32>() > copy_bytes {
-        return (&x[h * d..], nh * d);
-    }
-    buf.reserve_exact(cols * d);
-    for r in 0..cols {
-        buf.extend_from_slice(&x[(r * nh + h) * d..(r * nh + h + 1) * d]);
-    }
-    (&buf[..], d)
 }
 
 /// Rows summed in f32 before each addition to a token's f64 sum.
@@ -274,13 +241,16 @@ mod tests {
     fn case(n_kv: Vec<usize>) -> Case {
         let rows = n_kv.iter().copied().max().unwrap();
         let kv = rand(2, rows * (KL + NR), 1.0);
-        // The keys and values rebuilt from the latent, as the caller's quantized products give
-        // them (here in f32).
+        // The keys and values rebuilt from the latent, as the caller's products give them.
+        // `[head][row][d]`
         let rebuilt = |w: &[f32], d: usize| {
             let mut x = vec![0f32; rows * NH * d];
-            for r in 0..rows {
-                for hd in 0..NH * d {
-                    x[r * NH * d + hd] = (0..KL).map(|j| w[hd * KL + j] * kv[r * (KL + NR) + j]).sum();
+            for h in 0..NH {
+                for r in 0..rows {
+                    for i in 0..d {
+                        let hd = h * d + i;
+                        x[(h * rows + r) * d + i] = (0..KL).map(|j| w[hd * KL + j] * kv[r * (KL + NR) + j]).sum();
+                    }
                 }
             }
             x
@@ -309,6 +279,7 @@ mod tests {
     /// sum.
     fn reference(c: &Case) -> Vec<f64> {
         let dk = NOPE + NR;
+        let rows = c.kv.len() / (KL + NR);
         let mut out = vec![0f64; c.n_kv.len() * NH * DV];
         for (t, &len) in c.n_kv.iter().enumerate() {
             for h in 0..NH {
@@ -316,7 +287,7 @@ mod tests {
                 let scores: Vec<f64> = (0..len)
                     .map(|r| {
                         let lat = &c.kv[r * (KL + NR)..(r + 1) * (KL + NR)];
-                        let k = &c.k[(r * NH + h) * NOPE..(r * NH + h + 1) * NOPE];
+                        let k = &c.k[(h * rows + r) * NOPE..(h * rows + r + 1) * NOPE];
                         let nope: f64 = (0..NOPE).map(|i| k[i] as f64 * q[i] as f64).sum();
                         let pe: f64 = (0..NR).map(|i| q[NOPE + i] as f64 * lat[KL + i] as f64).sum();
                         0.3 * (nope + pe)
@@ -327,7 +298,7 @@ mod tests {
                 let sum: f64 = e.iter().sum();
                 for d in 0..DV {
                     out[(t * NH + h) * DV + d] =
-                        (0..len).map(|r| e[r] / sum * c.v[(r * NH + h) * DV + d] as f64).sum::<f64>();
+                        (0..len).map(|r| e[r] / sum * c.v[(h * rows + r) * DV + d] as f64).sum::<f64>();
                 }
             }
         }
@@ -363,17 +334,13 @@ mod tests {
             let mut base = Vec::new();
             for level in levels() {
                 let mut got = vec![0f32; want.len()];
-                mla_prefill_at(&one, &input(&c), &mut got, level, VALUE_COPY_BYTES).unwrap();
+                mla_prefill_at(&one, &input(&c), &mut got, level).unwrap();
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert!((*g as f64 - w).abs() < 2e-5, "{level:?} [{i}]: {g} vs {w}");
                 }
                 let mut par = vec![0f32; want.len()];
-                mla_prefill_at(&two, &input(&c), &mut par, level, VALUE_COPY_BYTES).unwrap();
+                mla_prefill_at(&two, &input(&c), &mut par, level).unwrap();
                 assert!(par == got, "{level:?}: two threads differ from one");
-                // The keys and values read in place (as at long contexts) instead of copied.
-                let mut strided = vec![0f32; want.len()];
-                mla_prefill_at(&one, &input(&c), &mut strided, level, 0).unwrap();
-                assert!(strided == got, "{level:?}: keys and values in place differ from the copy");
                 if level != Level::Scalar {
                     if base.is_empty() {
                         base = got;
@@ -388,9 +355,9 @@ mod tests {
                 let n1 = [c.n_kv[t]];
                 let single = MlaPrefill { q: &q1, n_kv: &n1, ..input(&c) };
                 let mut alone = vec![0f32; NH * DV];
-                mla_prefill_at(&one, &single, &mut alone, level, VALUE_COPY_BYTES).unwrap();
+                mla_prefill_at(&one, &single, &mut alone, level).unwrap();
                 let mut run = vec![0f32; want.len()];
-                mla_prefill_at(&one, &input(&c), &mut run, level, VALUE_COPY_BYTES).unwrap();
+                mla_prefill_at(&one, &input(&c), &mut run, level).unwrap();
                 assert!(
                     alone[..] == run[t * NH * DV..(t + 1) * NH * DV],
                     "{level:?}: token alone differs from the run"
