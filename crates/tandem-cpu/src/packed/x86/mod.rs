@@ -48,6 +48,88 @@ macro_rules! to_bit {
     };
 }
 
+/// Defines `$name::<.., PF, NY>`, a kernel against Q8_K activations on registers of `$width`
+/// (`zmm`: the 16 rows in one register; `ymm`: two halves of 8, one after the other), in the
+/// outline every k-quant layout shares. Per block (`$block` bytes at `$wb`; `$y`, each token's
+/// activation block): `block`, then per half `$hf` 8 steps `$i` of `step`, each adding an eighth of
+/// the block to the exact integer sums `$isum[t]` and `$imin[t]` of every token (for one token
+/// prefetching the weights a part per step, see [`prefetch_part`]); `after`, `finish`, and per
+/// token `$t` `acc = value * yd + acc` (fused), `value` the block's value before the activation
+/// factor `yd`. The names between the bars are the caller's, bound here.
+macro_rules! q8k_group {
+    (zmm $($rest:tt)*) => {
+        q8k_group!(@def [1, 16, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_storeu_ps] $($rest)*);
+    };
+    (ymm $($rest:tt)*) => {
+        q8k_group!(@def [2, 8, _mm256_setzero_ps, _mm256_setzero_si256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_storeu_ps] $($rest)*);
+    };
+    // One pass over the rows (`$hf` 0) or a loop over the two halves.
+    (@halves 1, $hf:ident, $body:block) => {{
+        let $hf = 0usize;
+        $body
+    }};
+    (@halves 2, $hf:ident, $body:block) => {
+        for $hf in 0..2 $body
+    };
+    (
+        @def [$halves:tt, $lanes:literal, $zps:ident, $zsi:ident, $set1:ident, $fmadd:ident, $storeu:ident]
+        $(#[$attr:meta])*
+        $name:ident<$(const $c:ident: $ct:ty),*>($feat:literal, $block:expr)
+        |$wb:ident, $y:ident, $hf:ident, $i:ident, $isum:ident, $imin:ident, $t:ident|
+        setup { $($setup:tt)* }
+        block { $($pre:tt)* }
+        step { $($step:tt)* }
+        after { $($post:tt)* }
+        finish { $($finish:tt)* }
+        value $value:expr
+    ) => {
+        $(#[$attr])*
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
+        unsafe fn $name<$(const $c: $ct,)* const PF: u8, const NY: usize>(
+            nb: usize,
+            w: *const u8,
+            ys: *const u8,
+            yb: usize,
+            out: *mut f32,
+            ostride: usize,
+        ) {
+            $($setup)*
+            let mut acc = [[$zps(); $halves]; NY];
+            for b in 0..nb {
+                // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
+                unsafe {
+                    let $wb = w.add(b * $block);
+                    let $y: [*const u8; NY] = crate::packed::x86::token_blocks(ys, yb, b, crate::packed::Q8K_BYTES);
+                    $($pre)*
+                    q8k_group!(@halves $halves, $hf, {
+                        let mut $isum = [$zsi(); NY];
+                        let mut $imin = [$zsi(); NY];
+                        for $i in 0..8 {
+                            if NY == 1 {
+                                crate::packed::x86::prefetch_part::<PF>($wb, $block, $hf * 8 + $i, $halves * 8);
+                            }
+                            $($step)*
+                        }
+                        $($post)*
+                        $($finish)*
+                        for $t in 0..NY {
+                            let yd = $set1(($y[$t] as *const f32).read_unaligned());
+                            acc[$t][$hf] = $fmadd($value, yd, acc[$t][$hf]);
+                        }
+                    });
+                }
+            }
+            for (t, a) in acc.iter().enumerate() {
+                for (h, v) in a.iter().enumerate() {
+                    // SAFETY: 16 writable floats per token row (see `GroupFn`).
+                    unsafe { $storeu(out.add(t * ostride + $lanes * h), *v) };
+                }
+            }
+        }
+    };
+}
+
 mod b32;
 mod iq4xs;
 mod q2k;
@@ -183,6 +265,43 @@ pub(super) unsafe fn nibble_dot8(lo: &[__m256i; 8], hi: &[__m256i; 8], q: *const
             _mm256_madd_epi16(_mm256_add_epi16(l0, l1), f),
             _mm256_madd_epi16(_mm256_add_epi16(h0, h1), _mm256_slli_epi16::<4>(f)),
         )
+    }
+}
+
+/// `sc * sum_e u_e * a_e` in each 32-bit lane over one group of 16 levels held as four vectors
+/// `u` (vector `p`: elements `4p..4p + 4` of each row, unsigned bytes), against the 16 activation
+/// bytes at `q`; exact while the sums fit i32.
+///
+/// # Safety
+/// `q` points at 16 readable bytes; the machine has AVX-512 VNNI.
+#[inline(always)]
+pub(super) unsafe fn planes_dot(u: &[__m512i; 4], q: *const u8, sc: __m512i) -> __m512i {
+    // SAFETY: the caller guarantees 16 readable bytes and AVX-512 VNNI.
+    unsafe {
+        let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+        s0 = _mm512_dpbusd_epi32(s0, u[0], bcast(q));
+        s1 = _mm512_dpbusd_epi32(s1, u[1], bcast(q.add(4)));
+        s0 = _mm512_dpbusd_epi32(s0, u[2], bcast(q.add(8)));
+        s1 = _mm512_dpbusd_epi32(s1, u[3], bcast(q.add(12)));
+        _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc)
+    }
+}
+
+/// [`planes_dot`] on a ymm register, the scale as the i16 pair `(sc, sc)` of each lane: `vpmaddubsw`
+/// of the four vectors (levels <= 7, so their i16 pair sums add up far below 2^15), one `vpmaddwd`.
+///
+/// # Safety
+/// `q` points at 16 readable bytes; the machine has AVX2.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // k picks the vector and its activation bytes
+pub(super) unsafe fn planes_dot8(u: &[__m256i; 4], q: *const u8, scsc: __m256i) -> __m256i {
+    // SAFETY: the caller guarantees 16 readable bytes and AVX2.
+    unsafe {
+        let mut s = _mm256_maddubs_epi16(u[0], bcast8(q));
+        for k in 1..4 {
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[k], bcast8(q.add(4 * k))));
+        }
+        _mm256_madd_epi16(s, scsc)
     }
 }
 

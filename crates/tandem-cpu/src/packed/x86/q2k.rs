@@ -1,8 +1,8 @@
 //! Q2_K's packed group kernels for x86-64 (AVX-512 VNNI, AVX2); layout and arithmetic in `packed/q2k.rs`.
 
-use super::{bcast, bcast8, prefetch_part, token_blocks};
-use crate::packed::q2k::{D, DMIN, GROUP_BLOCK, QS, SM, SUBS};
-use crate::packed::{GroupActs, Q8K_BSUMS, Q8K_BYTES, Q8K_QS};
+use super::{bcast, planes_dot, planes_dot8};
+use crate::packed::q2k::{D, DMIN, GROUP_BLOCK, QS, SM};
+use crate::packed::{GroupActs, Q8K_BSUMS, Q8K_QS};
 use std::arch::x86_64::*;
 
 group_entry! {
@@ -13,78 +13,49 @@ group_entry! {
     group_vnni => group, q8k
 }
 
-/// # Safety
-/// As [`crate::packed::GroupFn`] with `ny == NY`, and the machine has AVX-512 VNNI.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-#[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-unsafe fn group<const PF: u8, const NY: usize>(
-    nb: usize,
-    w: *const u8,
-    ys: *const u8,
-    yb: usize,
-    out: *mut f32,
-    ostride: usize,
-) {
-    let three = _mm512_set1_epi8(3);
-    let low4 = _mm512_set1_epi32(0x0F);
-    let mut acc = [_mm512_setzero_ps(); NY];
-    for b in 0..nb {
-        // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
-        unsafe {
-            let wb = w.add(b * GROUP_BLOCK);
-            let y: [*const u8; NY] = token_blocks(ys, yb, b, Q8K_BYTES);
-            let mut isum = [_mm512_setzero_si512(); NY];
-            let mut imin = [_mm512_setzero_si512(); NY];
-            for i in 0..SUBS / 2 {
-                if NY == 1 {
-                    prefetch_part::<PF>(wb, GROUP_BLOCK, i, SUBS / 2);
-                }
-                let mut sc = [_mm512_setzero_si512(); 2];
-                let mut m = [_mm512_setzero_si512(); 2];
-                let mut planes = [[_mm512_setzero_si512(); 4]; 2];
-                for h in 0..2 {
-                    let s = 2 * i + h;
-                    let sm = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(SM + 16 * s) as *const __m128i));
-                    sc[h] = _mm512_and_si512(sm, low4);
-                    m[h] = _mm512_srli_epi32::<4>(sm);
-                    let raw = _mm512_loadu_si512(wb.add(QS + 64 * s) as *const __m512i);
-                    planes[h] = [
-                        _mm512_and_si512(raw, three),
-                        _mm512_and_si512(_mm512_srli_epi16::<2>(raw), three),
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(raw), three),
-                        _mm512_and_si512(_mm512_srli_epi16::<6>(raw), three),
-                    ];
-                }
-                // (m of group 2i, m of group 2i + 1) as an i16 pair per lane, against the pair
-                // (bsums[2i], bsums[2i + 1]).
-                let mm = _mm512_or_si512(m[0], _mm512_slli_epi32::<16>(m[1]));
-                for t in 0..NY {
-                    let mut sums = [_mm512_setzero_si512(); 2];
-                    for h in 0..2 {
-                        let q = y[t].add(Q8K_QS + 16 * (2 * i + h));
-                        let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                        s0 = _mm512_dpbusd_epi32(s0, planes[h][0], bcast(q));
-                        s1 = _mm512_dpbusd_epi32(s1, planes[h][1], bcast(q.add(4)));
-                        s0 = _mm512_dpbusd_epi32(s0, planes[h][2], bcast(q.add(8)));
-                        s1 = _mm512_dpbusd_epi32(s1, planes[h][3], bcast(q.add(12)));
-                        sums[h] = _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc[h]);
-                    }
-                    isum[t] = _mm512_add_epi32(isum[t], _mm512_add_epi32(sums[0], sums[1]));
-                    imin[t] = _mm512_dpwssd_epi32(imin[t], mm, bcast(y[t].add(Q8K_BSUMS + 4 * i)));
-                }
-            }
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(D) as *const __m256i));
-            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(DMIN) as *const __m256i));
-            for t in 0..NY {
-                let v =
-                    _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[t]), dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), d));
-                let yd = _mm512_set1_ps((y[t] as *const f32).read_unaligned());
-                acc[t] = _mm512_fmadd_ps(v, yd, acc[t]);
-            }
+q8k_group! { zmm
+    /// # Safety
+    /// As [`group_vnni`] with `ny == NY`.
+    group<>("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", GROUP_BLOCK)
+    |wb, y, hf, i, isum, imin, t|
+    setup {
+        let three = _mm512_set1_epi8(3);
+        let low4 = _mm512_set1_epi32(0x0F);
+    }
+    block {}
+    step {
+        let mut sc = [_mm512_setzero_si512(); 2];
+        let mut m = [_mm512_setzero_si512(); 2];
+        let mut planes = [[_mm512_setzero_si512(); 4]; 2];
+        for h in 0..2 {
+            let s = 2 * i + h;
+            let sm = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(SM + 16 * s) as *const __m128i));
+            sc[h] = _mm512_and_si512(sm, low4);
+            m[h] = _mm512_srli_epi32::<4>(sm);
+            let raw = _mm512_loadu_si512(wb.add(QS + 64 * s) as *const __m512i);
+            planes[h] = [
+                _mm512_and_si512(raw, three),
+                _mm512_and_si512(_mm512_srli_epi16::<2>(raw), three),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(raw), three),
+                _mm512_and_si512(_mm512_srli_epi16::<6>(raw), three),
+            ];
+        }
+        // (m of group 2i, m of group 2i + 1) as an i16 pair per lane, against the pair
+        // (bsums[2i], bsums[2i + 1]).
+        let mm = _mm512_or_si512(m[0], _mm512_slli_epi32::<16>(m[1]));
+        for t in 0..NY {
+            let q = y[t].add(Q8K_QS + 32 * i);
+            let sums = [planes_dot(&planes[0], q, sc[0]), planes_dot(&planes[1], q.add(16), sc[1])];
+            isum[t] = _mm512_add_epi32(isum[t], _mm512_add_epi32(sums[0], sums[1]));
+            imin[t] = _mm512_dpwssd_epi32(imin[t], mm, bcast(y[t].add(Q8K_BSUMS + 4 * i)));
         }
     }
-    // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
-    unsafe { super::store(&acc, out, ostride) };
+    after {}
+    finish {
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(D) as *const __m256i));
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(DMIN) as *const __m256i));
+    }
+    value _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[t]), dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), d))
 }
 
 group_entry! {
@@ -97,80 +68,50 @@ group_entry! {
     group_avx2 => group2, q8k
 }
 
-/// # Safety
-/// As [`group_avx2`] with `ny == NY`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-unsafe fn group2<const PF: u8, const NY: usize>(
-    nb: usize,
-    w: *const u8,
-    ys: *const u8,
-    yb: usize,
-    out: *mut f32,
-    ostride: usize,
-) {
-    let three = _mm256_set1_epi8(3);
-    let low4 = _mm256_set1_epi32(0x0F);
-    let mut acc = [[_mm256_setzero_ps(); 2]; NY];
-    for b in 0..nb {
-        // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
-        unsafe {
-            let wb = w.add(b * GROUP_BLOCK);
-            let y: [*const u8; NY] = token_blocks(ys, yb, b, Q8K_BYTES);
-            for hf in 0..2 {
-                let mut isum = [_mm256_setzero_si256(); NY];
-                let mut imin = [_mm256_setzero_si256(); NY];
-                for i in 0..SUBS / 2 {
-                    if NY == 1 {
-                        prefetch_part::<PF>(wb, GROUP_BLOCK, hf * SUBS / 2 + i, SUBS);
-                    }
-                    let mut scsc = [_mm256_setzero_si256(); 2];
-                    let mut m = [_mm256_setzero_si256(); 2];
-                    let mut planes = [[_mm256_setzero_si256(); 4]; 2];
-                    for h in 0..2 {
-                        let s = 2 * i + h;
-                        let sm = _mm256_cvtepu8_epi32(_mm_loadl_epi64(wb.add(SM + 16 * s + 8 * hf) as *const __m128i));
-                        let sc = _mm256_and_si256(sm, low4);
-                        // (sc, sc) as an i16 pair per lane
-                        scsc[h] = _mm256_or_si256(sc, _mm256_slli_epi32::<16>(sc));
-                        m[h] = _mm256_srli_epi32::<4>(sm);
-                        let raw = _mm256_loadu_si256(wb.add(QS + 64 * s + 32 * hf) as *const __m256i);
-                        planes[h] = [
-                            _mm256_and_si256(raw, three),
-                            _mm256_and_si256(_mm256_srli_epi16::<2>(raw), three),
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(raw), three),
-                            _mm256_and_si256(_mm256_srli_epi16::<6>(raw), three),
-                        ];
-                    }
-                    // (m of group 2i, m of group 2i + 1) as an i16 pair per lane.
-                    let mm = _mm256_or_si256(m[0], _mm256_slli_epi32::<16>(m[1]));
-                    for t in 0..NY {
-                        for h in 0..2 {
-                            let q = y[t].add(Q8K_QS + 16 * (2 * i + h));
-                            let mut s = _mm256_maddubs_epi16(planes[h][0], bcast8(q));
-                            for k in 1..4 {
-                                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(planes[h][k], bcast8(q.add(4 * k))));
-                            }
-                            isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, scsc[h]));
-                        }
-                        let bs = _mm256_set1_epi32((y[t].add(Q8K_BSUMS + 4 * i) as *const i32).read_unaligned());
-                        imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(mm, bs));
-                    }
-                }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(D + 16 * hf) as *const __m128i));
-                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(DMIN + 16 * hf) as *const __m128i));
-                for t in 0..NY {
-                    let v = _mm256_fnmadd_ps(
-                        _mm256_cvtepi32_ps(imin[t]),
-                        dmin,
-                        _mm256_mul_ps(_mm256_cvtepi32_ps(isum[t]), d),
-                    );
-                    let yd = _mm256_set1_ps((y[t] as *const f32).read_unaligned());
-                    acc[t][hf] = _mm256_fmadd_ps(v, yd, acc[t][hf]);
-                }
+q8k_group! { ymm
+    /// # Safety
+    /// As [`group_avx2`] with `ny == NY`.
+    group2<>("avx2,fma,f16c", GROUP_BLOCK)
+    |wb, y, hf, i, isum, imin, t|
+    setup {
+        let three = _mm256_set1_epi8(3);
+        let low4 = _mm256_set1_epi32(0x0F);
+    }
+    block {}
+    step {
+        let mut scsc = [_mm256_setzero_si256(); 2];
+        let mut m = [_mm256_setzero_si256(); 2];
+        let mut planes = [[_mm256_setzero_si256(); 4]; 2];
+        for h in 0..2 {
+            let s = 2 * i + h;
+            let sm = _mm256_cvtepu8_epi32(_mm_loadl_epi64(wb.add(SM + 16 * s + 8 * hf) as *const __m128i));
+            let sc = _mm256_and_si256(sm, low4);
+            // (sc, sc) as an i16 pair per lane
+            scsc[h] = _mm256_or_si256(sc, _mm256_slli_epi32::<16>(sc));
+            m[h] = _mm256_srli_epi32::<4>(sm);
+            let raw = _mm256_loadu_si256(wb.add(QS + 64 * s + 32 * hf) as *const __m256i);
+            planes[h] = [
+                _mm256_and_si256(raw, three),
+                _mm256_and_si256(_mm256_srli_epi16::<2>(raw), three),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(raw), three),
+                _mm256_and_si256(_mm256_srli_epi16::<6>(raw), three),
+            ];
+        }
+        // (m of group 2i, m of group 2i + 1) as an i16 pair per lane.
+        let mm = _mm256_or_si256(m[0], _mm256_slli_epi32::<16>(m[1]));
+        for t in 0..NY {
+            for h in 0..2 {
+                let s = planes_dot8(&planes[h], y[t].add(Q8K_QS + 16 * (2 * i + h)), scsc[h]);
+                isum[t] = _mm256_add_epi32(isum[t], s);
             }
+            let bs = _mm256_set1_epi32((y[t].add(Q8K_BSUMS + 4 * i) as *const i32).read_unaligned());
+            imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(mm, bs));
         }
     }
-    // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
-    unsafe { super::store_halves(&acc, out, ostride) };
+    after {}
+    finish {
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(D + 16 * hf) as *const __m128i));
+        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(DMIN + 16 * hf) as *const __m128i));
+    }
+    value _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[t]), dmin, _mm256_mul_ps(_mm256_cvtepi32_ps(isum[t]), d))
 }

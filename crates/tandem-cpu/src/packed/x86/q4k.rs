@@ -1,9 +1,9 @@
 //! Q4_K's and Q5_K's packed group kernels for x86-64 (AVX-512 VNNI, AVX2); layout and arithmetic in
 //! `packed/q4k.rs`.
 
-use super::{bcast, bcast8, prefetch_part, token_blocks};
+use super::{bcast, bcast8};
 use crate::packed::q4k::{layout, SUBS};
-use crate::packed::{GroupActs, Q8K_BSUMS, Q8K_BYTES, Q8K_QS};
+use crate::packed::{GroupActs, Q8K_BSUMS, Q8K_QS};
 use std::arch::x86_64::*;
 
 /// `vpshufb` control: 32-bit lane `r` gets byte `r` of its 128-bit lane twice, as two u16.
@@ -55,104 +55,79 @@ group_entry! {
     group_vnni<const HIGH: bool> => group, q8k
 }
 
-/// # Safety
-/// As [`crate::packed::GroupFn`] with `ny == NY`, and the machine has AVX-512 VNNI.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-#[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-unsafe fn group<const HIGH: bool, const PF: u8, const NY: usize>(
-    nb: usize,
-    w: *const u8,
-    ys: *const u8,
-    yb: usize,
-    out: *mut f32,
-    ostride: usize,
-) {
-    // SAFETY: the caller upholds this function's `# Safety` contract.
-    unsafe {
+q8k_group! { zmm
+    /// # Safety
+    /// As [`group_vnni`] with `ny == NY`.
+    group<const HIGH: bool>("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", lay.size)
+    |wb, y, hf, j, isum, imin, t|
+    setup {
         let lay = const { layout(HIGH) };
         let nib = _mm512_set1_epi8(0x0F);
         let bit4 = _mm512_set1_epi8(0x10);
-        let pairs = _mm512_loadu_si512(PAIRS.as_ptr() as *const __m512i);
+        // SAFETY: 64 readable bytes.
+        let pairs = unsafe { _mm512_loadu_si512(PAIRS.as_ptr() as *const __m512i) };
         let low = _mm512_set1_epi32(LOW_HALVES);
-        let mut acc = [_mm512_setzero_ps(); NY];
-        for b in 0..nb {
-            // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
-            {
-                let wb = w.add(b * lay.size);
-                let y: [*const u8; NY] = token_blocks(ys, yb, b, Q8K_BYTES);
-                let mut isum = [_mm512_setzero_si512(); NY];
-                for j in 0..SUBS {
-                    if NY == 1 {
-                        prefetch_part::<PF>(wb, lay.size, j, SUBS);
-                    }
-                    // The levels of the group's four loads, low and high nibbles. Q4_K keeps its
-                    // high nibbles in place: 16 times the level, at no shift.
-                    let mut lo = [_mm512_setzero_si512(); 4];
-                    let mut hi = [_mm512_setzero_si512(); 4];
-                    let fifth = if HIGH { _mm512_loadu_si512(wb.add(lay.qh + 64 * j) as *const __m512i) } else { nib };
-                    for l in 0..4 {
-                        let raw = _mm512_loadu_si512(wb.add(256 * j + 64 * l) as *const __m512i);
-                        lo[l] = _mm512_and_si512(raw, nib);
-                        hi[l] = if HIGH {
-                            // level | (bit 2l (+1) of `fifth`, moved to bit 4 of its byte)
-                            lo[l] = _mm512_ternarylogic_epi32::<0xF8>(lo[l], to_bit4(fifth, 2 * l), bit4);
-                            let h = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
-                            _mm512_ternarylogic_epi32::<0xF8>(h, to_bit4(fifth, 2 * l + 1), bit4)
-                        } else {
-                            _mm512_andnot_si512(nib, raw)
-                        };
-                    }
-                    let scales = wb.add(lay.sc + 16 * j);
-                    let (sc, scsc) = match HIGH {
-                        true => (_mm512_cvtepu8_epi32(_mm_loadu_si128(scales as *const __m128i)), nib),
-                        false => (nib, pairs_of(scales, pairs)),
-                    };
-                    for t in 0..NY {
-                        let q = y[t].add(Q8K_QS + 32 * j);
-                        let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                        for l in 0..4 {
-                            s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
-                            s1 = _mm512_dpbusd_epi32(s1, hi[l], bcast(q.add(8 * l + 4)));
-                        }
-                        isum[t] = if HIGH {
-                            // Levels up to 31: the sums of 16 need not fit an i16.
-                            _mm512_add_epi32(isum[t], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc))
-                        } else {
-                            // s0 and s1 / 16 are sums of 16 products of a level <= 15 and an i8:
-                            // |.| <= 30720, exact as i16. As the pair (s0, s1 / 16) per lane,
-                            // `vpdpwssd` against (sc, sc) adds sc * (s0 + s1 / 16) exactly. s1
-                            // is a multiple of 16, so s1 << 12 is s1 / 16 in the high half.
-                            let both = _mm512_ternarylogic_epi32::<0xD8>(_mm512_slli_epi32::<12>(s1), s0, low);
-                            _mm512_dpwssd_epi32(isum[t], both, scsc)
-                        };
-                    }
-                }
-                // The mins, once per block: (m_2k, m_2k+1) per row against the pair of the two
-                // groups' activation sums.
-                let sums: [[i32; 4]; NY] = std::array::from_fn(|t| group_sum_pairs(y[t]));
-                let mut imin = [_mm512_setzero_si512(); NY];
-                for k in 0..SUBS / 2 {
-                    let mm = _mm512_cvtepu8_epi16(_mm256_loadu_si256(wb.add(lay.mn + 32 * k) as *const __m256i));
-                    for t in 0..NY {
-                        imin[t] = _mm512_dpwssd_epi32(imin[t], mm, _mm512_set1_epi32(sums[t][k]));
-                    }
-                }
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(lay.d) as *const __m256i));
-                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(lay.dmin) as *const __m256i));
-                for t in 0..NY {
-                    let v = _mm512_fnmadd_ps(
-                        _mm512_cvtepi32_ps(imin[t]),
-                        dmin,
-                        _mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), d),
-                    );
-                    let yd = _mm512_set1_ps((y[t] as *const f32).read_unaligned());
-                    acc[t] = _mm512_fmadd_ps(v, yd, acc[t]);
-                }
+    }
+    block {}
+    step {
+        // The levels of the group's four loads, low and high nibbles. Q4_K keeps its
+        // high nibbles in place: 16 times the level, at no shift.
+        let mut lo = [_mm512_setzero_si512(); 4];
+        let mut hi = [_mm512_setzero_si512(); 4];
+        let fifth = if HIGH { _mm512_loadu_si512(wb.add(lay.qh + 64 * j) as *const __m512i) } else { nib };
+        for l in 0..4 {
+            let raw = _mm512_loadu_si512(wb.add(256 * j + 64 * l) as *const __m512i);
+            lo[l] = _mm512_and_si512(raw, nib);
+            hi[l] = if HIGH {
+                // level | (bit 2l (+1) of `fifth`, moved to bit 4 of its byte)
+                lo[l] = _mm512_ternarylogic_epi32::<0xF8>(lo[l], to_bit4(fifth, 2 * l), bit4);
+                let h = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
+                _mm512_ternarylogic_epi32::<0xF8>(h, to_bit4(fifth, 2 * l + 1), bit4)
+            } else {
+                _mm512_andnot_si512(nib, raw)
+            };
+        }
+        let scales = wb.add(lay.sc + 16 * j);
+        let (sc, scsc) = match HIGH {
+            true => (_mm512_cvtepu8_epi32(_mm_loadu_si128(scales as *const __m128i)), nib),
+            false => (nib, pairs_of(scales, pairs)),
+        };
+        for t in 0..NY {
+            let q = y[t].add(Q8K_QS + 32 * j);
+            let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+            for l in 0..4 {
+                s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
+                s1 = _mm512_dpbusd_epi32(s1, hi[l], bcast(q.add(8 * l + 4)));
+            }
+            isum[t] = if HIGH {
+                // Levels up to 31: the sums of 16 need not fit an i16.
+                _mm512_add_epi32(isum[t], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc))
+            } else {
+                // s0 and s1 / 16 are sums of 16 products of a level <= 15 and an i8:
+                // |.| <= 30720, exact as i16. As the pair (s0, s1 / 16) per lane,
+                // `vpdpwssd` against (sc, sc) adds sc * (s0 + s1 / 16) exactly. s1
+                // is a multiple of 16, so s1 << 12 is s1 / 16 in the high half.
+                let both = _mm512_ternarylogic_epi32::<0xD8>(_mm512_slli_epi32::<12>(s1), s0, low);
+                _mm512_dpwssd_epi32(isum[t], both, scsc)
+            };
+        }
+    }
+    after {
+        // The mins, once per block: (m_2k, m_2k+1) per row against the pair of the two
+        // groups' activation sums.
+        let sums: [[i32; 4]; NY] = std::array::from_fn(|t| group_sum_pairs(y[t]));
+        for k in 0..SUBS / 2 {
+            let mm = _mm512_cvtepu8_epi16(_mm256_loadu_si256(wb.add(lay.mn + 32 * k) as *const __m256i));
+            for t in 0..NY {
+                imin[t] = _mm512_dpwssd_epi32(imin[t], mm, _mm512_set1_epi32(sums[t][k]));
             }
         }
-        // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
-        super::store(&acc, out, ostride);
     }
+    finish {
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(lay.d) as *const __m256i));
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(lay.dmin) as *const __m256i));
+    }
+    value _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[t]), dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), d))
 }
 
 group_entry! {
@@ -166,101 +141,73 @@ group_entry! {
     group_avx2<const HIGH: bool> => group2, q8k
 }
 
-/// # Safety
-/// As [`group_avx2`] with `ny == NY`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-unsafe fn group2<const HIGH: bool, const PF: u8, const NY: usize>(
-    nb: usize,
-    w: *const u8,
-    ys: *const u8,
-    yb: usize,
-    out: *mut f32,
-    ostride: usize,
-) {
-    let lay = const { layout(HIGH) };
-    let nib = _mm256_set1_epi8(0x0F);
-    let bit4 = _mm256_set1_epi8(0x10);
-    let mut acc = [[_mm256_setzero_ps(); 2]; NY];
-    for b in 0..nb {
-        // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
-        unsafe {
-            let wb = w.add(b * lay.size);
-            let y: [*const u8; NY] = token_blocks(ys, yb, b, Q8K_BYTES);
-            let sums: [[i32; 4]; NY] = std::array::from_fn(|t| group_sum_pairs(y[t]));
-            for hf in 0..2 {
-                let mut isum = [_mm256_setzero_si256(); NY];
-                for j in 0..SUBS {
-                    if NY == 1 {
-                        prefetch_part::<PF>(wb, lay.size, hf * SUBS + j, 2 * SUBS);
-                    }
-                    let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(wb.add(lay.sc + 16 * j + 8 * hf) as *const __m128i));
-                    // (sc, sc) as an i16 pair per lane: `vpmaddwd` of the i16 pair sums of
-                    // `vpmaddubsw` with it is sc times their sum, exactly.
-                    let scsc = _mm256_or_si256(sc, _mm256_slli_epi32::<16>(sc));
-                    let mut lo = [_mm256_setzero_si256(); 4];
-                    let mut hi = [_mm256_setzero_si256(); 4];
-                    let fifth = if HIGH {
-                        _mm256_loadu_si256(wb.add(lay.qh + 64 * j + 32 * hf) as *const __m256i)
-                    } else {
-                        nib
-                    };
-                    for l in 0..4 {
-                        let raw = _mm256_loadu_si256(wb.add(256 * j + 64 * l + 32 * hf) as *const __m256i);
-                        lo[l] = _mm256_and_si256(raw, nib);
-                        hi[l] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), nib);
-                        if HIGH {
-                            // level | (bit 2l (+1) of `fifth`, moved to bit 4 of its byte)
-                            lo[l] = _mm256_or_si256(lo[l], _mm256_and_si256(to_bit4_256(fifth, 2 * l), bit4));
-                            hi[l] = _mm256_or_si256(hi[l], _mm256_and_si256(to_bit4_256(fifth, 2 * l + 1), bit4));
-                        }
-                    }
-                    for t in 0..NY {
-                        let q = y[t].add(Q8K_QS + 32 * j);
-                        if HIGH {
-                            // levels up to 31: four pair sums per i16 at most
-                            let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                            for l in 0..4 {
-                                s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(lo[l], bcast8(q.add(8 * l))));
-                                s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))));
-                            }
-                            let s = _mm256_add_epi32(_mm256_madd_epi16(s0, scsc), _mm256_madd_epi16(s1, scsc));
-                            isum[t] = _mm256_add_epi32(isum[t], s);
-                        } else {
-                            let mut s = _mm256_setzero_si256();
-                            for l in 0..4 {
-                                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[l], bcast8(q.add(8 * l))));
-                                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))));
-                            }
-                            isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, scsc));
-                        }
-                    }
+q8k_group! { ymm
+    /// # Safety
+    /// As [`group_avx2`] with `ny == NY`.
+    group2<const HIGH: bool>("avx2,fma,f16c", lay.size)
+    |wb, y, hf, j, isum, imin, t|
+    setup {
+        let lay = const { layout(HIGH) };
+        let nib = _mm256_set1_epi8(0x0F);
+        let bit4 = _mm256_set1_epi8(0x10);
+    }
+    block {
+        let sums: [[i32; 4]; NY] = std::array::from_fn(|t| group_sum_pairs(y[t]));
+    }
+    step {
+        let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(wb.add(lay.sc + 16 * j + 8 * hf) as *const __m128i));
+        // (sc, sc) as an i16 pair per lane: `vpmaddwd` of the i16 pair sums of
+        // `vpmaddubsw` with it is sc times their sum, exactly.
+        let scsc = _mm256_or_si256(sc, _mm256_slli_epi32::<16>(sc));
+        let mut lo = [_mm256_setzero_si256(); 4];
+        let mut hi = [_mm256_setzero_si256(); 4];
+        let fifth = if HIGH { _mm256_loadu_si256(wb.add(lay.qh + 64 * j + 32 * hf) as *const __m256i) } else { nib };
+        for l in 0..4 {
+            let raw = _mm256_loadu_si256(wb.add(256 * j + 64 * l + 32 * hf) as *const __m256i);
+            lo[l] = _mm256_and_si256(raw, nib);
+            hi[l] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), nib);
+            if HIGH {
+                // level | (bit 2l (+1) of `fifth`, moved to bit 4 of its byte)
+                lo[l] = _mm256_or_si256(lo[l], _mm256_and_si256(to_bit4_256(fifth, 2 * l), bit4));
+                hi[l] = _mm256_or_si256(hi[l], _mm256_and_si256(to_bit4_256(fifth, 2 * l + 1), bit4));
+            }
+        }
+        for t in 0..NY {
+            let q = y[t].add(Q8K_QS + 32 * j);
+            if HIGH {
+                // levels up to 31: four pair sums per i16 at most
+                let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for l in 0..4 {
+                    s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(lo[l], bcast8(q.add(8 * l))));
+                    s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))));
                 }
-                // The mins of this half's 8 rows, once per block (see `group`).
-                let mut imin = [_mm256_setzero_si256(); NY];
-                for k in 0..SUBS / 2 {
-                    let at = wb.add(lay.mn + 32 * k + 16 * hf);
-                    let mm = _mm256_cvtepu8_epi16(_mm_loadu_si128(at as *const __m128i));
-                    for t in 0..NY {
-                        imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(mm, _mm256_set1_epi32(sums[t][k])));
-                    }
+                let s = _mm256_add_epi32(_mm256_madd_epi16(s0, scsc), _mm256_madd_epi16(s1, scsc));
+                isum[t] = _mm256_add_epi32(isum[t], s);
+            } else {
+                let mut s = _mm256_setzero_si256();
+                for l in 0..4 {
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[l], bcast8(q.add(8 * l))));
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))));
                 }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(lay.d + 16 * hf) as *const __m128i));
-                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(lay.dmin + 16 * hf) as *const __m128i));
-                for t in 0..NY {
-                    let v = _mm256_fnmadd_ps(
-                        _mm256_cvtepi32_ps(imin[t]),
-                        dmin,
-                        _mm256_mul_ps(_mm256_cvtepi32_ps(isum[t]), d),
-                    );
-                    let yd = _mm256_set1_ps((y[t] as *const f32).read_unaligned());
-                    acc[t][hf] = _mm256_fmadd_ps(v, yd, acc[t][hf]);
-                }
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, scsc));
             }
         }
     }
-    // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
-    unsafe { super::store_halves(&acc, out, ostride) };
+    after {
+        // The mins of this half's 8 rows, once per block (see `group`).
+        for k in 0..SUBS / 2 {
+            let at = wb.add(lay.mn + 32 * k + 16 * hf);
+            let mm = _mm256_cvtepu8_epi16(_mm_loadu_si128(at as *const __m128i));
+            for t in 0..NY {
+                imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(mm, _mm256_set1_epi32(sums[t][k])));
+            }
+        }
+    }
+    finish {
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(lay.d + 16 * hf) as *const __m128i));
+        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(lay.dmin + 16 * hf) as *const __m128i));
+    }
+    value _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[t]), dmin, _mm256_mul_ps(_mm256_cvtepi32_ps(isum[t]), d))
 }
 
 /// [`to_bit4`] on a ymm register.

@@ -1,6 +1,11 @@
 //! Q6_K's packed group kernels for x86-64 (AVX-512 VNNI with and without GFNI, AVX2); layout and
 //! arithmetic in `packed/q6k.rs`.
 
+use super::{bcast, bcast8};
+use crate::packed::q6k::{D, GROUP_BLOCK, QH, QL, SC};
+use crate::packed::{GroupActs, GroupFn, Q8K_BSUMS, Q8K_QS};
+use std::arch::x86_64::*;
+
 /// The AVX-512 VNNI kernel: the GFNI copy where the machine has GFNI (chosen with the kernel, not
 /// at every call).
 pub(super) fn simd() -> GroupFn {
@@ -18,18 +23,13 @@ pub(in crate::packed) fn simd_variants() -> [(&'static str, GroupFn, bool); 2] {
     [("without GFNI", group_plain, true), ("GFNI", group_gfni, std::arch::is_x86_feature_detected!("gfni"))]
 }
 
-use super::{bcast, bcast8, prefetch_part, token_blocks};
-use crate::packed::q6k::{D, GROUP_BLOCK, QH, QL, SC, SUBS};
-use crate::packed::{GroupActs, GroupFn, Q8K_BSUMS, Q8K_BYTES, Q8K_QS};
-use std::arch::x86_64::*;
-
 group_entry! {
     /// A [`crate::packed::GroupFn`] for AVX-512 VNNI without GFNI: each high-bit pair shifted into place
     /// and masked.
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
-    group_plain => group, acts
+    group_plain => group, q8k
 }
 
 group_entry! {
@@ -38,98 +38,75 @@ group_entry! {
     ///
     /// # Safety
     /// As [`group_plain`], and the machine has GFNI.
-    group_gfni => group_gf, acts
+    group_gfni => group_gf, q8k
 }
 
 /// The kernel, without (`group`) and with (`group_gf`) GFNI: two copies compiled for their
 /// target features (a function built with GFNI may use it anywhere).
 macro_rules! group_fn {
     ($name:ident, $features:literal, $gf:expr) => {
-        /// # Safety
-        /// As [`group_plain`] with `ny == NY` (and for `group_gf` the machine has GFNI).
-        #[target_feature(enable = $features)]
-        #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-        unsafe fn $name<const PF: u8, const NY: usize>(
-            nb: usize,
-            w: *const u8,
-            a: GroupActs,
-            out: *mut f32,
-            ostride: usize,
-        ) {
-            const GF: bool = $gf;
-            let nib = _mm512_set1_epi8(0x0F);
-            let two = _mm512_set1_epi8(0x30);
-            let mut acc = [_mm512_setzero_ps(); NY];
-            for b in 0..nb {
-                // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
-                unsafe {
-                    let wb = w.add(b * GROUP_BLOCK);
-                    let y: [*const u8; NY] = token_blocks(a.ys, a.yb, b, Q8K_BYTES);
-                    let mut isum = [_mm512_setzero_si512(); NY];
-                    let mut imin = [_mm512_setzero_si512(); NY];
-                    for j in 0..SUBS {
-                        if NY == 1 {
-                            prefetch_part::<PF>(wb, GROUP_BLOCK, j, SUBS);
-                        }
-                        // (sc[2j], sc[2j + 1]) as an i16 pair per lane, and each alone as i32.
-                        let pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256(wb.add(SC + 32 * j) as *const __m256i));
-                        let sc0 = _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(pair));
-                        let sc1 = _mm512_srai_epi32::<16>(pair);
-                        let h0 = _mm512_loadu_si512(wb.add(QH + 128 * j) as *const __m512i);
-                        let h1 = _mm512_loadu_si512(wb.add(QH + 128 * j + 64) as *const __m512i);
-                        // Bits 2l..2l+2 of a high-bit byte moved to bits 4..6.
-                        let high = |h: __m512i, l: usize| -> __m512i {
-                            let s = match l {
-                                0 => _mm512_slli_epi16::<4>(h),
-                                1 => _mm512_slli_epi16::<2>(h),
-                                2 => h,
-                                _ => _mm512_srli_epi16::<2>(h),
-                            };
-                            _mm512_and_si512(s, two)
-                        };
-                        let mut lo = [_mm512_setzero_si512(); 4];
-                        let mut hi = [_mm512_setzero_si512(); 4];
-                        for l in 0..4 {
-                            let raw = _mm512_loadu_si512(wb.add(QL + 256 * j + 64 * l) as *const __m512i);
-                            if GF {
-                                // (raw & 0x0F) | h and ((raw >> 4) & 0x0F) | h, h the pair moved by GFNI.
-                                let (h0, h1) = (gf_high(h0, l), gf_high(h1, l));
-                                lo[l] = _mm512_ternarylogic_epi32::<0xEA>(raw, nib, h0);
-                                hi[l] = _mm512_ternarylogic_epi32::<0xEA>(_mm512_srli_epi16::<4>(raw), nib, h1);
-                            } else {
-                                lo[l] = _mm512_or_si512(_mm512_and_si512(raw, nib), high(h0, l));
-                                hi[l] =
-                                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib), high(h1, l));
-                            }
-                        }
-                        for t in 0..NY {
-                            let q = y[t].add(Q8K_QS + 32 * j);
-                            // Elements 0..16 (loads 0, 1) and 16..32 (loads 2, 3): the two scale groups.
-                            let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                            for l in 0..2 {
-                                s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
-                                s0 = _mm512_dpbusd_epi32(s0, hi[l], bcast(q.add(8 * l + 4)));
-                                s1 = _mm512_dpbusd_epi32(s1, lo[l + 2], bcast(q.add(8 * l + 16)));
-                                s1 = _mm512_dpbusd_epi32(s1, hi[l + 2], bcast(q.add(8 * l + 20)));
-                            }
-                            let s = _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1));
-                            isum[t] = _mm512_add_epi32(isum[t], s);
-                            imin[t] = _mm512_dpwssd_epi32(imin[t], pair, bcast(y[t].add(Q8K_BSUMS + 4 * j)));
-                        }
-                    }
-                    let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(D) as *const __m256i));
-                    for t in 0..NY {
-                        let v = _mm512_mul_ps(
-                            _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[t], _mm512_slli_epi32::<5>(imin[t]))),
-                            d,
-                        );
-                        let yd = _mm512_set1_ps((y[t] as *const f32).read_unaligned());
-                        acc[t] = _mm512_fmadd_ps(v, yd, acc[t]);
+        q8k_group! { zmm
+            /// # Safety
+            /// As [`group_plain`] with `ny == NY` (and for `group_gf` the machine has GFNI).
+            $name<>($features, GROUP_BLOCK)
+            |wb, y, hf, j, isum, imin, t|
+            setup {
+                const GF: bool = $gf;
+                let nib = _mm512_set1_epi8(0x0F);
+                let two = _mm512_set1_epi8(0x30);
+            }
+            block {}
+            step {
+                // (sc[2j], sc[2j + 1]) as an i16 pair per lane, and each alone as i32.
+                let pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256(wb.add(SC + 32 * j) as *const __m256i));
+                let sc0 = _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(pair));
+                let sc1 = _mm512_srai_epi32::<16>(pair);
+                let h0 = _mm512_loadu_si512(wb.add(QH + 128 * j) as *const __m512i);
+                let h1 = _mm512_loadu_si512(wb.add(QH + 128 * j + 64) as *const __m512i);
+                // Bits 2l..2l+2 of a high-bit byte moved to bits 4..6.
+                let high = |h: __m512i, l: usize| -> __m512i {
+                    let s = match l {
+                        0 => _mm512_slli_epi16::<4>(h),
+                        1 => _mm512_slli_epi16::<2>(h),
+                        2 => h,
+                        _ => _mm512_srli_epi16::<2>(h),
+                    };
+                    _mm512_and_si512(s, two)
+                };
+                let mut lo = [_mm512_setzero_si512(); 4];
+                let mut hi = [_mm512_setzero_si512(); 4];
+                for l in 0..4 {
+                    let raw = _mm512_loadu_si512(wb.add(QL + 256 * j + 64 * l) as *const __m512i);
+                    if GF {
+                        // (raw & 0x0F) | h and ((raw >> 4) & 0x0F) | h, h the pair moved by GFNI.
+                        let (h0, h1) = (gf_high(h0, l), gf_high(h1, l));
+                        lo[l] = _mm512_ternarylogic_epi32::<0xEA>(raw, nib, h0);
+                        hi[l] = _mm512_ternarylogic_epi32::<0xEA>(_mm512_srli_epi16::<4>(raw), nib, h1);
+                    } else {
+                        lo[l] = _mm512_or_si512(_mm512_and_si512(raw, nib), high(h0, l));
+                        hi[l] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib), high(h1, l));
                     }
                 }
+                for t in 0..NY {
+                    let q = y[t].add(Q8K_QS + 32 * j);
+                    // Elements 0..16 (loads 0, 1) and 16..32 (loads 2, 3): the two scale groups.
+                    let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                    for l in 0..2 {
+                        s0 = _mm512_dpbusd_epi32(s0, lo[l], bcast(q.add(8 * l)));
+                        s0 = _mm512_dpbusd_epi32(s0, hi[l], bcast(q.add(8 * l + 4)));
+                        s1 = _mm512_dpbusd_epi32(s1, lo[l + 2], bcast(q.add(8 * l + 16)));
+                        s1 = _mm512_dpbusd_epi32(s1, hi[l + 2], bcast(q.add(8 * l + 20)));
+                    }
+                    let s = _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1));
+                    isum[t] = _mm512_add_epi32(isum[t], s);
+                    imin[t] = _mm512_dpwssd_epi32(imin[t], pair, bcast(y[t].add(Q8K_BSUMS + 4 * j)));
+                }
             }
-            // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
-            unsafe { super::store(&acc, out, ostride) };
+            after {}
+            finish {
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(wb.add(D) as *const __m256i));
+            }
+            value _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[t], _mm512_slli_epi32::<5>(imin[t]))), d)
         }
     };
 }
@@ -156,84 +133,66 @@ group_entry! {
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    group_avx2 => group2, acts
+    group_avx2 => group2, q8k
 }
 
-/// # Safety
-/// As [`group_avx2`] with `ny == NY`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-unsafe fn group2<const PF: u8, const NY: usize>(nb: usize, w: *const u8, a: GroupActs, out: *mut f32, ostride: usize) {
-    let nib = _mm256_set1_epi8(0x0F);
-    let two = _mm256_set1_epi8(0x30);
-    let low16 = _mm256_set1_epi32(0xFFFF);
-    let mut acc = [[_mm256_setzero_ps(); 2]; NY];
-    for b in 0..nb {
-        // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
-        unsafe {
-            let wb = w.add(b * GROUP_BLOCK);
-            let y: [*const u8; NY] = token_blocks(a.ys, a.yb, b, Q8K_BYTES);
-            for hf in 0..2 {
-                let mut isum = [_mm256_setzero_si256(); NY];
-                let mut imin = [_mm256_setzero_si256(); NY];
-                for j in 0..SUBS {
-                    if NY == 1 {
-                        prefetch_part::<PF>(wb, GROUP_BLOCK, hf * SUBS + j, 2 * SUBS);
-                    }
-                    // (sc[2j], sc[2j + 1]) of this half's 8 rows as an i16 pair per lane; each
-                    // alone as the pair (sc, sc) for `vpmaddwd`.
-                    let pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(wb.add(SC + 32 * j + 16 * hf) as *const __m128i));
-                    let sc0 = _mm256_srai_epi32::<16>(_mm256_slli_epi32::<16>(pair));
-                    let sc1 = _mm256_srai_epi32::<16>(pair);
-                    let scsc0 = _mm256_or_si256(_mm256_and_si256(sc0, low16), _mm256_slli_epi32::<16>(sc0));
-                    let scsc1 = _mm256_or_si256(_mm256_and_si256(sc1, low16), _mm256_slli_epi32::<16>(sc1));
-                    let h0 = _mm256_loadu_si256(wb.add(QH + 128 * j + 32 * hf) as *const __m256i);
-                    let h1 = _mm256_loadu_si256(wb.add(QH + 128 * j + 64 + 32 * hf) as *const __m256i);
-                    // Bits 2l..2l+2 of a high-bit byte moved to bits 4..6.
-                    let high = |h: __m256i, l: usize| -> __m256i {
-                        let s = match l {
-                            0 => _mm256_slli_epi16::<4>(h),
-                            1 => _mm256_slli_epi16::<2>(h),
-                            2 => h,
-                            _ => _mm256_srli_epi16::<2>(h),
-                        };
-                        _mm256_and_si256(s, two)
-                    };
-                    let mut lo = [_mm256_setzero_si256(); 4];
-                    let mut hi = [_mm256_setzero_si256(); 4];
-                    for l in 0..4 {
-                        let raw = _mm256_loadu_si256(wb.add(QL + 256 * j + 64 * l + 32 * hf) as *const __m256i);
-                        lo[l] = _mm256_or_si256(_mm256_and_si256(raw, nib), high(h0, l));
-                        hi[l] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(raw), nib), high(h1, l));
-                    }
-                    for t in 0..NY {
-                        let q = y[t].add(Q8K_QS + 32 * j);
-                        // Loads 0, 1: elements 0..16 (scale sc0); loads 2, 3: 16..32 (sc1).
-                        let mut s = _mm256_setzero_si256();
-                        for l in 0..4 {
-                            let p = _mm256_add_epi16(
-                                _mm256_maddubs_epi16(lo[l], bcast8(q.add(8 * l))),
-                                _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))),
-                            );
-                            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, if l < 2 { scsc0 } else { scsc1 }));
-                        }
-                        isum[t] = _mm256_add_epi32(isum[t], s);
-                        let bs = _mm256_set1_epi32((y[t].add(Q8K_BSUMS + 4 * j) as *const i32).read_unaligned());
-                        imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(pair, bs));
-                    }
-                }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(D + 16 * hf) as *const __m128i));
-                for t in 0..NY {
-                    let v = _mm256_mul_ps(
-                        _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[t], _mm256_slli_epi32::<5>(imin[t]))),
-                        d,
-                    );
-                    let yd = _mm256_set1_ps((y[t] as *const f32).read_unaligned());
-                    acc[t][hf] = _mm256_fmadd_ps(v, yd, acc[t][hf]);
-                }
+q8k_group! { ymm
+    /// # Safety
+    /// As [`group_avx2`] with `ny == NY`.
+    group2<>("avx2,fma,f16c", GROUP_BLOCK)
+    |wb, y, hf, j, isum, imin, t|
+    setup {
+        let nib = _mm256_set1_epi8(0x0F);
+        let two = _mm256_set1_epi8(0x30);
+        let low16 = _mm256_set1_epi32(0xFFFF);
+    }
+    block {}
+    step {
+        // (sc[2j], sc[2j + 1]) of this half's 8 rows as an i16 pair per lane; each
+        // alone as the pair (sc, sc) for `vpmaddwd`.
+        let pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(wb.add(SC + 32 * j + 16 * hf) as *const __m128i));
+        let sc0 = _mm256_srai_epi32::<16>(_mm256_slli_epi32::<16>(pair));
+        let sc1 = _mm256_srai_epi32::<16>(pair);
+        let scsc0 = _mm256_or_si256(_mm256_and_si256(sc0, low16), _mm256_slli_epi32::<16>(sc0));
+        let scsc1 = _mm256_or_si256(_mm256_and_si256(sc1, low16), _mm256_slli_epi32::<16>(sc1));
+        let h0 = _mm256_loadu_si256(wb.add(QH + 128 * j + 32 * hf) as *const __m256i);
+        let h1 = _mm256_loadu_si256(wb.add(QH + 128 * j + 64 + 32 * hf) as *const __m256i);
+        // Bits 2l..2l+2 of a high-bit byte moved to bits 4..6.
+        let high = |h: __m256i, l: usize| -> __m256i {
+            let s = match l {
+                0 => _mm256_slli_epi16::<4>(h),
+                1 => _mm256_slli_epi16::<2>(h),
+                2 => h,
+                _ => _mm256_srli_epi16::<2>(h),
+            };
+            _mm256_and_si256(s, two)
+        };
+        let mut lo = [_mm256_setzero_si256(); 4];
+        let mut hi = [_mm256_setzero_si256(); 4];
+        for l in 0..4 {
+            let raw = _mm256_loadu_si256(wb.add(QL + 256 * j + 64 * l + 32 * hf) as *const __m256i);
+            lo[l] = _mm256_or_si256(_mm256_and_si256(raw, nib), high(h0, l));
+            hi[l] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(raw), nib), high(h1, l));
+        }
+        for t in 0..NY {
+            let q = y[t].add(Q8K_QS + 32 * j);
+            // Loads 0, 1: elements 0..16 (scale sc0); loads 2, 3: 16..32 (sc1).
+            let mut s = _mm256_setzero_si256();
+            for l in 0..4 {
+                let p = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo[l], bcast8(q.add(8 * l))),
+                    _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))),
+                );
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(p, if l < 2 { scsc0 } else { scsc1 }));
             }
+            isum[t] = _mm256_add_epi32(isum[t], s);
+            let bs = _mm256_set1_epi32((y[t].add(Q8K_BSUMS + 4 * j) as *const i32).read_unaligned());
+            imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(pair, bs));
         }
     }
-    // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
-    unsafe { super::store_halves(&acc, out, ostride) };
+    after {}
+    finish {
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.add(D + 16 * hf) as *const __m128i));
+    }
+    value _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[t], _mm256_slli_epi32::<5>(imin[t]))), d)
 }
