@@ -77,35 +77,20 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{random_rows, Rng};
-    use super::super::{group_bytes, pack};
+    use super::super::tests::each_packed_block;
     use super::*;
-    use tandem_quant::{row_size, GgmlType};
 
     #[test]
     fn the_layout_keeps_every_level_scale_and_factor() {
         // Levels, group scales and factors read back by the layout give ggml's dequantized rows.
-        let (rows, n) = (32, 512);
-        let mut rng = Rng(29);
-        let ty = GgmlType::IQ4_XS;
-        let w = random_rows(ty, rows, n, &mut rng);
-        let p = pack(ty, rows, n, &w).unwrap();
-        let (rb, gb) = (row_size(ty, n).unwrap(), group_bytes(ty, n));
-        for row in 0..rows {
-            let mut want = vec![0f32; n];
-            tandem_quant::dequantize_row(ty, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
-            let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
-            for b in 0..n / QK_K {
-                let blk = &p.bytes()[g * gb + b * GROUP_BLOCK..g * gb + (b + 1) * GROUP_BLOCK];
-                let d = half::f16::from_bits(u16::from_le_bytes([blk[D + 2 * r], blk[D + 2 * r + 1]])).to_f32();
-                for j in 0..SUBS {
-                    let dl = d * (blk[LS + 16 * j + r] as i32 - 32) as f32;
-                    for e in 0..32 {
-                        let k = KVALUES_IQ4NL[index(blk, j, r, e)] as f32;
-                        assert_eq!(dl * k, want[b * QK_K + 32 * j + e], "row {row} block {b} group {j} element {e}");
-                    }
+        each_packed_block(tandem_quant::GgmlType::IQ4_XS, 29, GROUP_BLOCK, |r, blk, want, at| {
+            for j in 0..SUBS {
+                let dl = f16_at(blk, D + 2 * r) * (blk[LS + 16 * j + r] as i32 - 32) as f32;
+                for e in 0..32 {
+                    let k = KVALUES_IQ4NL[index(blk, j, r, e)] as f32;
+                    assert_eq!(dl * k, want[32 * j + e], "{at} group {j} element {e}");
                 }
             }
-        }
+        });
     }
 }

@@ -366,6 +366,27 @@ mod tests {
         w
     }
 
+    /// Packs 32 random rows of 512 elements of the k-quant `ty` (packed blocks of `block` bytes)
+    /// and calls `check(r, blk, want, at)` for every block of every row: `r` the row's lane in its
+    /// group, `blk` the packed block, `want` ggml's 256 dequantized values of the row's block, `at`
+    /// where it is, for messages.
+    pub(super) fn each_packed_block(ty: GgmlType, seed: u64, block: usize, check: impl Fn(usize, &[u8], &[f32], &str)) {
+        let (rows, n, qk) = (32, 512, tandem_quant::QK_K);
+        let w = random_rows(ty, rows, n, &mut Rng(seed));
+        let p = pack(ty, rows, n, &w).unwrap();
+        let (rb, gb) = (row_size(ty, n).unwrap(), group_bytes(ty, n));
+        assert_eq!(gb, n / qk * block, "{ty}");
+        for row in 0..rows {
+            let mut want = vec![0f32; n];
+            tandem_quant::dequantize_row(ty, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
+            let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
+            for b in 0..n / qk {
+                let blk = &p.bytes()[g * gb + b * block..g * gb + (b + 1) * block];
+                check(r, blk, &want[b * qk..(b + 1) * qk], &format!("{ty} row {row} block {b}"));
+            }
+        }
+    }
+
     /// Where the blocks of `ty` keep their fp16 factors.
     fn factor_offsets(ty: GgmlType) -> &'static [usize] {
         match ty {

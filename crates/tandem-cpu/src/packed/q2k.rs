@@ -74,41 +74,22 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{random_rows, Rng};
-    use super::super::{group_bytes, pack};
+    use super::super::tests::each_packed_block;
     use super::*;
-    use tandem_quant::{row_size, GgmlType};
 
     #[test]
     fn the_layout_keeps_every_level_scale_and_factor() {
         // Unpacking the packed bytes by the layout gives back ggml's dequantized rows exactly.
-        let (rows, n) = (32, 512);
-        let mut rng = Rng(31);
-        let ty = GgmlType::Q2_K;
-        let w = random_rows(ty, rows, n, &mut rng);
-        let p = pack(ty, rows, n, &w).unwrap();
-        let (rb, gb) = (row_size(ty, n).unwrap(), group_bytes(ty, n));
-        assert_eq!(gb * (rows / PACK_ROWS), w.len(), "as large as the original");
-        for row in 0..rows {
-            let mut want = vec![0f32; n];
-            tandem_quant::dequantize_row(ty, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
-            let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
-            for b in 0..n / QK_K {
-                let blk = &p.bytes()[g * gb + b * GROUP_BLOCK..g * gb + (b + 1) * GROUP_BLOCK];
-                let f16 = |at: usize| half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32();
-                for s in 0..SUBS {
-                    let sm = blk[SM + 16 * s + r];
-                    let d = f16(D + 2 * r) * (sm & 0x0F) as f32;
-                    let m = f16(DMIN + 2 * r) * (sm >> 4) as f32;
-                    for e in 0..16 {
-                        assert_eq!(
-                            d * level(blk, s, r, e) as f32 - m,
-                            want[b * QK_K + 16 * s + e],
-                            "row {row} block {b} group {s} element {e}"
-                        );
-                    }
+        assert_eq!(GROUP_BLOCK, PACK_ROWS * Q2K_BYTES, "as large as the original");
+        each_packed_block(tandem_quant::GgmlType::Q2_K, 31, GROUP_BLOCK, |r, blk, want, at| {
+            for s in 0..SUBS {
+                let sm = blk[SM + 16 * s + r];
+                let d = f16_at(blk, D + 2 * r) * (sm & 0x0F) as f32;
+                let m = f16_at(blk, DMIN + 2 * r) * (sm >> 4) as f32;
+                for e in 0..16 {
+                    assert_eq!(d * level(blk, s, r, e) as f32 - m, want[16 * s + e], "{at} group {s} element {e}");
                 }
             }
-        }
+        });
     }
 }

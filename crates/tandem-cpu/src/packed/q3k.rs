@@ -83,38 +83,19 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{random_rows, Rng};
-    use super::super::{group_bytes, pack};
+    use super::super::tests::each_packed_block;
     use super::*;
-    use tandem_quant::{row_size, GgmlType};
 
     #[test]
     fn the_layout_keeps_every_level_scale_and_factor() {
         // Unpacking the packed bytes by the layout gives back ggml's dequantized rows exactly.
-        let (rows, n) = (32, 512);
-        let mut rng = Rng(37);
-        let ty = GgmlType::Q3_K;
-        let w = random_rows(ty, rows, n, &mut rng);
-        let p = pack(ty, rows, n, &w).unwrap();
-        let (rb, gb) = (row_size(ty, n).unwrap(), group_bytes(ty, n));
-        for row in 0..rows {
-            let mut want = vec![0f32; n];
-            tandem_quant::dequantize_row(ty, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
-            let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
-            for b in 0..n / QK_K {
-                let blk = &p.bytes()[g * gb + b * GROUP_BLOCK..g * gb + (b + 1) * GROUP_BLOCK];
-                let d = half::f16::from_bits(u16::from_le_bytes([blk[D + 2 * r], blk[D + 2 * r + 1]])).to_f32();
-                for s in 0..SUBS {
-                    let dl = d * (blk[SC + 16 * s + r] as i32 - 32) as f32;
-                    for e in 0..16 {
-                        assert_eq!(
-                            dl * (level(blk, s, r, e) - 4) as f32,
-                            want[b * QK_K + 16 * s + e],
-                            "row {row} block {b} group {s} element {e}"
-                        );
-                    }
+        each_packed_block(tandem_quant::GgmlType::Q3_K, 37, GROUP_BLOCK, |r, blk, want, at| {
+            for s in 0..SUBS {
+                let dl = f16_at(blk, D + 2 * r) * (blk[SC + 16 * s + r] as i32 - 32) as f32;
+                for e in 0..16 {
+                    assert_eq!(dl * (level(blk, s, r, e) - 4) as f32, want[16 * s + e], "{at} group {s} element {e}");
                 }
             }
-        }
+        });
     }
 }

@@ -152,41 +152,25 @@ pub(super) unsafe fn group_scalar<const HIGH: bool>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{random_rows, Rng};
-    use super::super::{group_bytes, pack};
+    use super::super::tests::each_packed_block;
     use super::*;
-    use tandem_quant::{row_size, GgmlType};
+    use tandem_quant::GgmlType;
 
     #[test]
     fn the_layout_keeps_every_level_scale_and_factor() {
         // Unpacking the packed bytes by the layout gives back ggml's dequantized rows exactly.
         fn check<const HIGH: bool>(ty: GgmlType) {
-            let (rows, n) = (32, 512);
-            let mut rng = Rng(7);
-            let w = random_rows(ty, rows, n, &mut rng);
-            let p = pack(ty, rows, n, &w).unwrap();
-            let (rb, gb, l) = (row_size(ty, n).unwrap(), group_bytes(ty, n), layout(HIGH));
-            assert_eq!(gb, n / QK_K * l.size);
-            for row in 0..rows {
-                let mut want = vec![0f32; n];
-                tandem_quant::dequantize_row(ty, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
-                let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
-                for b in 0..n / QK_K {
-                    let blk = &p.bytes()[g * gb + b * l.size..g * gb + (b + 1) * l.size];
-                    let f16 = |at: usize| half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32();
-                    for j in 0..SUBS {
-                        let d = f16(l.d + 2 * r) * blk[l.sc + 16 * j + r] as f32;
-                        let m = f16(l.dmin + 2 * r) * blk[l.mn + mn_at(j, r)] as f32;
-                        for e in 0..32 {
-                            assert_eq!(
-                                d * level::<HIGH>(blk, j, r, e) as f32 - m,
-                                want[b * QK_K + 32 * j + e],
-                                "{ty} row {row} block {b} group {j} element {e}"
-                            );
-                        }
+            let l = layout(HIGH);
+            each_packed_block(ty, 7, l.size, |r, blk, want, at| {
+                for j in 0..SUBS {
+                    let d = f16_at(blk, l.d + 2 * r) * blk[l.sc + 16 * j + r] as f32;
+                    let m = f16_at(blk, l.dmin + 2 * r) * blk[l.mn + mn_at(j, r)] as f32;
+                    for e in 0..32 {
+                        let got = d * level::<HIGH>(blk, j, r, e) as f32 - m;
+                        assert_eq!(got, want[32 * j + e], "{at} group {j} element {e}");
                     }
                 }
-            }
+            });
         }
         check::<false>(GgmlType::Q4_K);
         check::<true>(GgmlType::Q5_K);

@@ -126,10 +126,9 @@ pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usi
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{random_rows, Rng};
-    use super::super::{group_bytes, pack};
+    use super::super::tests::{each_packed_block, random_rows, Rng};
     use super::*;
-    use tandem_quant::{row_size, GgmlType};
+    use tandem_quant::GgmlType;
 
     #[test]
     fn a_block_s_codes_are_its_elements_codes() {
@@ -144,32 +143,16 @@ mod tests {
     #[test]
     fn the_layout_keeps_every_code_scale_and_factor() {
         // (code - 32) * scale * d, read back by the layout, is ggml's dequantized value exactly.
-        let (rows, n) = (32, 512);
-        let mut rng = Rng(3);
-        let w = random_rows(GgmlType::Q6_K, rows, n, &mut rng);
-        let p = pack(GgmlType::Q6_K, rows, n, &w).unwrap();
-        let (rb, gb) = (row_size(GgmlType::Q6_K, n).unwrap(), group_bytes(GgmlType::Q6_K, n));
-        for row in 0..rows {
-            let mut want = vec![0f32; n];
-            tandem_quant::dequantize_row(GgmlType::Q6_K, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
-            let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
-            for b in 0..n / QK_K {
-                let blk = &p.bytes()[g * gb + b * GROUP_BLOCK..g * gb + (b + 1) * GROUP_BLOCK];
-                let d = half::f16::from_bits(u16::from_le_bytes([blk[D + 2 * r], blk[D + 2 * r + 1]])).to_f32();
-                for j in 0..SUBS {
-                    for e in 0..32 {
-                        let (lo, hi) = at(j, r, e);
-                        let u = ((blk[lo.0] >> lo.1) & 0x0F) | (((blk[hi.0] >> hi.1) & 3) << 4);
-                        let sc = blk[SC + 32 * j + 2 * r + e / 16] as i8 as f32;
-                        assert_eq!(
-                            d * sc * (u as i32 - 32) as f32,
-                            want[b * QK_K + 32 * j + e],
-                            "row {row} block {b} element {}",
-                            32 * j + e
-                        );
-                    }
+        each_packed_block(GgmlType::Q6_K, 3, GROUP_BLOCK, |r, blk, want, at| {
+            let d = f16_at(blk, D + 2 * r);
+            for j in 0..SUBS {
+                for e in 0..32 {
+                    let (lo, hi) = super::at(j, r, e);
+                    let u = ((blk[lo.0] >> lo.1) & 0x0F) | (((blk[hi.0] >> hi.1) & 3) << 4);
+                    let sc = blk[SC + 32 * j + 2 * r + e / 16] as i8 as f32;
+                    assert_eq!(d * sc * (u as i32 - 32) as f32, want[32 * j + e], "{at} element {}", 32 * j + e);
                 }
             }
-        }
+        });
     }
 }

@@ -7,18 +7,12 @@ use crate::packed::q40::NL_LEVELS;
 use crate::packed::{GroupActs, Q8K_BSUMS, Q8K_QS};
 use std::arch::x86_64::*;
 
-group_entry! {
+q8k_group! { zmm
     /// A [`crate::packed::GroupFn`] for AVX-512 VNNI.
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
-    group_vnni => group, q8k
-}
-
-q8k_group! { zmm
-    /// # Safety
-    /// As [`group_vnni`] with `ny == NY`.
-    group<>("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", GROUP_BLOCK)
+    group_vnni => group<>("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", GROUP_BLOCK)
     |wb, y, hf, j, isum, ibias, t|
     setup {
         let nib = _mm512_set1_epi8(0x0F);
@@ -57,20 +51,14 @@ q8k_group! { zmm
     value _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[t], _mm512_slli_epi32::<7>(ibias[t]))), d)
 }
 
-group_entry! {
+q8k_group! { ymm
     /// A [`crate::packed::GroupFn`] for AVX2: each half of the 16 rows in a ymm register; the levels
     /// as their two nibbles (two byte shuffles of the indices) through [`nibble_dot8`], whose
     /// `vpmaddwd` takes the group scale, give the exact integer sums of the VNNI kernel.
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    group_avx2 => group2, q8k
-}
-
-q8k_group! { ymm
-    /// # Safety
-    /// As [`group_avx2`] with `ny == NY`.
-    group2<>("avx2,fma,f16c", GROUP_BLOCK)
+    group_avx2 => group2<>("avx2,fma,f16c", GROUP_BLOCK)
     |wb, y, hf, j, isum, ibias, t|
     setup {
         let off32 = _mm256_set1_epi16(32);

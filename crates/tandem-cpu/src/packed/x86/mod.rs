@@ -48,7 +48,8 @@ macro_rules! to_bit {
     };
 }
 
-/// Defines `$name::<.., PF, NY>`, a kernel against Q8_K activations on registers of `$width`
+/// Defines `$entry`, a [`GroupFn`] with the docs given, and `$name::<.., PF, NY>`, the kernel it
+/// runs (see [`group_entry!`]): against Q8_K activations on registers of `$width`
 /// (`zmm`: the 16 rows in one register; `ymm`: two halves of 8, one after the other), in the
 /// outline every k-quant layout shares. Per block (`$block` bytes at `$wb`; `$y`, each token's
 /// activation block): `block`, then per half `$hf` 8 steps `$i` of `step`, each adding an eighth of
@@ -74,7 +75,7 @@ macro_rules! q8k_group {
     (
         @def [$halves:tt, $lanes:literal, $zps:ident, $zsi:ident, $set1:ident, $fmadd:ident, $storeu:ident]
         $(#[$attr:meta])*
-        $name:ident<$(const $c:ident: $ct:ty),*>($feat:literal, $block:expr)
+        $entry:ident => $name:ident<$(const $c:ident: $ct:ty),*>($feat:literal, $block:expr)
         |$wb:ident, $y:ident, $hf:ident, $i:ident, $isum:ident, $imin:ident, $t:ident|
         setup { $($setup:tt)* }
         block { $($pre:tt)* }
@@ -83,7 +84,13 @@ macro_rules! q8k_group {
         finish { $($finish:tt)* }
         value $value:expr
     ) => {
-        $(#[$attr])*
+        group_entry! {
+            $(#[$attr])*
+            $entry<$(const $c: $ct),*> => $name, q8k
+        }
+
+        /// # Safety
+        #[doc = concat!("As [`", stringify!($entry), "`] with `ny == NY`.")]
         #[target_feature(enable = $feat)]
         #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
         unsafe fn $name<$(const $c: $ct,)* const PF: u8, const NY: usize>(

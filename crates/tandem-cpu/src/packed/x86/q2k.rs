@@ -5,18 +5,12 @@ use crate::packed::q2k::{D, DMIN, GROUP_BLOCK, QS, SM};
 use crate::packed::{GroupActs, Q8K_BSUMS, Q8K_QS};
 use std::arch::x86_64::*;
 
-group_entry! {
+q8k_group! { zmm
     /// A [`crate::packed::GroupFn`] for AVX-512 VNNI.
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
-    group_vnni => group, q8k
-}
-
-q8k_group! { zmm
-    /// # Safety
-    /// As [`group_vnni`] with `ny == NY`.
-    group<>("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", GROUP_BLOCK)
+    group_vnni => group<>("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", GROUP_BLOCK)
     |wb, y, hf, i, isum, imin, t|
     setup {
         let three = _mm512_set1_epi8(3);
@@ -58,20 +52,14 @@ q8k_group! { zmm
     value _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[t]), dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), d))
 }
 
-group_entry! {
+q8k_group! { ymm
     /// A [`crate::packed::GroupFn`] for AVX2: each half of the 16 rows in a ymm register; `vpmaddubsw` on
     /// the 2-bit levels (four of its i16 pair sums added stay far below 2^15) and one `vpmaddwd`
     /// against the (scale, scale) pair per group give the VNNI kernel's exact integer sums.
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    group_avx2 => group2, q8k
-}
-
-q8k_group! { ymm
-    /// # Safety
-    /// As [`group_avx2`] with `ny == NY`.
-    group2<>("avx2,fma,f16c", GROUP_BLOCK)
+    group_avx2 => group2<>("avx2,fma,f16c", GROUP_BLOCK)
     |wb, y, hf, i, isum, imin, t|
     setup {
         let three = _mm256_set1_epi8(3);

@@ -5,18 +5,12 @@ use crate::packed::q3k::{D, GROUP_BLOCK, QH, QS, SC};
 use crate::packed::{GroupActs, Q8K_BSUMS, Q8K_QS};
 use std::arch::x86_64::*;
 
-group_entry! {
+q8k_group! { zmm
     /// A [`crate::packed::GroupFn`] for AVX-512 VNNI.
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
-    group_vnni => group, q8k
-}
-
-q8k_group! { zmm
-    /// # Safety
-    /// As [`group_vnni`] with `ny == NY`.
-    group<>("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", GROUP_BLOCK)
+    group_vnni => group<>("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", GROUP_BLOCK)
     |wb, y, hf, i, isum, ibias, t|
     setup {
         let three = _mm512_set1_epi8(3);
@@ -72,20 +66,14 @@ unsafe fn to_bit2_256(v: __m256i, p: usize) -> __m256i {
     unsafe { to_bit!(v, p, 2, _mm256_slli_epi16, _mm256_srli_epi16) }
 }
 
-group_entry! {
+q8k_group! { ymm
     /// A [`crate::packed::GroupFn`] for AVX2: each half of the 16 rows in a ymm register; `vpmaddubsw` on
     /// the 3-bit levels (four of its i16 pair sums added stay far below 2^15) and one `vpmaddwd`
     /// against the (scale, scale) pair per group give the VNNI kernel's exact integer sums.
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    group_avx2 => group2, q8k
-}
-
-q8k_group! { ymm
-    /// # Safety
-    /// As [`group_avx2`] with `ny == NY`.
-    group2<>("avx2,fma,f16c", GROUP_BLOCK)
+    group_avx2 => group2<>("avx2,fma,f16c", GROUP_BLOCK)
     |wb, y, hf, i, isum, ibias, t|
     setup {
         let three = _mm256_set1_epi8(3);

@@ -47,18 +47,12 @@ unsafe fn pairs_of(p: *const u8, pairs: __m512i) -> __m512i {
     unsafe { _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(p as *const __m128i)), pairs) }
 }
 
-group_entry! {
+q8k_group! { zmm
     /// A [`crate::packed::GroupFn`] for AVX-512 VNNI (Q4_K, or with `HIGH` Q5_K).
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
-    group_vnni<const HIGH: bool> => group, q8k
-}
-
-q8k_group! { zmm
-    /// # Safety
-    /// As [`group_vnni`] with `ny == NY`.
-    group<const HIGH: bool>("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", lay.size)
+    group_vnni => group<const HIGH: bool>("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", lay.size)
     |wb, y, hf, j, isum, imin, t|
     setup {
         let lay = const { layout(HIGH) };
@@ -130,7 +124,7 @@ q8k_group! { zmm
     value _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[t]), dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), d))
 }
 
-group_entry! {
+q8k_group! { ymm
     /// A [`crate::packed::GroupFn`] for Q4_K (or with `HIGH` Q5_K) on AVX2: each half of the 16 rows in
     /// a ymm register; `vpmaddubsw` (Q4_K's levels <= 15, so the i16 pair sums of the eight of a
     /// group stay below 2^15; Q5_K's <= 31, so four at a time) and `vpmaddwd` against the group's
@@ -138,13 +132,7 @@ group_entry! {
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    group_avx2<const HIGH: bool> => group2, q8k
-}
-
-q8k_group! { ymm
-    /// # Safety
-    /// As [`group_avx2`] with `ny == NY`.
-    group2<const HIGH: bool>("avx2,fma,f16c", lay.size)
+    group_avx2 => group2<const HIGH: bool>("avx2,fma,f16c", lay.size)
     |wb, y, hf, j, isum, imin, t|
     setup {
         let lay = const { layout(HIGH) };

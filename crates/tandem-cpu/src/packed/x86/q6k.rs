@@ -23,32 +23,13 @@ pub(in crate::packed) fn simd_variants() -> [(&'static str, GroupFn, bool); 2] {
     [("without GFNI", group_plain, true), ("GFNI", group_gfni, std::arch::is_x86_feature_detected!("gfni"))]
 }
 
-group_entry! {
-    /// A [`crate::packed::GroupFn`] for AVX-512 VNNI without GFNI: each high-bit pair shifted into place
-    /// and masked.
-    ///
-    /// # Safety
-    /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
-    group_plain => group, q8k
-}
-
-group_entry! {
-    /// [`group_plain`] on a machine with GFNI: each high-bit pair moved into place and masked by
-    /// one `vgf2p8affineqb`.
-    ///
-    /// # Safety
-    /// As [`group_plain`], and the machine has GFNI.
-    group_gfni => group_gf, q8k
-}
-
-/// The kernel, without (`group`) and with (`group_gf`) GFNI: two copies compiled for their
+/// The kernel, without (`group_plain`) and with (`group_gfni`) GFNI: two copies compiled for their
 /// target features (a function built with GFNI may use it anywhere).
 macro_rules! group_fn {
-    ($name:ident, $features:literal, $gf:expr) => {
+    ($(#[$doc:meta])* $entry:ident => $name:ident, $features:literal, $gf:expr) => {
         q8k_group! { zmm
-            /// # Safety
-            /// As [`group_plain`] with `ny == NY` (and for `group_gf` the machine has GFNI).
-            $name<>($features, GROUP_BLOCK)
+            $(#[$doc])*
+            $entry => $name<>($features, GROUP_BLOCK)
             |wb, y, hf, j, isum, imin, t|
             setup {
                 const GF: bool = $gf;
@@ -110,8 +91,22 @@ macro_rules! group_fn {
         }
     };
 }
-group_fn!(group, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", false);
-group_fn!(group_gf, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,gfni", true);
+group_fn! {
+    /// A [`crate::packed::GroupFn`] for AVX-512 VNNI without GFNI: each high-bit pair shifted into place
+    /// and masked.
+    ///
+    /// # Safety
+    /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX-512 VNNI.
+    group_plain => group, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", false
+}
+group_fn! {
+    /// [`group_plain`] on a machine with GFNI: each high-bit pair moved into place and masked by
+    /// one `vgf2p8affineqb`.
+    ///
+    /// # Safety
+    /// As [`group_plain`], and the machine has GFNI.
+    group_gfni => group_gf, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,gfni", true
+}
 
 /// Bits `2l` and `2l + 1` of every byte of `h` moved to bits 4 and 5, the others cleared: one
 /// `vgf2p8affineqb`, whose matrix takes output bit `i` from row byte `7 - i`.
@@ -125,7 +120,7 @@ unsafe fn gf_high(h: __m512i, l: usize) -> __m512i {
     unsafe { _mm512_gf2p8affine_epi64_epi8::<0>(h, _mm512_set1_epi64(matrix as i64)) }
 }
 
-group_entry! {
+q8k_group! { ymm
     /// A [`crate::packed::GroupFn`] for AVX2: each half of the 16 rows in a ymm register. `vpmaddubsw`
     /// takes the 6-bit codes (<= 63) against the activations; two of its i16 pair sums added
     /// stay within i16 (2 x 2 x 63 x 128 = 32256), then one `vpmaddwd` against the (scale,
@@ -133,13 +128,7 @@ group_entry! {
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    group_avx2 => group2, q8k
-}
-
-q8k_group! { ymm
-    /// # Safety
-    /// As [`group_avx2`] with `ny == NY`.
-    group2<>("avx2,fma,f16c", GROUP_BLOCK)
+    group_avx2 => group2<>("avx2,fma,f16c", GROUP_BLOCK)
     |wb, y, hf, j, isum, imin, t|
     setup {
         let nib = _mm256_set1_epi8(0x0F);
