@@ -13,61 +13,11 @@
 //! Types: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS (`q2k.rs`, `q3k.rs`, `q4k.rs`, `q6k.rs`,
 //! `iq4xs.rs`, against Q8_K activations), Q8_0 and Q5_0 (`b32.rs`), Q4_0 and IQ4_NL (`q40.rs`,
 //! against Q8_0), Q4_1 (`q40.rs`) and Q5_1 (`b32.rs`), against Q8_1.
-
-/// `$name`: `Some($f)`, a [`GroupFn`] of the `x86` module, on x86-64 builds; `None` elsewhere.
-macro_rules! x86_kernels {
-    ($($(#[$doc:meta])* $name:ident = $f:expr;)*) => {$(
-        $(#[$doc])*
-        #[cfg(target_arch = "x86_64")]
-        pub(super) const $name: Option<GroupFn> = Some($f);
-        #[cfg(not(target_arch = "x86_64"))]
-        pub(super) const $name: Option<GroupFn> = None;
-    )*};
-}
-
-/// Defines `$name`, a [`GroupFn`] that runs `$kernel::<.., PF, NY>` with the processor's prefetch
-/// hint and `ny` as constants: on `(nb, w, a, out, ostride)` (`acts`), or on the token rows
-/// unpacked as `(nb, w, a.ys, a.yb, out, ostride)` (`q8k`). Its docs (with `# Safety`) are the
-/// invocation's.
-macro_rules! group_entry {
-    ($(#[$doc:meta])* $name:ident$(<$(const $c:ident: $t:ty),*>)? => $kernel:ident, $acts:ident) => {
-        $(#[$doc])*
-        pub(super) unsafe fn $name$(<$(const $c: $t),*>)?(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
-            // SAFETY: forwarded from the caller, who checked that the machine runs the kernel.
-            unsafe { group_entry!(@call $acts, ny, $kernel[$($($c),*)?], nb, w, a, out, ostride) }
-        }
-    };
-    (@call q8k, $ny:ident, $k:ident[$($g:tt),*], $nb:ident, $w:ident, $a:ident, $out:ident, $os:ident) => {
-        by_ny_pf!($ny, $k[$($g),*]($nb, $w, $a.ys, $a.yb, $out, $os))
-    };
-    (@call acts, $ny:ident, $k:ident[$($g:tt),*], $nb:ident, $w:ident, $a:ident, $out:ident, $os:ident) => {
-        by_ny_pf!($ny, $k[$($g),*]($nb, $w, $a, $out, $os))
-    };
-}
-
-/// `$v` shifted so that bit `$p` of every byte lands on bit `$to` of that byte (other bits are
-/// garbage for the caller to mask off), by `$sll` / `$srl`: the 16-bit lane shifts of its width.
-macro_rules! to_bit {
-    ($v:expr, $p:expr, $to:literal, $sll:ident, $srl:ident) => {
-        match ($p) as i32 - $to {
-            -7 => $sll::<7>($v),
-            -6 => $sll::<6>($v),
-            -5 => $sll::<5>($v),
-            -4 => $sll::<4>($v),
-            -3 => $sll::<3>($v),
-            -2 => $sll::<2>($v),
-            -1 => $sll::<1>($v),
-            0 => $v,
-            1 => $srl::<1>($v),
-            2 => $srl::<2>($v),
-            3 => $srl::<3>($v),
-            4 => $srl::<4>($v),
-            5 => $srl::<5>($v),
-            6 => $srl::<6>($v),
-            _ => $srl::<7>($v),
-        }
-    };
-}
+//!
+//! Files by concern, then by architecture: each family's file holds its layout, packing and scalar
+//! reference; its SIMD kernels live in `x86/` under the same name (`x86/mod.rs`: the helpers they
+//! share and the table [`group_kernel`] picks from). Another architecture adds its own directory
+//! and one `simd_kernels` line here, and touches no family file.
 
 mod b32;
 mod iq4xs;
@@ -76,6 +26,17 @@ mod q3k;
 mod q40;
 mod q4k;
 mod q6k;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+#[cfg(target_arch = "x86_64")]
+use x86::simd_kernels;
+
+/// No SIMD group kernels on this architecture: only the scalar references run.
+#[cfg(not(target_arch = "x86_64"))]
+fn simd_kernels(_ty: GgmlType) -> (Option<GroupFn>, Option<GroupFn>) {
+    (None, None)
+}
 
 use crate::{Error, Result, WeightRef};
 use rayon::prelude::*;
@@ -319,198 +280,6 @@ unsafe fn store_scalar(out: *mut f32, t: usize, ostride: usize, acc: &[f32; PACK
     unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), out.add(t * ostride), PACK_ROWS) };
 }
 
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    use std::arch::x86_64::*;
-
-    /// The fp16 at `p` as f32.
-    ///
-    /// # Safety
-    /// `p` points at 2 readable bytes; the machine has F16C.
-    #[inline(always)]
-    pub(super) unsafe fn half(p: *const u8) -> f32 {
-        // SAFETY: the caller guarantees 2 readable bytes and F16C.
-        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32))) }
-    }
-
-    /// Block `b` (`bytes` long) of each of the `NY` token rows `yb` bytes apart from `ys`.
-    ///
-    /// # Safety
-    /// The blocks are in bounds (see [`super::GroupFn`]).
-    #[inline(always)]
-    pub(super) unsafe fn token_blocks<const NY: usize>(
-        ys: *const u8,
-        yb: usize,
-        b: usize,
-        bytes: usize,
-    ) -> [*const u8; NY] {
-        // SAFETY: the caller guarantees the blocks are in bounds.
-        std::array::from_fn(|t| unsafe { ys.add(t * yb + b * bytes) })
-    }
-
-    /// Four bytes at `p` in every 32-bit lane.
-    ///
-    /// # Safety
-    /// `p` points at 4 readable bytes.
-    #[inline(always)]
-    pub(super) unsafe fn bcast(p: *const u8) -> __m512i {
-        // SAFETY: the caller upholds this function's `# Safety` contract.
-        unsafe {
-            // SAFETY: the caller guarantees 4 readable bytes.
-            _mm512_set1_epi32((p as *const i32).read_unaligned())
-        }
-    }
-
-    /// Prefetch hints for the `len` bytes 4 KiB past `p`, all at once: for the blocks of a few
-    /// cache lines (Q8_0, Q5_0, Q4_0) that a kernel passes through in a few dozen instructions. A
-    /// single token streams the weights once, and the hardware prefetchers stop at page
-    /// boundaries. The hint `PF` is the processor's ([`crate::Prefetch`]: non-temporal on AMD,
-    /// where it gave 10-20% faster 2-thread decode than `t0`; `t1` on Intel, where non-temporal
-    /// halved it), passed by [`by_ny_pf!`].
-    #[inline(always)]
-    pub(super) fn prefetch_ahead<const PF: u8>(p: *const u8, len: usize) {
-        crate::prefetch::prefetch_stream_as::<PF>(p.wrapping_add(4096), len);
-    }
-
-    /// How far ahead [`prefetch_part`] asks for weight bytes.
-    const PART_AHEAD: usize = 8192;
-
-    /// Part `j` of `parts` of the prefetch hints (the processor's, as [`prefetch_ahead`]) for the
-    /// `len` bytes [`PART_AHEAD`] past `p`: for the k-quant blocks of 2-3 KiB, spread over the
-    /// kernel's passes through the block. Asked for all at once at the start of the block, the
-    /// 37-53 lines of a block stalled the kernel: a 2-thread product of a large Q4_K matrix ran at
-    /// 64-67 GB/s against 78-83 spread (Q6_K: 43 against 82), 8 KiB ahead a little better than
-    /// 4 or 6 (docs/perf/HISTORY.md).
-    ///
-    /// Every part has the same number of lines, so the last reaches up to `parts - 1` lines past
-    /// the block (the next block asks for them again; a prefetch never faults). Clipping the last
-    /// part to the block cost more than the extra hints: over a matrix in L2 the packed Q4_K
-    /// kernel ran at 24.7 against 33.2 GB/s, and decode was 3-5% slower, token by token.
-    #[inline(always)]
-    pub(super) fn prefetch_part<const PF: u8>(p: *const u8, len: usize, j: usize, parts: usize) {
-        let lines = len.div_ceil(64);
-        let per = lines.div_ceil(parts);
-        crate::prefetch::prefetch_stream_as::<PF>(p.wrapping_add(PART_AHEAD + 64 * j * per), 64 * per);
-    }
-
-    /// Four bytes at `p` in every 32-bit lane of a ymm register.
-    ///
-    /// # Safety
-    /// `p` points at 4 readable bytes.
-    #[inline(always)]
-    pub(super) unsafe fn bcast8(p: *const u8) -> __m256i {
-        // SAFETY: the caller upholds this function's `# Safety` contract.
-        unsafe {
-            // SAFETY: the caller guarantees 4 readable bytes.
-            _mm256_set1_epi32((p as *const i32).read_unaligned())
-        }
-    }
-
-    /// The low and the high nibble of every byte of `v` (`u = lo + 16 * hi`).
-    #[inline(always)]
-    pub(super) unsafe fn nibbles8(v: __m256i) -> [__m256i; 2] {
-        // SAFETY: only called from functions enabling AVX2.
-        unsafe {
-            let nib = _mm256_set1_epi8(0x0F);
-            [_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16::<4>(v), nib)]
-        }
-    }
-
-    /// The exact `sum_e u_e * a_e` of each 32-bit lane (4 elements of one row per vector) over
-    /// eight vectors of unsigned bytes `u = lo + 16 * hi` (0..=255, given as the nibble vectors
-    /// `lo` and `hi`), vector `i` against the four activation bytes at `q + 4 i`, each lane's sum
-    /// times the i16 pair of its lane in `f` (ones, or a scale twice). Where AVX2 has no
-    /// `vpdpbusd`: `vpmaddubsw` of nibbles (<= 15) against any bytes gives i16 pair sums within
-    /// +-3840, so the eight of each nibble add up exactly in i16 (within +-30720) before a
-    /// `vpmaddwd` by `f` (the low ones) and by `16 f` (the high ones) widens them. Whole bytes
-    /// would not do: 255 * -128 twice overflows the pair sum (and the sign trick fails on -128).
-    ///
-    /// # Safety
-    /// `q` points at 32 readable bytes; `16 f` fits in i16; the machine has AVX2.
-    #[inline(always)]
-    pub(super) unsafe fn nibble_dot8(lo: &[__m256i; 8], hi: &[__m256i; 8], q: *const u8, f: __m256i) -> __m256i {
-        // SAFETY: the caller guarantees 32 readable bytes and AVX2.
-        unsafe {
-            let [mut l0, mut l1, mut h0, mut h1] = [_mm256_setzero_si256(); 4];
-            for i in 0..4 {
-                let (a0, a1) = (bcast8(q.add(4 * i)), bcast8(q.add(16 + 4 * i)));
-                l0 = _mm256_add_epi16(l0, _mm256_maddubs_epi16(lo[i], a0));
-                h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(hi[i], a0));
-                l1 = _mm256_add_epi16(l1, _mm256_maddubs_epi16(lo[i + 4], a1));
-                h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(hi[i + 4], a1));
-            }
-            _mm256_add_epi32(
-                _mm256_madd_epi16(_mm256_add_epi16(l0, l1), f),
-                _mm256_madd_epi16(_mm256_add_epi16(h0, h1), _mm256_slli_epi16::<4>(f)),
-            )
-        }
-    }
-
-    /// IQ4_NL's levels plus 128 ([`super::q40::NL_LEVELS`]) of the 4-bit codes in `codes` (one a
-    /// byte), split into nibbles as [`nibble_dot8`] takes them: a byte shuffle of each nibble's
-    /// table.
-    #[inline(always)]
-    pub(super) unsafe fn nl_nibbles8(codes: __m256i) -> [__m256i; 2] {
-        // SAFETY: only called from functions enabling AVX2; the tables are 16 readable bytes.
-        unsafe {
-            let table = |t: &[u8; 16]| _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr() as *const __m128i));
-            [
-                _mm256_shuffle_epi8(table(&super::q40::NL_LEVELS_LO), codes),
-                _mm256_shuffle_epi8(table(&super::q40::NL_LEVELS_HI), codes),
-            ]
-        }
-    }
-
-    /// Each token's 16 results, held as two halves of 8, into `out` (`ostride` floats apart).
-    ///
-    /// # Safety
-    /// As [`super::GroupFn`] with `ny == NY`, and the machine has AVX.
-    #[inline]
-    #[target_feature(enable = "avx")]
-    pub(super) unsafe fn store_halves<const NY: usize>(acc: &[[__m256; 2]; NY], out: *mut f32, ostride: usize) {
-        for (t, a) in acc.iter().enumerate() {
-            // SAFETY: 16 writable floats per token row (see `GroupFn`).
-            unsafe {
-                _mm256_storeu_ps(out.add(t * ostride), a[0]);
-                _mm256_storeu_ps(out.add(t * ostride + 8), a[1]);
-            }
-        }
-    }
-
-    /// Each token's 16 results into `out` (`ostride` floats apart).
-    ///
-    /// # Safety
-    /// As [`super::GroupFn`] with `ny == NY`, and the machine has AVX-512 F.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn store<const NY: usize>(acc: &[__m512; NY], out: *mut f32, ostride: usize) {
-        for (t, v) in acc.iter().enumerate() {
-            // SAFETY: 16 writable floats per token row (see `GroupFn`).
-            unsafe { _mm512_storeu_ps(out.add(t * ostride), *v) };
-        }
-    }
-}
-
-/// The SIMD group kernels of `ty` in this build: (AVX-512 VNNI, AVX2); for Q6_K the VNNI copy
-/// this machine runs (see `q6k::simd`).
-fn simd_kernels(ty: GgmlType) -> (Option<GroupFn>, Option<GroupFn>) {
-    match ty {
-        GgmlType::Q2_K => (q2k::SIMD, q2k::AVX2),
-        GgmlType::Q3_K => (q3k::SIMD, q3k::AVX2),
-        GgmlType::Q4_K => (q4k::SIMD, q4k::AVX2),
-        GgmlType::Q5_K => (q4k::SIMD_Q5K, q4k::AVX2_Q5K),
-        GgmlType::Q6_K => (q6k::simd(), q6k::AVX2),
-        GgmlType::IQ4_XS => (iq4xs::SIMD, iq4xs::AVX2),
-        GgmlType::Q4_0 => (q40::SIMD, q40::AVX2),
-        GgmlType::IQ4_NL => (q40::SIMD_NL, q40::AVX2_NL),
-        GgmlType::Q4_1 => (q40::SIMD_Q4_1, q40::AVX2_Q4_1),
-        GgmlType::Q5_0 => (b32::SIMD_Q5_0, b32::AVX2_Q5_0),
-        GgmlType::Q5_1 => (b32::SIMD_Q5_1, b32::AVX2_Q5_1),
-        GgmlType::Q8_0 => (b32::SIMD_Q8_0, b32::AVX2_Q8_0),
-        _ => (None, None),
-    }
-}
-
 /// The best group kernel for `ty` this machine runs (within `TANDEM_CPU_ISA`): AVX-512 VNNI, else
 /// AVX2, else the scalar reference.
 pub(crate) fn group_kernel(ty: GgmlType) -> Option<GroupFn> {
@@ -563,6 +332,16 @@ mod tests {
     use super::*;
     use crate::MAX_NY;
 
+    /// Each copy of the Q6_K AVX-512 VNNI kernel, with whether this machine runs it.
+    #[cfg(target_arch = "x86_64")]
+    fn q6k_variants() -> [(&'static str, GroupFn, bool); 2] {
+        x86::q6k_variants()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    fn q6k_variants() -> [(&'static str, GroupFn, bool); 0] {
+        []
+    }
+
     pub(super) struct Rng(pub u64);
     impl Rng {
         pub fn next(&mut self) -> u64 {
@@ -585,6 +364,27 @@ mod tests {
             }
         }
         w
+    }
+
+    /// Packs 32 random rows of 512 elements of the k-quant `ty` (packed blocks of `block` bytes)
+    /// and calls `check(r, blk, want, at)` for every block of every row: `r` the row's lane in its
+    /// group, `blk` the packed block, `want` ggml's 256 dequantized values of the row's block, `at`
+    /// where it is, for messages.
+    pub(super) fn each_packed_block(ty: GgmlType, seed: u64, block: usize, check: impl Fn(usize, &[u8], &[f32], &str)) {
+        let (rows, n, qk) = (32, 512, tandem_quant::QK_K);
+        let w = random_rows(ty, rows, n, &mut Rng(seed));
+        let p = pack(ty, rows, n, &w).unwrap();
+        let (rb, gb) = (row_size(ty, n).unwrap(), group_bytes(ty, n));
+        assert_eq!(gb, n / qk * block, "{ty}");
+        for row in 0..rows {
+            let mut want = vec![0f32; n];
+            tandem_quant::dequantize_row(ty, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
+            let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
+            for b in 0..n / qk {
+                let blk = &p.bytes()[g * gb + b * block..g * gb + (b + 1) * block];
+                check(r, blk, &want[b * qk..(b + 1) * qk], &format!("{ty} row {row} block {b}"));
+            }
+        }
     }
 
     /// Where the blocks of `ty` keep their fp16 factors.
@@ -648,8 +448,7 @@ mod tests {
             let mut levels = vec![(crate::Isa::Avx512Vnni, "", vnni, true), (crate::Isa::Avx2, "", avx2, true)];
             if ty == GgmlType::Q6_K {
                 // Each copy of the kernel, not only the one this machine picks.
-                levels
-                    .extend(q6k::simd_variants().map(|(name, k, runs)| (crate::Isa::Avx512Vnni, name, Some(k), runs)));
+                levels.extend(q6k_variants().map(|(name, k, runs)| (crate::Isa::Avx512Vnni, name, Some(k), runs)));
             }
             for (isa, variant, k, runs) in levels.into_iter().filter_map(|(i, v, k, r)| k.map(|k| (i, v, k, r))) {
                 if !isa.supported() || !runs {
