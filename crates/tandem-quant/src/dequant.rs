@@ -10,7 +10,7 @@ use crate::kquant_helpers::{get_scale_min_k4, unpack_q3k_scales};
 /// Dequantizes `src` (exactly sized, checked by the caller) into `dst`. Returns false when `ty`
 /// has no dequantizer here.
 pub(crate) fn dequantize_into(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> bool {
-    match ty {
+    block_types!(ty, src, dst, {
         GgmlType::F32 => {
             for (o, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
                 *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
@@ -26,20 +26,6 @@ pub(crate) fn dequantize_into(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> bool
                 *o = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
             }
         }
-        GgmlType::Q4_0 => each_block(src, dst, q4_0),
-        GgmlType::Q4_1 => each_block(src, dst, q4_1),
-        GgmlType::Q5_0 => each_block(src, dst, q5_0),
-        GgmlType::Q5_1 => each_block(src, dst, q5_1),
-        GgmlType::Q8_0 => each_block(src, dst, q8_0),
-        GgmlType::Q8_1 => each_block(src, dst, q8_1),
-        GgmlType::Q2_K => each_block(src, dst, q2_k),
-        GgmlType::Q3_K => each_block(src, dst, q3_k),
-        GgmlType::Q4_K => each_block(src, dst, q4_k),
-        GgmlType::Q5_K => each_block(src, dst, q5_k),
-        GgmlType::Q6_K => each_block(src, dst, q6_k),
-        GgmlType::Q8_K => each_block(src, dst, q8_k),
-        GgmlType::IQ4_NL => each_block(src, dst, iq4_nl),
-        GgmlType::IQ4_XS => each_block(src, dst, iq4_xs),
         GgmlType::IQ2_XXS => each_block(src, dst, iq::dequant_iq2_xxs),
         GgmlType::IQ2_XS => each_block(src, dst, iq::dequant_iq2_xs),
         GgmlType::IQ2_S => each_block(src, dst, iq::dequant_iq2_s),
@@ -48,7 +34,7 @@ pub(crate) fn dequantize_into(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> bool
         GgmlType::IQ1_S => each_block(src, dst, iq::dequant_iq1_s),
         GgmlType::IQ1_M => each_block(src, dst, iq::dequant_iq1_m),
         _ => return false,
-    }
+    });
     true
 }
 

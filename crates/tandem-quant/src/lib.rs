@@ -13,6 +13,31 @@
 //! report bad lengths and unsupported types as [`Error`]s instead of panicking.
 //! These are the references the SIMD kernels of tandem-cpu and the CUDA kernels are tested against.
 
+/// `match $ty { .. }` over the block types that `quant` and `dequant` both convert, each arm
+/// `each_block($src, $dst, name)` with that module's function of the type's name (ggml's
+/// `quantize_row_*` / `dequantize_row_*`), then the caller's own `$arms`.
+macro_rules! block_types {
+    ($ty:expr, $src:expr, $dst:expr, { $($arms:tt)* }) => {
+        match $ty {
+            GgmlType::Q4_0 => each_block($src, $dst, q4_0),
+            GgmlType::Q4_1 => each_block($src, $dst, q4_1),
+            GgmlType::Q5_0 => each_block($src, $dst, q5_0),
+            GgmlType::Q5_1 => each_block($src, $dst, q5_1),
+            GgmlType::Q8_0 => each_block($src, $dst, q8_0),
+            GgmlType::Q8_1 => each_block($src, $dst, q8_1),
+            GgmlType::Q2_K => each_block($src, $dst, q2_k),
+            GgmlType::Q3_K => each_block($src, $dst, q3_k),
+            GgmlType::Q4_K => each_block($src, $dst, q4_k),
+            GgmlType::Q5_K => each_block($src, $dst, q5_k),
+            GgmlType::Q6_K => each_block($src, $dst, q6_k),
+            GgmlType::Q8_K => each_block($src, $dst, q8_k),
+            GgmlType::IQ4_NL => each_block($src, $dst, iq4_nl),
+            GgmlType::IQ4_XS => each_block($src, $dst, iq4_xs),
+            $($arms)*
+        }
+    };
+}
+
 pub mod blocks;
 mod dequant;
 mod iq;

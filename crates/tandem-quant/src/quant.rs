@@ -17,7 +17,7 @@ use crate::kquant_helpers::*;
 /// Quantizes `src` (a whole number of blocks, checked by the caller) into `dst` (exactly sized).
 /// Returns false when `ty` has no quantizer here.
 pub(crate) fn quantize_into(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> bool {
-    match ty {
+    block_types!(ty, src, dst, {
         GgmlType::F32 => {
             for (o, v) in dst.chunks_exact_mut(4).zip(src) {
                 o.copy_from_slice(&v.to_le_bytes());
@@ -33,22 +33,8 @@ pub(crate) fn quantize_into(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> bool {
                 o.copy_from_slice(&f32_to_bf16(*v).to_le_bytes());
             }
         }
-        GgmlType::Q4_0 => each_block(src, dst, q4_0),
-        GgmlType::Q4_1 => each_block(src, dst, q4_1),
-        GgmlType::Q5_0 => each_block(src, dst, q5_0),
-        GgmlType::Q5_1 => each_block(src, dst, q5_1),
-        GgmlType::Q8_0 => each_block(src, dst, q8_0),
-        GgmlType::Q8_1 => each_block(src, dst, q8_1),
-        GgmlType::Q2_K => each_block(src, dst, q2_k),
-        GgmlType::Q3_K => each_block(src, dst, q3_k),
-        GgmlType::Q4_K => each_block(src, dst, q4_k),
-        GgmlType::Q5_K => each_block(src, dst, q5_k),
-        GgmlType::Q6_K => each_block(src, dst, q6_k),
-        GgmlType::Q8_K => each_block(src, dst, q8_k),
-        GgmlType::IQ4_NL => each_block(src, dst, iq4_nl),
-        GgmlType::IQ4_XS => each_block(src, dst, iq4_xs),
         _ => return false,
-    }
+    });
     true
 }
 
