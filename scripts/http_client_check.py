@@ -12,16 +12,11 @@ import sys
 
 import aiohttp
 import openai
-
-
-def check(cond, what):
-    if not cond:
-        print(f"FAILED: {what}", file=sys.stderr)
-        sys.exit(1)
+from check_util import check, local_client
 
 
 def check_openai(base_url):
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    client = local_client(base_url)
     models = client.models.list()
     check(len(models.data) == 1 and models.data[0].id, f"models list: {models}")
     model = models.data[0].id

@@ -25,12 +25,7 @@ except ImportError:
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grpc_client import load_stubs  # noqa: E402
-
-
-def check(cond, what):
-    if not cond:
-        print(f"FAILED: {what}", file=sys.stderr)
-        sys.exit(1)
+from check_util import check
 
 
 def check_grpc(addr, ca, key):

@@ -14,7 +14,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
-import openai
+from check_util import check, local_client
 
 SCHEMA = {
     "type": "object",
@@ -28,18 +28,12 @@ SCHEMA = {
 }
 
 
-def check(cond, what):
-    if not cond:
-        print(f"FAILED: {what}", file=sys.stderr)
-        sys.exit(1)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--requests", type=int, default=20)
     args = ap.parse_args()
-    client = openai.OpenAI(base_url=f"{args.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    client = local_client(args.base_url, timeout=600)
     messages = [{"role": "user", "content": "Describe a person as JSON with their name, age and mood."}]
 
     def one(i):

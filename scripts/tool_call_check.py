@@ -16,6 +16,7 @@ import sys
 import urllib.request
 
 import openai
+from check_util import check, local_client
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -32,17 +33,11 @@ FORCED = ('root ::= "I will check. " "<tool_call>" "\\n" '
           '"{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"Paris\\"}}" "\\n" "</tool_call>"')
 
 
-def check(cond, what):
-    if not cond:
-        print(f"FAILED: {what}", file=sys.stderr)
-        sys.exit(1)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-url", required=True)
     args = ap.parse_args()
-    client = openai.OpenAI(base_url=f"{args.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    client = local_client(args.base_url)
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     r = client.chat.completions.create(model="any", messages=messages, tools=TOOLS, max_tokens=256,
                                        temperature=0, extra_body={"grammar": FORCED})
