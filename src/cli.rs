@@ -271,6 +271,18 @@ impl TemplateArgs {
     }
 }
 
+/// The flags of every command that runs a model for generation (`run`, `serve`, `plan`): how it
+/// runs, where its tensors go, and llama.cpp's flags tandem accepts without needing them.
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
+    #[command(flatten)]
+    pub compat: CompatArgs,
+}
+
 /// llama.cpp / ik_llama.cpp flags that tandem accepts so that existing command lines work, but
 /// does not need: each one set yields a one-line note of what tandem does instead.
 #[derive(Args, Debug, Clone, Default)]

@@ -5,7 +5,7 @@
 //! batch flags count; flags that only matter when serving are accepted and ignored), so a
 //! deployment's command line can be checked as it is.
 
-use crate::cli::{CompatArgs, ModelArgs, PlacementArgs, RuntimeArgs};
+use crate::cli::{EngineArgs, ModelArgs};
 use crate::load::{repacking, repacking_line, request};
 use anyhow::Context as _;
 use clap::Args;
@@ -18,11 +18,7 @@ pub struct PlanArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
-    pub runtime: RuntimeArgs,
-    #[command(flatten)]
-    pub placement: PlacementArgs,
-    #[command(flatten)]
-    pub compat: CompatArgs,
+    pub engine: EngineArgs,
     #[command(flatten)]
     pub serving: ServingArgs,
     /// Print JSON for machines instead of the table.
@@ -70,13 +66,13 @@ pub struct ServingArgs {
 }
 
 pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
-    args.compat.print_notes();
+    args.engine.compat.print_notes();
     let path = args.model.path();
     // Headers only: always mapped, never read whole and never locked; --no-mmap and --mlock
     // change the estimate, not how the plan reads the file.
     let gguf = GgufModel::open(path, LoadOptions { mmap: true, mlock: false })?;
     let model = ModelInfo::from_gguf(&gguf, &path.display().to_string())?;
-    let req = request(&args.placement, &args.model, &args.runtime)?;
+    let req = request(&args.engine.placement, &args.model, &args.engine.runtime)?;
     let plan = tandem_plan::plan(&model, &req)?;
     let repack = match args.model.load.repacks() {
         true => tandem_model::Model::load_with(std::sync::Arc::new(gguf), true).ok().and_then(|m| repacking(&m, &plan)),

@@ -3,7 +3,7 @@
 //! as it is sampled; timings go to stderr. `--chat` is an interactive conversation on stdin that
 //! keeps the KV cache between turns and only evaluates the tokens a turn adds.
 
-use crate::cli::{CompatArgs, ModelArgs, PlacementArgs, RuntimeArgs};
+use crate::cli::{EngineArgs, ModelArgs};
 use crate::logits::open_context;
 use crate::tokenize::input_text;
 use anyhow::{bail, Context as _};
@@ -76,11 +76,7 @@ pub struct RunArgs {
     #[arg(long, conflicts_with_all = ["chat", "chat_template", "chat_template_file", "system"])]
     pub raw: bool,
     #[command(flatten)]
-    pub runtime: RuntimeArgs,
-    #[command(flatten)]
-    pub placement: PlacementArgs,
-    #[command(flatten)]
-    pub compat: CompatArgs,
+    pub engine: EngineArgs,
 }
 
 impl RunArgs {
@@ -172,7 +168,7 @@ impl Session<'_> {
         self.cached.truncate(common);
         self.timings.reused_tokens += common;
         let start = Instant::now();
-        let chunk = self.args.runtime.batch_size.max(1);
+        let chunk = self.args.engine.runtime.batch_size.max(1);
         let todo = &ids[common..];
         let mut logits = Vec::new();
         for (i, part) in todo.chunks(chunk).enumerate() {
@@ -273,7 +269,7 @@ fn render(tmpl: &ChatTemplate, tok: &Tokenizer, messages: &[serde_json::Value]) 
 }
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
-    args.compat.print_notes();
+    args.engine.compat.print_notes();
     let first = match (&args.prompt, &args.file) {
         (None, None) if args.chat => None,
         _ => Some(input_text(&args.prompt, &args.file, "prompt")?),
@@ -283,7 +279,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     }
     let params = args.sampling();
     let sampler = Sampler::new(params.clone())?;
-    let ctx = open_context(&args.model, &args.runtime, &args.placement)?;
+    let ctx = open_context(&args.model, &args.engine.runtime, &args.engine.placement)?;
     let tok = Tokenizer::from_gguf(ctx.model().gguf())?;
     let tmpl = template(args, &tok)?;
     if args.seed.is_none() && params.temperature > 0.0 {

@@ -6,7 +6,7 @@
 //! changed; `--port` is the gRPC port, `--http-port` (8080) the OpenAI- and llama-server-compatible
 //! HTTP API over the same engine.
 
-use crate::cli::{CompatArgs, PlacementArgs, RuntimeArgs};
+use crate::cli::EngineArgs;
 use anyhow::{bail, Context as _};
 use clap::Args;
 use std::path::PathBuf;
@@ -101,18 +101,14 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub template: crate::cli::TemplateArgs,
     #[command(flatten)]
-    pub runtime: RuntimeArgs,
-    #[command(flatten)]
-    pub placement: PlacementArgs,
-    #[command(flatten)]
-    pub compat: CompatArgs,
+    pub engine: EngineArgs,
 }
 
 /// The loader's spec from serve's flags (no `-m`: the demo model).
 fn load_spec(args: &ServeArgs) -> anyhow::Result<crate::load::LoadSpec> {
     let model_args =
         crate::cli::ModelArgs { model: args.model.clone(), hub: Default::default(), load: args.load.clone() };
-    let mut spec = crate::load::LoadSpec::from_args(&model_args, &args.runtime, &args.placement)?;
+    let mut spec = crate::load::LoadSpec::from_args(&model_args, &args.engine.runtime, &args.engine.placement)?;
     spec.path = args.model.clone();
     Ok(spec)
 }
@@ -143,7 +139,7 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
     up.notes.iter().for_each(|n| log(n));
     let placement = up.ctx.exec().describe().to_string();
     let ctx = up.ctx;
-    let rt = &args.runtime;
+    let rt = &args.engine.runtime;
     let np = rt.parallel.max(1);
     let system_prompt = match &args.system_prompt_file {
         Some(f) => Some(std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?),
@@ -285,7 +281,7 @@ fn fd_budget(wanted: usize, ports: usize) -> usize {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut signals = Signals::new()?;
-    for note in args.compat.notes() {
+    for note in args.engine.compat.notes() {
         log(&format!("note: {note}"));
     }
     if args.metrics {

@@ -53,20 +53,23 @@ fn seed_command_lines_parse() {
         assert_eq!(a.model.path(), PathBuf::from("X"));
     }
     let a = parse(SEED_LINES[0]).unwrap();
-    assert_eq!((a.runtime.ctx_size, a.runtime.ubatch_size, a.runtime.batch_size), (131072, 4096, 4096));
-    assert_eq!((a.runtime.threads, a.runtime.threads_batch), (Some(13), Some(26)));
-    assert_eq!(a.placement.override_tensor, ["exps=CPU"]);
-    assert_eq!(a.placement.n_gpu_layers, Some(tandem_plan::GpuLayers::Count(999)));
+    assert_eq!(
+        (a.engine.runtime.ctx_size, a.engine.runtime.ubatch_size, a.engine.runtime.batch_size),
+        (131072, 4096, 4096)
+    );
+    assert_eq!((a.engine.runtime.threads, a.engine.runtime.threads_batch), (Some(13), Some(26)));
+    assert_eq!(a.engine.placement.override_tensor, ["exps=CPU"]);
+    assert_eq!(a.engine.placement.n_gpu_layers, Some(tandem_plan::GpuLayers::Count(999)));
     assert!(a.model.load.no_mmap);
-    assert_eq!(a.compat.mla_use, Some(3));
+    assert_eq!(a.engine.compat.mla_use, Some(3));
     assert_eq!(a.serving.n_predict, Some(128));
     let a = parse(SEED_LINES[1]).unwrap();
-    assert_eq!(a.placement.override_tensor, [r"\.ffn_.*_exps\.=CPU"]);
-    assert_eq!(a.runtime.cache_type_v, "q8_0");
+    assert_eq!(a.engine.placement.override_tensor, [r"\.ffn_.*_exps\.=CPU"]);
+    assert_eq!(a.engine.runtime.cache_type_v, "q8_0");
     let a = parse(SEED_LINES[6]).unwrap();
-    assert_eq!(a.placement.fit.as_deref(), Some("on"));
-    assert_eq!(a.placement.gpu, ["CUDA0=96GiB", "CUDA1=48GiB"]);
-    assert_eq!(parse("-m X --fit off").unwrap().placement.fit.as_deref(), Some("off"));
+    assert_eq!(a.engine.placement.fit.as_deref(), Some("on"));
+    assert_eq!(a.engine.placement.gpu, ["CUDA0=96GiB", "CUDA1=48GiB"]);
+    assert_eq!(parse("-m X --fit off").unwrap().engine.placement.fit.as_deref(), Some("off"));
 }
 
 #[test]
