@@ -381,7 +381,7 @@ block_entries!("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq" Bw
 block_entries!("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni" Vnni
     => q8_0_vnni512 q4_0_vnni512 q5_0_vnni512 iq4_nl_vnni512 q4_1_vnni512 q5_1_vnni512 iq4_xs_vnni512);
 
-/// Defines a [`super::super::TileFn`] at the VNNI level for one signed-weight type.
+/// Defines a [`crate::kernels::TileFn`] at the VNNI level for one signed-weight type.
 macro_rules! tile_entry {
     ($name:ident, $w:ty) => {
         /// # Safety

@@ -2,6 +2,7 @@
 //! type and the number of activation rows `NY` (a weight block is unpacked once for all `NY` rows).
 
 use super::unpack::{Factors, KQuant, Unpacked};
+use crate::kernels::MAX_WIDE;
 use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
 use tandem_quant::blocks::BlockQ8K;
@@ -395,9 +396,6 @@ dot_512!(
     dot_avx512vbmi, "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bitalg,avx2,fma,f16c", scales_512, row_madd,
     unpack_vbmi
 );
-
-/// Most tokens a wide kernel (`wide_512!`) takes.
-pub(crate) const MAX_WIDE: usize = 64;
 
 /// Wide zmm kernels: `NR` weight rows (`wstride` bytes apart; one row, or several where each
 /// activation block loaded once for all of them pays) against up to [`MAX_WIDE`] tokens, each
