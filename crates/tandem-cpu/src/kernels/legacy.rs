@@ -20,17 +20,10 @@ mod tests {
     use crate::kernels::{kernel, simd_levels, MAX_NY};
     use tandem_quant::{dequantize_row, quantize_row, row_size, vec_dot, GgmlType};
 
+    /// [`crate::test_data`] with the magnitude changing every 32 elements.
     fn data(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|i| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                let v = (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
-                v * [1.0, 0.01, 30.0, 0.5][(i / 32) % 4]
-            })
-            .collect()
+        let scale = [1.0, 0.01, 30.0, 0.5];
+        crate::test_data(seed, n).into_iter().enumerate().map(|(i, v)| v * scale[(i / 32) % 4]).collect()
     }
 
     #[test]

@@ -19,27 +19,33 @@ use iq::{IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS};
 use tandem_quant::GgmlType;
 use unpack::{KQuant, Q2K, Q3K, Q4K, Q5K, Q6K};
 
+/// `$f::<T>($isa)` with `T` the unpacking of `$ty`: a grid type, or one of the k-quants listed
+/// (`GgmlType` variant `=>` unpacking); None for any other type.
+macro_rules! by_type {
+    ($ty:expr, $f:ident($isa:expr) $(, $t:ident => $u:ty)*) => {
+        match $ty {
+            $(GgmlType::$t => $f::<$u>($isa),)*
+            GgmlType::IQ2_XXS => $f::<IQ2XXS>($isa),
+            GgmlType::IQ2_XS => $f::<IQ2XS>($isa),
+            GgmlType::IQ2_S => $f::<IQ2S>($isa),
+            GgmlType::IQ3_XXS => $f::<IQ3XXS>($isa),
+            GgmlType::IQ3_S => $f::<IQ3S>($isa),
+            GgmlType::IQ1_S => $f::<IQ1S>($isa),
+            GgmlType::IQ1_M => $f::<IQ1M>($isa),
+            _ => None,
+        }
+    };
+}
+
 /// A `KernelFn` from a dot loop generic over `NY`: picks the instance for `ny`.
 macro_rules! entry {
     ($name:ident, $dot:ident) => {
         /// # Safety
-        /// As [`KernelFn`]: lengths checked by `Kernel::run`, the machine runs this level.
+        /// As [`KernelFn`]: lengths checked by `Kernel::run` (`ny` in 1..=8), the machine runs
+        /// this level.
         unsafe fn $name<T: KQuant>(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
-            let (w, ys, o) = (w.as_ptr(), ys.as_ptr(), out.as_mut_ptr());
-            // SAFETY: `Kernel::run` checked w, ys and out against n and ny (1..=8).
-            unsafe {
-                match ny {
-                    1 => $dot::<T, 1>(n, w, ys, o),
-                    2 => $dot::<T, 2>(n, w, ys, o),
-                    3 => $dot::<T, 3>(n, w, ys, o),
-                    4 => $dot::<T, 4>(n, w, ys, o),
-                    5 => $dot::<T, 5>(n, w, ys, o),
-                    6 => $dot::<T, 6>(n, w, ys, o),
-                    7 => $dot::<T, 7>(n, w, ys, o),
-                    8 => $dot::<T, 8>(n, w, ys, o),
-                    _ => out.fill(f32::NAN),
-                }
-            }
+            // SAFETY: forwarded from the caller.
+            unsafe { by_ny!(ny, $dot[T](n, w.as_ptr(), ys.as_ptr(), out.as_mut_ptr())) }
         }
     };
 }
@@ -93,16 +99,7 @@ fn wide_for_type<T: KQuant>(isa: Isa) -> Option<KernelFn> {
 /// whose blocks unpack fastest, took calls of 8 tokens until the two-row wide kernels below
 /// (single-row wide, IQ2_XXS prefilled 256 tokens at 180-219 against 191-251 t/s).
 pub(crate) fn lookup_wide(ty: GgmlType, isa: Isa) -> Option<KernelFn> {
-    match ty {
-        GgmlType::IQ2_XXS => wide_for_type::<IQ2XXS>(isa),
-        GgmlType::IQ2_XS => wide_for_type::<IQ2XS>(isa),
-        GgmlType::IQ3_XXS => wide_for_type::<IQ3XXS>(isa),
-        GgmlType::IQ2_S => wide_for_type::<IQ2S>(isa),
-        GgmlType::IQ3_S => wide_for_type::<IQ3S>(isa),
-        GgmlType::IQ1_S => wide_for_type::<IQ1S>(isa),
-        GgmlType::IQ1_M => wide_for_type::<IQ1M>(isa),
-        _ => None,
-    }
+    by_type!(ty, wide_for_type(isa))
 }
 
 /// A `TileFn` from a wide tile loop generic over the weight rows `NR` (2 or 4, from
@@ -146,16 +143,7 @@ fn wide_tile_for_type<T: KQuant>(isa: Isa) -> Option<TileFn> {
 /// rows were as often slower as faster (IQ3_S 7.2 against 6.7 ns per block and token with 24
 /// tokens, IQ1_S 5.0 against 6.5).
 pub(crate) fn lookup_wide_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
-    match ty {
-        GgmlType::IQ2_XXS => wide_tile_for_type::<IQ2XXS>(isa),
-        GgmlType::IQ2_XS => wide_tile_for_type::<IQ2XS>(isa),
-        GgmlType::IQ3_XXS => wide_tile_for_type::<IQ3XXS>(isa),
-        GgmlType::IQ2_S => wide_tile_for_type::<IQ2S>(isa),
-        GgmlType::IQ3_S => wide_tile_for_type::<IQ3S>(isa),
-        GgmlType::IQ1_S => wide_tile_for_type::<IQ1S>(isa),
-        GgmlType::IQ1_M => wide_tile_for_type::<IQ1M>(isa),
-        _ => None,
-    }
+    by_type!(ty, wide_tile_for_type(isa))
 }
 
 /// A `TileFn` from a tile loop generic over the weight rows `NR` (2 or 4, from `out.len() / ny`)
@@ -185,22 +173,9 @@ fn tile_for_type<T: KQuant>(isa: Isa) -> Option<TileFn> {
     }
 }
 
+/// The k-quants' and grid types' multi-row kernels (`KQuant::TILES` types only).
 pub(crate) fn lookup_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
-    match ty {
-        GgmlType::Q2_K => tile_for_type::<Q2K>(isa),
-        GgmlType::Q3_K => tile_for_type::<Q3K>(isa),
-        GgmlType::Q4_K => tile_for_type::<Q4K>(isa),
-        GgmlType::Q5_K => tile_for_type::<Q5K>(isa),
-        GgmlType::Q6_K => tile_for_type::<Q6K>(isa),
-        GgmlType::IQ2_XXS => tile_for_type::<IQ2XXS>(isa),
-        GgmlType::IQ2_XS => tile_for_type::<IQ2XS>(isa),
-        GgmlType::IQ2_S => tile_for_type::<IQ2S>(isa),
-        GgmlType::IQ3_XXS => tile_for_type::<IQ3XXS>(isa),
-        GgmlType::IQ3_S => tile_for_type::<IQ3S>(isa),
-        GgmlType::IQ1_S => tile_for_type::<IQ1S>(isa),
-        GgmlType::IQ1_M => tile_for_type::<IQ1M>(isa),
-        _ => None,
-    }
+    by_type!(ty, tile_for_type(isa), Q2_K => Q2K, Q3_K => Q3K, Q4_K => Q4K, Q5_K => Q5K, Q6_K => Q6K)
 }
 
 fn for_type<T: KQuant>(isa: Isa) -> Option<KernelFn> {
@@ -214,20 +189,7 @@ fn for_type<T: KQuant>(isa: Isa) -> Option<KernelFn> {
     }
 }
 
+/// The k-quants' and grid types' single-row kernels.
 pub(crate) fn lookup(ty: GgmlType, isa: Isa) -> Option<KernelFn> {
-    match ty {
-        GgmlType::Q2_K => for_type::<Q2K>(isa),
-        GgmlType::Q3_K => for_type::<Q3K>(isa),
-        GgmlType::Q4_K => for_type::<Q4K>(isa),
-        GgmlType::Q5_K => for_type::<Q5K>(isa),
-        GgmlType::Q6_K => for_type::<Q6K>(isa),
-        GgmlType::IQ2_XXS => for_type::<IQ2XXS>(isa),
-        GgmlType::IQ2_XS => for_type::<IQ2XS>(isa),
-        GgmlType::IQ2_S => for_type::<IQ2S>(isa),
-        GgmlType::IQ3_XXS => for_type::<IQ3XXS>(isa),
-        GgmlType::IQ3_S => for_type::<IQ3S>(isa),
-        GgmlType::IQ1_S => for_type::<IQ1S>(isa),
-        GgmlType::IQ1_M => for_type::<IQ1M>(isa),
-        _ => None,
-    }
+    by_type!(ty, for_type(isa), Q2_K => Q2K, Q3_K => Q3K, Q4_K => Q4K, Q5_K => Q5K, Q6_K => Q6K)
 }
