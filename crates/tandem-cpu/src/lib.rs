@@ -29,9 +29,9 @@
 //!
 //! Each module keeps its portable code (the scalar reference, the layout, the dispatch by
 //! [`Isa`]) in its own file and its x86 kernels in an `x86` submodule beside it
-//! (`attention/x86.rs`, `gemm/x86.rs`, `mla/x86.rs`, `vmath/x86.rs`, ...), compiled only for
-//! x86_64: a second architecture adds a sibling (`aarch64.rs`) and a dispatch arm, not edits
-//! across the kernels.
+//! (`attention/x86.rs`, `gemm/x86.rs`, `mla/x86.rs`, `vmath/x86.rs`; `kernels/x86/` and
+//! `packed/x86/` hold a file or directory per family), compiled only for x86_64: a second
+//! architecture adds a sibling (`aarch64.rs`) and a dispatch arm, not edits across the kernels.
 
 /// Calls `$f::<G.., NY>(args)` for `by_ny!(ny, f[G..](args))` with the run-time `ny` (1..=8,
 /// checked by the callers) as the constant `NY`, so per-token accumulators live in registers; the

@@ -8,44 +8,30 @@
 //! order (with FMA), as ggml's own SIMD kernels do, so they agree with the scalar reference within a
 //! few ulp of the accumulated magnitude, not bit for bit.
 
-/// The body of a [`TileFn`]: calls `$tile::<$g.., NR, NY>(n, w, bytes per weight row, ys, out)`
-/// with the weight rows `NR` (2 or 4, from `out.len() / ny`) and the tokens `NY` (1..=8) as
-/// constants, so the accumulators live in registers; other counts (which `Kernel::run_tile` never
-/// passes) give NaN.
-#[cfg(target_arch = "x86_64")]
-macro_rules! tile_body {
-    ($tile:ident::<$($g:ty),*>, $n:expr, $w:expr, $ys:expr, $ny:expr, $out:expr) => {{
-        let (n, w, ys, ny, out): (usize, &[u8], &[u8], usize, &mut [f32]) = ($n, $w, $ys, $ny, $out);
-        let nr = out.len() / ny.max(1);
-        let ws = w.len() / nr.max(1);
-        let (w, ys, o) = (w.as_ptr(), ys.as_ptr(), out.as_mut_ptr());
-        // SAFETY: `Kernel::run_tile` checked w, ys and out against n, nr (in TILE_ROWS) and ny.
-        unsafe {
-            match (nr, ny) {
-                (2, 1) => $tile::<$($g,)* 2, 1>(n, w, ws, ys, o),
-                (2, 2) => $tile::<$($g,)* 2, 2>(n, w, ws, ys, o),
-                (2, 3) => $tile::<$($g,)* 2, 3>(n, w, ws, ys, o),
-                (2, 4) => $tile::<$($g,)* 2, 4>(n, w, ws, ys, o),
-                (2, 5) => $tile::<$($g,)* 2, 5>(n, w, ws, ys, o),
-                (2, 6) => $tile::<$($g,)* 2, 6>(n, w, ws, ys, o),
-                (2, 7) => $tile::<$($g,)* 2, 7>(n, w, ws, ys, o),
-                (2, 8) => $tile::<$($g,)* 2, 8>(n, w, ws, ys, o),
-                (4, 1) => $tile::<$($g,)* 4, 1>(n, w, ws, ys, o),
-                (4, 2) => $tile::<$($g,)* 4, 2>(n, w, ws, ys, o),
-                (4, 3) => $tile::<$($g,)* 4, 3>(n, w, ws, ys, o),
-                (4, 4) => $tile::<$($g,)* 4, 4>(n, w, ws, ys, o),
-                (4, 5) => $tile::<$($g,)* 4, 5>(n, w, ws, ys, o),
-                (4, 6) => $tile::<$($g,)* 4, 6>(n, w, ws, ys, o),
-                (4, 7) => $tile::<$($g,)* 4, 7>(n, w, ws, ys, o),
-                (4, 8) => $tile::<$($g,)* 4, 8>(n, w, ws, ys, o),
-                _ => out.fill(f32::NAN),
-            }
-        }
-    }};
-}
-
 mod kquants;
 mod legacy;
+
+/// The SIMD kernels of this architecture, by family (`kquants`, `legacy`), each with the tables
+/// its family file dispatches from. Another architecture adds a sibling of `x86/` and a line here.
+#[cfg(target_arch = "x86_64")]
+mod x86;
+#[cfg(target_arch = "x86_64")]
+use x86 as arch;
+
+/// No SIMD kernels off x86-64: every table answers none, and the scalar references run.
+#[cfg(not(target_arch = "x86_64"))]
+mod arch {
+    /// No kernel for any type and level (a [`super::TileFn`] is a [`super::KernelFn`] by type).
+    pub(crate) fn none(_ty: tandem_quant::GgmlType, _isa: super::Isa) -> Option<super::KernelFn> {
+        None
+    }
+    pub(super) mod kquants {
+        pub(crate) use super::{none as lookup, none as lookup_tile, none as lookup_wide, none as lookup_wide_tile};
+    }
+    pub(super) mod legacy {
+        pub(crate) use super::{none as lookup, none as lookup_tile};
+    }
+}
 
 use std::sync::OnceLock;
 use tandem_quant::{row_size, vec_dot, vec_dot_type, GgmlType};

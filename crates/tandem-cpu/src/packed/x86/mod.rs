@@ -4,23 +4,28 @@
 //! must reproduce bit for bit are in the family's file of `super`; [`simd_kernels`] is the table
 //! `super` dispatches from. Another architecture adds a sibling of this module.
 
-/// Defines `$name`, a [`GroupFn`] that runs `$kernel::<.., PF, NY>` with the processor's prefetch
-/// hint and `ny` as constants: on `(nb, w, a, out, ostride)` (`acts`), or on the token rows
-/// unpacked as `(nb, w, a.ys, a.yb, out, ostride)` (`q8k`). Its docs (with `# Safety`) are the
-/// invocation's.
+/// Defines `$name`, a [`GroupFn`] that runs `$kernel::<.., PF, NY>` with `ny` and the prefetch
+/// hint (the processor's, or `$hint`: an index of [`crate::prefetch`]'s hints) as constants: on
+/// `(nb, w, a, out, ostride)` (`acts`), or on the token rows unpacked as
+/// `(nb, w, a.ys, a.yb, out, ostride)` (`q8k`). Its docs (with `# Safety`) are the invocation's.
 macro_rules! group_entry {
-    ($(#[$doc:meta])* $name:ident$(<$(const $c:ident: $t:ty),*>)? => $kernel:ident, $acts:ident) => {
+    (
+        $(#[$doc:meta])* $name:ident$(<$(const $c:ident: $t:ty),*>)? => $kernel:ident, $acts:ident
+        $(, hint = $hint:expr)?
+    ) => {
         $(#[$doc])*
         pub(super) unsafe fn $name$(<$(const $c: $t),*>)?(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
             // SAFETY: forwarded from the caller, who checked that the machine runs the kernel.
-            unsafe { group_entry!(@call $acts, ny, $kernel[$($($c),*)?], nb, w, a, out, ostride) }
+            unsafe { group_entry!(@call $acts, group_entry!(@hint $($hint)?), ny, $kernel[$($($c),*)?], nb, w, a, out, ostride) }
         }
     };
-    (@call q8k, $ny:ident, $k:ident[$($g:tt),*], $nb:ident, $w:ident, $a:ident, $out:ident, $os:ident) => {
-        by_ny_pf!($ny, $k[$($g),*]($nb, $w, $a.ys, $a.yb, $out, $os))
+    (@hint) => { crate::prefetch::hint_index() };
+    (@hint $hint:expr) => { $hint };
+    (@call q8k, $h:expr, $ny:ident, $k:ident[$($g:tt),*], $nb:ident, $w:ident, $a:ident, $out:ident, $os:ident) => {
+        by_ny_pf!(hint = $h, $ny, $k[$($g),*]($nb, $w, $a.ys, $a.yb, $out, $os))
     };
-    (@call acts, $ny:ident, $k:ident[$($g:tt),*], $nb:ident, $w:ident, $a:ident, $out:ident, $os:ident) => {
-        by_ny_pf!($ny, $k[$($g),*]($nb, $w, $a, $out, $os))
+    (@call acts, $h:expr, $ny:ident, $k:ident[$($g:tt),*], $nb:ident, $w:ident, $a:ident, $out:ident, $os:ident) => {
+        by_ny_pf!(hint = $h, $ny, $k[$($g),*]($nb, $w, $a, $out, $os))
     };
 }
 
@@ -127,12 +132,101 @@ macro_rules! q8k_group {
                     });
                 }
             }
-            for (t, a) in acc.iter().enumerate() {
-                for (h, v) in a.iter().enumerate() {
-                    // SAFETY: 16 writable floats per token row (see `GroupFn`).
-                    unsafe { $storeu(out.add(t * ostride + $lanes * h), *v) };
+            q8k_group!(@store $storeu, $lanes, acc, out, ostride);
+        }
+    };
+    // Each token's 16 results (in one register, or two halves) into `out`, `ostride` floats apart.
+    (@store $storeu:ident, $lanes:literal, $acc:ident, $out:ident, $ostride:ident) => {
+        for (t, a) in $acc.iter().enumerate() {
+            for (h, v) in a.iter().enumerate() {
+                // SAFETY: 16 writable floats per token row (see `GroupFn`).
+                unsafe { $storeu($out.add(t * $ostride + $lanes * h), *v) };
+            }
+        }
+    };
+}
+
+/// Defines `$entry`, a [`GroupFn`] with the docs given (and the prefetch hint `$hint` if given),
+/// and `$name::<.., PF, NY>`, the kernel it runs (see [`group_entry!`]): against Q8_0 or Q8_1
+/// activations (`$sizes`: the block bytes of [`super::q40::sizes`] / [`super::b32::sizes`]) on
+/// registers of `$width` as in [`q8k_group!`], in the outline the layouts of 32-element blocks
+/// (Q4_0, IQ4_NL, Q4_1, Q8_0, Q5_0, Q5_1) share. Per block (`$block` weight bytes at `$wb`, for one
+/// token prefetched ahead, see [`prefetch_ahead`]) and per half `$hf`: `load` the weights, then per
+/// token (`$y`, its activation block, quants at `$qs`) `dot` gives the exact integer sum `sum_e
+/// l_e * a_e`; without `$min` less `$off` times the token's block sum, it is `isum`, and
+/// `acc = (dw * da) * isum + acc`; with `$min` also `acc = mw * s + acc` (fused), `mw` the
+/// minimums after the factors, `s` Q8_1's. The names between the bars are the caller's.
+macro_rules! q8_group {
+    (zmm $($rest:tt)*) => {
+        q8_group!(@def [1, 16, _mm512_setzero_ps, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_cvtepi32_ps,
+            _mm512_sub_epi32, _mm512_set1_epi32, _mm512_storeu_ps, _mm512_cvtph_ps, _mm256_loadu_si256, __m256i] $($rest)*);
+    };
+    (ymm $($rest:tt)*) => {
+        q8_group!(@def [2, 8, _mm256_setzero_ps, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_cvtepi32_ps,
+            _mm256_sub_epi32, _mm256_set1_epi32, _mm256_storeu_ps, _mm256_cvtph_ps, _mm_loadu_si128, __m128i] $($rest)*);
+    };
+    (
+        @def [$halves:tt, $lanes:literal, $zps:ident, $set1:ident, $fmadd:ident, $mul:ident, $cvt:ident,
+            $subi:ident, $set1i:ident, $storeu:ident, $cvtph:ident, $phload:ident, $phty:ident]
+        $(#[$attr:meta])*
+        $entry:ident => $name:ident<$(const $c:ident: $ct:ty),*>($feat:literal, $block:expr $(, hint $hint:expr)?)
+        |$wb:ident, $hf:ident, $y:ident, $qs:ident|
+        setup { $($setup:tt)* }
+        sizes $sizes:expr, off $off:expr, min $min:expr,
+        load { $($load:tt)* }
+        dot { $($dot:tt)* }
+    ) => {
+        group_entry! {
+            $(#[$attr])*
+            $entry<$(const $c: $ct),*> => $name, acts $(, hint = $hint)?
+        }
+
+        /// # Safety
+        #[doc = concat!("As [`", stringify!($entry), "`] with `ny == NY`.")]
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
+        unsafe fn $name<$(const $c: $ct,)* const PF: u8, const NY: usize>(
+            nb: usize,
+            w: *const u8,
+            a: crate::packed::GroupActs,
+            out: *mut f32,
+            ostride: usize,
+        ) {
+            use crate::packed::PACK_ROWS;
+            $($setup)*
+            let (_, ab, $qs) = const { $sizes };
+            let mut acc = [[$zps(); $halves]; NY];
+            // SAFETY: the factors follow the weights of all `nb` blocks, the minimums (Q4_1,
+            // Q5_1) the factors (see the layouts).
+            let factors = unsafe { w.add(nb * $block) };
+            let mins = factors.wrapping_add(nb * 2 * PACK_ROWS);
+            for b in 0..nb {
+                // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
+                unsafe {
+                    let $wb = w.add(b * $block);
+                    if NY == 1 {
+                        crate::packed::x86::prefetch_ahead::<PF>($wb, $block);
+                    }
+                    q8k_group!(@halves $halves, $hf, {
+                        $($load)*
+                        let fp = b * 2 * PACK_ROWS + 2 * $lanes * $hf;
+                        let d = $cvtph($phload(factors.add(fp) as *const $phty));
+                        let m = if $min { $cvtph($phload(mins.add(fp) as *const $phty)) } else { d };
+                        for t in 0..NY {
+                            let $y = a.ys.add(t * a.yb + b * ab);
+                            let sum = { $($dot)* };
+                            let isum = if $min { sum } else { $subi(sum, $set1i($off * *a.sums.add(t * nb + b))) };
+                            let da = crate::packed::x86::half($y);
+                            acc[t][$hf] = $fmadd($mul(d, $set1(da)), $cvt(isum), acc[t][$hf]);
+                            if $min {
+                                let s = crate::packed::x86::half($y.add(crate::packed::b32::Q8_1_S));
+                                acc[t][$hf] = $fmadd(m, $set1(s), acc[t][$hf]);
+                            }
+                        }
+                    });
                 }
             }
+            q8k_group!(@store $storeu, $lanes, acc, out, ostride);
         }
     };
 }
@@ -324,35 +418,6 @@ pub(super) unsafe fn nl_nibbles8(codes: __m256i) -> [__m256i; 2] {
             _mm256_shuffle_epi8(table(&super::q40::NL_LEVELS_LO), codes),
             _mm256_shuffle_epi8(table(&super::q40::NL_LEVELS_HI), codes),
         ]
-    }
-}
-
-/// Each token's 16 results, held as two halves of 8, into `out` (`ostride` floats apart).
-///
-/// # Safety
-/// As [`super::GroupFn`] with `ny == NY`, and the machine has AVX.
-#[inline]
-#[target_feature(enable = "avx")]
-pub(super) unsafe fn store_halves<const NY: usize>(acc: &[[__m256; 2]; NY], out: *mut f32, ostride: usize) {
-    for (t, a) in acc.iter().enumerate() {
-        // SAFETY: 16 writable floats per token row (see `GroupFn`).
-        unsafe {
-            _mm256_storeu_ps(out.add(t * ostride), a[0]);
-            _mm256_storeu_ps(out.add(t * ostride + 8), a[1]);
-        }
-    }
-}
-
-/// Each token's 16 results into `out` (`ostride` floats apart).
-///
-/// # Safety
-/// As [`super::GroupFn`] with `ny == NY`, and the machine has AVX-512 F.
-#[inline]
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn store<const NY: usize>(acc: &[__m512; NY], out: *mut f32, ostride: usize) {
-    for (t, v) in acc.iter().enumerate() {
-        // SAFETY: 16 writable floats per token row (see `GroupFn`).
-        unsafe { _mm512_storeu_ps(out.add(t * ostride), *v) };
     }
 }
 

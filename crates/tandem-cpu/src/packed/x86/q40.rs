@@ -1,91 +1,49 @@
 //! The packed group kernels of Q4_0, IQ4_NL and Q4_1 for x86-64 (AVX-512 VNNI, AVX2); layout and
 //! arithmetic in `packed/q40.rs`.
 
-use super::{bcast, bcast8, half, nibble_dot8, nibbles8, nl_nibbles8, prefetch_ahead};
-use crate::packed::q40::{sizes, CODES, NL_LEVELS, Q8_1_S};
-use crate::packed::{GroupActs, PACK_ROWS};
+use super::{bcast, bcast8, nibble_dot8, nibbles8, nl_nibbles8};
+use crate::packed::q40::{sizes, CODES, NL_LEVELS};
+use crate::packed::GroupActs;
 use std::arch::x86_64::*;
 
-group_entry! {
+q8_group! { zmm
     /// A [`crate::packed::GroupFn`] for AVX-512 VNNI (Q4_0, with `NL` IQ4_NL, with `MIN` Q4_1).
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_0 activations with their block sums; Q8_1 for Q4_1), and the
     /// machine has AVX-512 VNNI.
-    group_vnni<const NL: bool, const MIN: bool> => group, acts
-}
-
-/// # Safety
-/// As [`group_vnni`] with `ny == NY`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-#[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-unsafe fn group<const NL: bool, const MIN: bool, const PF: u8, const NY: usize>(
-    nb: usize,
-    w: *const u8,
-    a: GroupActs,
-    out: *mut f32,
-    ostride: usize,
-) {
-    let nib = _mm512_set1_epi8(0x0F);
-    // SAFETY: 16 readable bytes.
-    let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(NL_LEVELS.as_ptr() as *const __m128i) });
-    let off = if NL { 128 } else { 8 };
-    let (_, ab, qs) = const { sizes(MIN) };
-    let mut acc = [_mm512_setzero_ps(); NY];
-    // SAFETY: the factors follow the codes of all `nb` blocks, Q4_1's minimums the factors
-    // (see the layout).
-    let factors = unsafe { w.add(nb * CODES) };
-    let mins = factors.wrapping_add(nb * 2 * PACK_ROWS);
-    for b in 0..nb {
-        // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
-        unsafe {
-            let wb = w.add(b * CODES);
-            if NY == 1 {
-                prefetch_ahead::<PF>(wb, CODES);
-            }
-            let mut lo = [_mm512_setzero_si512(); 4];
-            let mut hi = [_mm512_setzero_si512(); 4];
-            for v in 0..4 {
-                let raw = _mm512_loadu_si512(wb.add(64 * v) as *const __m512i);
-                lo[v] = _mm512_and_si512(raw, nib);
-                hi[v] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
-                if NL {
-                    lo[v] = _mm512_shuffle_epi8(table, lo[v]);
-                    hi[v] = _mm512_shuffle_epi8(table, hi[v]);
-                }
-            }
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(factors.add(b * 2 * PACK_ROWS) as *const __m256i));
-            let m = if MIN {
-                _mm512_cvtph_ps(_mm256_loadu_si256(mins.add(b * 2 * PACK_ROWS) as *const __m256i))
-            } else {
-                d
-            };
-            for t in 0..NY {
-                let y = a.ys.add(t * a.yb + b * ab);
-                let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                for v in 0..4 {
-                    s0 = _mm512_dpbusd_epi32(s0, lo[v], bcast(y.add(qs + 4 * v)));
-                    s1 = _mm512_dpbusd_epi32(s1, hi[v], bcast(y.add(qs + 16 + 4 * v)));
-                }
-                let isum = if MIN {
-                    _mm512_add_epi32(s0, s1)
-                } else {
-                    let corr = _mm512_set1_epi32(off * *a.sums.add(t * nb + b));
-                    _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr)
-                };
-                let da = half(y);
-                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(da)), _mm512_cvtepi32_ps(isum), acc[t]);
-                if MIN {
-                    acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(half(y.add(Q8_1_S))), acc[t]);
-                }
+    group_vnni => group<const NL: bool, const MIN: bool>("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", CODES)
+    |wb, hf, y, qs|
+    setup {
+        let nib = _mm512_set1_epi8(0x0F);
+        // SAFETY: 16 readable bytes.
+        let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(NL_LEVELS.as_ptr() as *const __m128i) });
+    }
+    sizes sizes(MIN), off if NL { 128 } else { 8 }, min MIN,
+    load {
+        let mut lo = [_mm512_setzero_si512(); 4];
+        let mut hi = [_mm512_setzero_si512(); 4];
+        for v in 0..4 {
+            let raw = _mm512_loadu_si512(wb.add(64 * v) as *const __m512i);
+            lo[v] = _mm512_and_si512(raw, nib);
+            hi[v] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
+            if NL {
+                lo[v] = _mm512_shuffle_epi8(table, lo[v]);
+                hi[v] = _mm512_shuffle_epi8(table, hi[v]);
             }
         }
     }
-    // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
-    unsafe { super::store(&acc, out, ostride) };
+    dot {
+        let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+        for v in 0..4 {
+            s0 = _mm512_dpbusd_epi32(s0, lo[v], bcast(y.add(qs + 4 * v)));
+            s1 = _mm512_dpbusd_epi32(s1, hi[v], bcast(y.add(qs + 16 + 4 * v)));
+        }
+        _mm512_add_epi32(s0, s1)
+    }
 }
 
-group_entry! {
+q8_group! { ymm
     /// A [`crate::packed::GroupFn`] for AVX2 (Q4_0, with `NL` IQ4_NL, with `MIN` Q4_1): each half of
     /// the 16 rows in a ymm register, `vpmaddubsw` (codes <= 15, so the i16 pair sums of eight
     /// of them stay below 2^15) and one `vpmaddwd` per block give the same exact integer sums
@@ -95,78 +53,36 @@ group_entry! {
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_0 activations with their block sums; with `MIN`, Q4_1, Q8_1
     /// activations), and the machine has AVX2.
-    group_avx2<const NL: bool, const MIN: bool> => group2, acts
-}
-
-/// # Safety
-/// As [`group_avx2`] with `ny == NY`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-unsafe fn group2<const NL: bool, const MIN: bool, const PF: u8, const NY: usize>(
-    nb: usize,
-    w: *const u8,
-    a: GroupActs,
-    out: *mut f32,
-    ostride: usize,
-) {
-    let off = if NL { 128 } else { 8 };
-    let ones = _mm256_set1_epi16(1);
-    let (_, ab, qs) = const { sizes(MIN) };
-    let mut acc = [[_mm256_setzero_ps(); 2]; NY];
-    // SAFETY: the factors follow the codes of all `nb` blocks, Q4_1's minimums the factors
-    // (see the layout).
-    let factors = unsafe { w.add(nb * CODES) };
-    let mins = factors.wrapping_add(nb * 2 * PACK_ROWS);
-    for b in 0..nb {
-        // SAFETY: block `b` of the group and of each token row is in bounds (see `GroupFn`).
-        unsafe {
-            let wb = w.add(b * CODES);
-            if NY == 1 {
-                prefetch_ahead::<PF>(wb, CODES);
-            }
-            for hf in 0..2 {
-                let mut lo = [_mm256_setzero_si256(); 4];
-                let mut hi = [_mm256_setzero_si256(); 4];
-                // IQ4_NL's levels in nibbles: the low codes' (elements 4v..) then the high ones'
-                let mut nl = [[_mm256_setzero_si256(); 8]; 2];
-                for v in 0..4 {
-                    [lo[v], hi[v]] = nibbles8(_mm256_loadu_si256(wb.add(64 * v + 32 * hf) as *const __m256i));
-                    if NL {
-                        [nl[0][v], nl[1][v]] = nl_nibbles8(lo[v]);
-                        [nl[0][v + 4], nl[1][v + 4]] = nl_nibbles8(hi[v]);
-                    }
-                }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(factors.add(b * 2 * PACK_ROWS + 16 * hf) as *const __m128i));
-                let m = if MIN {
-                    _mm256_cvtph_ps(_mm_loadu_si128(mins.add(b * 2 * PACK_ROWS + 16 * hf) as *const __m128i))
-                } else {
-                    d
-                };
-                for t in 0..NY {
-                    let y = a.ys.add(t * a.yb + b * ab);
-                    let sum = if NL {
-                        nibble_dot8(&nl[0], &nl[1], y.add(qs), ones)
-                    } else {
-                        let mut s = _mm256_setzero_si256();
-                        for v in 0..4 {
-                            let q = y.add(qs + 4 * v);
-                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[v], bcast8(q)));
-                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[v], bcast8(q.add(16))));
-                        }
-                        _mm256_madd_epi16(s, ones)
-                    };
-                    let isum =
-                        if MIN { sum } else { _mm256_sub_epi32(sum, _mm256_set1_epi32(off * *a.sums.add(t * nb + b))) };
-                    let da = half(y);
-                    acc[t][hf] =
-                        _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(da)), _mm256_cvtepi32_ps(isum), acc[t][hf]);
-                    if MIN {
-                        acc[t][hf] = _mm256_fmadd_ps(m, _mm256_set1_ps(half(y.add(Q8_1_S))), acc[t][hf]);
-                    }
-                }
+    group_avx2 => group2<const NL: bool, const MIN: bool>("avx2,fma,f16c", CODES)
+    |wb, hf, y, qs|
+    setup {
+        let ones = _mm256_set1_epi16(1);
+    }
+    sizes sizes(MIN), off if NL { 128 } else { 8 }, min MIN,
+    load {
+        let mut lo = [_mm256_setzero_si256(); 4];
+        let mut hi = [_mm256_setzero_si256(); 4];
+        // IQ4_NL's levels in nibbles: the low codes' (elements 4v..) then the high ones'
+        let mut nl = [[_mm256_setzero_si256(); 8]; 2];
+        for v in 0..4 {
+            [lo[v], hi[v]] = nibbles8(_mm256_loadu_si256(wb.add(64 * v + 32 * hf) as *const __m256i));
+            if NL {
+                [nl[0][v], nl[1][v]] = nl_nibbles8(lo[v]);
+                [nl[0][v + 4], nl[1][v + 4]] = nl_nibbles8(hi[v]);
             }
         }
     }
-    // SAFETY: NY token rows of 16 writable floats (see `GroupFn`).
-    unsafe { super::store_halves(&acc, out, ostride) };
+    dot {
+        if NL {
+            nibble_dot8(&nl[0], &nl[1], y.add(qs), ones)
+        } else {
+            let mut s = _mm256_setzero_si256();
+            for v in 0..4 {
+                let q = y.add(qs + 4 * v);
+                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[v], bcast8(q)));
+                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[v], bcast8(q.add(16))));
+            }
+            _mm256_madd_epi16(s, ones)
+        }
+    }
 }

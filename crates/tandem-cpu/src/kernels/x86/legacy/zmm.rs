@@ -8,8 +8,8 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::quant::{
-    f16_splat, group_scales, hsum_ps, iq4_xs_scales, iq4nl_table, word_splat_idx, Block32, G, IQ4NL, IQ4_XS_BYTES,
-    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_0_BYTES, Q8_1_BYTES, Q8_K_BYTES, QK, QK_K,
+    f16_splat, group_scales, hsum_ps, iq4_xs_pair, iq4_xs_scales, iq4nl_table, word_splat_idx, Block32, G, IQ4NL,
+    IQ4_XS_BYTES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_0_BYTES, Q8_1_BYTES, Q8_K_BYTES, QK, QK_K,
 };
 use std::arch::x86_64::*;
 
@@ -104,6 +104,38 @@ impl Pair for IQ4NL {
     }
 }
 
+/// The block at `xb` and, with `two`, the next one (else zeros) in one register.
+#[inline(always)]
+unsafe fn pair<W: Pair>(xb: *const u8, two: bool) -> __m512i {
+    // SAFETY: the caller passes one whole block at `xb` (two with `two`) and runs with AVX-512BW.
+    unsafe {
+        if two {
+            W::unpack2(xb)
+        } else {
+            join(W::unpack(xb), _mm256_setzero_si256())
+        }
+    }
+}
+
+/// The 32 activation quants at `yb` and, with `two`, the 32 at `yb + stride` (else zeros).
+#[inline(always)]
+unsafe fn pair_acts(yb: *const u8, stride: usize, two: bool) -> __m512i {
+    // SAFETY: the caller passes 32 readable bytes at `yb` (and at `yb + stride` with `two`) and
+    // runs with AVX-512F.
+    unsafe {
+        let y1 = if two { _mm256_loadu_si256(yb.add(stride) as *const __m256i) } else { _mm256_setzero_si256() };
+        join(_mm256_loadu_si256(yb as *const __m256i), y1)
+    }
+}
+
+/// The lane of each element's scale in a group's `d`: block `b` in the low half, with `two`
+/// block `b + 1` in the high one (else `b` again).
+#[inline(always)]
+unsafe fn pair_idx(b: usize, two: bool) -> __m512i {
+    // SAFETY: register-only; the caller runs with AVX-512F.
+    unsafe { join(_mm256_set1_epi32(b as i32), _mm256_set1_epi32((b + two as usize) as i32)) }
+}
+
 /// The 16 nibble bytes at `p` and at `p + stride` as two Q4-style blocks of 32 (low nibbles,
 /// then high nibbles, per block).
 #[inline(always)]
@@ -183,17 +215,12 @@ unsafe fn q8_0_act<W: Pair, D: Dot512, const NY: usize>(n: usize, w: *const u8, 
                 // A lone last block pairs with zeros (and its own scale, so 0 * scale adds 0).
                 let two = b + 1 < cnt;
                 let xb = w.add((b0 + b) * W::BYTES);
-                let x = if two { W::unpack2(xb) } else { join(W::unpack(xb), _mm256_setzero_si256()) };
+                let x = pair::<W>(xb, two);
                 let (neg, ax) = (_mm512_movepi8_mask(x), _mm512_abs_epi8(x));
-                let idx = join(_mm256_set1_epi32(b as i32), _mm256_set1_epi32((b + two as usize) as i32));
+                let idx = pair_idx(b, two);
                 for (j, a) in acc.iter_mut().enumerate() {
                     let yb = ys.add(j * yrow + (b0 + b) * Q8_0_BYTES + 2);
-                    let y1 = if two {
-                        _mm256_loadu_si256(yb.add(Q8_0_BYTES) as *const __m256i)
-                    } else {
-                        _mm256_setzero_si256()
-                    };
-                    let y = join(_mm256_loadu_si256(yb as *const __m256i), y1);
+                    let y = pair_acts(yb, Q8_0_BYTES, two);
                     let p = D::dot(ax, apply_sign(y, neg));
                     let dj = _mm512_castps256_ps512(_mm256_loadu_ps(d[j].as_ptr()));
                     *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, dj), *a);
@@ -257,18 +284,13 @@ unsafe fn q8_0_act_tile<W: Pair, const NR: usize, const NY: usize>(
                 let mut xu = [_mm512_setzero_si512(); NR];
                 for r in 0..NR {
                     let xb = w.add(r * wstride + (b0 + b) * W::BYTES);
-                    let x = if two { W::unpack2(xb) } else { join(W::unpack(xb), _mm256_setzero_si256()) };
+                    let x = pair::<W>(xb, two);
                     xu[r] = _mm512_xor_si512(x, k128);
                 }
-                let idx = join(_mm256_set1_epi32(b as i32), _mm256_set1_epi32((b + two as usize) as i32));
+                let idx = pair_idx(b, two);
                 for j in 0..NY {
                     let yb = ys.add(j * yrow + (b0 + b) * Q8_0_BYTES + 2);
-                    let y1 = if two {
-                        _mm256_loadu_si256(yb.add(Q8_0_BYTES) as *const __m256i)
-                    } else {
-                        _mm256_setzero_si256()
-                    };
-                    let y = join(_mm256_loadu_si256(yb as *const __m256i), y1);
+                    let y = pair_acts(yb, Q8_0_BYTES, two);
                     let c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, y);
                     for r in 0..NR {
                         let p = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xu[r], y), c);
@@ -311,16 +333,11 @@ unsafe fn q8_1_act<W: Pair, D: Dot512, const NY: usize>(n: usize, w: *const u8, 
             while b < cnt {
                 let two = b + 1 < cnt;
                 let xb = w.add((b0 + b) * W::BYTES);
-                let x = if two { W::unpack2(xb) } else { join(W::unpack(xb), _mm256_setzero_si256()) };
-                let idx = join(_mm256_set1_epi32(b as i32), _mm256_set1_epi32((b + two as usize) as i32));
+                let x = pair::<W>(xb, two);
+                let idx = pair_idx(b, two);
                 for (j, a) in acc.iter_mut().enumerate() {
                     let yb = ys.add(j * yrow + (b0 + b) * Q8_1_BYTES + 4);
-                    let y1 = if two {
-                        _mm256_loadu_si256(yb.add(Q8_1_BYTES) as *const __m256i)
-                    } else {
-                        _mm256_setzero_si256()
-                    };
-                    let y = join(_mm256_loadu_si256(yb as *const __m256i), y1);
+                    let y = pair_acts(yb, Q8_1_BYTES, two);
                     let dj = _mm512_castps256_ps512(_mm256_loadu_ps(d[j].as_ptr()));
                     *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D::dot(x, y)), _mm512_permutexvar_ps(idx, dj), *a);
                 }
@@ -342,7 +359,6 @@ unsafe fn iq4_xs<D: Dot512, const NY: usize>(n: usize, w: *const u8, ys: *const 
     // SAFETY: `Kernel::run` checked `w` holds `nb` blocks and `ys` holds `NY` rows of `nb` blocks.
     unsafe {
         let table = iq4nl_table();
-        let m4 = _mm256_set1_epi8(0x0F);
         let mut acc = [_mm512_setzero_ps(); NY];
         for b in 0..nb {
             // Block: f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128].
@@ -352,11 +368,8 @@ unsafe fn iq4_xs<D: Dot512, const NY: usize>(n: usize, w: *const u8, ys: *const 
             for k in 0..4 {
                 // Scale of sub-block 2k in the low half, of 2k+1 in the high half.
                 let s = _mm512_shuffle_epi8(sc, join(word_splat_idx(2 * k as i32), word_splat_idx(2 * k as i32 + 1)));
-                // Sub-blocks 2k, 2k+1: 16 bytes each, low nibbles first then high nibbles.
-                let q = _mm256_loadu_si256(xb.add(8 + 32 * k) as *const __m256i);
-                let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(q, m4));
-                let hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4));
-                let x = join(_mm256_permute2x128_si256::<0x20>(lo, hi), _mm256_permute2x128_si256::<0x31>(lo, hi));
+                let [x0, x1] = iq4_xs_pair(xb, k, table);
+                let x = join(x0, x1);
                 let (neg, ax) = (_mm512_movepi8_mask(x), _mm512_abs_epi8(x));
                 for (j, is) in isum.iter_mut().enumerate() {
                     let y = _mm512_loadu_si512(ys.add(j * yrow + b * Q8_K_BYTES + 4 + 64 * k) as *const __m512i);
@@ -381,7 +394,7 @@ block_entries!("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq" Bw
 block_entries!("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni" Vnni
     => q8_0_vnni512 q4_0_vnni512 q5_0_vnni512 iq4_nl_vnni512 q4_1_vnni512 q5_1_vnni512 iq4_xs_vnni512);
 
-/// Defines a [`super::super::TileFn`] at the VNNI level for one signed-weight type.
+/// Defines a [`crate::kernels::TileFn`] at the VNNI level for one signed-weight type.
 macro_rules! tile_entry {
     ($name:ident, $w:ty) => {
         /// # Safety

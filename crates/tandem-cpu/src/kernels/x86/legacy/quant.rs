@@ -93,6 +93,20 @@ pub(super) unsafe fn iq4_xs_scales(xb: *const u8) -> __m128i {
     }
 }
 
+/// Sub-blocks `2k` and `2k + 1` of the IQ4_XS block at `xb` as their signed levels (`table`:
+/// [`iq4nl_table`]): the 16 bytes of each hold its low nibbles, then its high ones.
+#[inline(always)]
+pub(super) unsafe fn iq4_xs_pair(xb: *const u8, k: usize, table: __m256i) -> [__m256i; 2] {
+    // SAFETY: the caller passes a whole block and runs with AVX2.
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let q = _mm256_loadu_si256(xb.add(8 + 32 * k) as *const __m256i);
+        let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(q, m4));
+        let hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4));
+        [_mm256_permute2x128_si256::<0x20>(lo, hi), _mm256_permute2x128_si256::<0x31>(lo, hi)]
+    }
+}
+
 /// Bytes selecting i16 lane `i` of a 128-bit lane in every i16 lane, for `shuffle_epi8`.
 #[inline(always)]
 pub(super) unsafe fn word_splat_idx(i: i32) -> __m256i {
@@ -314,7 +328,6 @@ unsafe fn iq4_xs<D: Dot, const NY: usize>(n: usize, w: *const u8, ys: *const u8,
     // SAFETY: `Kernel::run` checked `w` holds `nb` blocks and `ys` holds `NY` rows of `nb` blocks.
     unsafe {
         let table = iq4nl_table();
-        let m4 = _mm256_set1_epi8(0x0F);
         let mut acc = [_mm256_setzero_ps(); NY];
         for b in 0..nb {
             // Block: f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128].
@@ -324,12 +337,7 @@ unsafe fn iq4_xs<D: Dot, const NY: usize>(n: usize, w: *const u8, ys: *const u8,
             for k in 0..4 {
                 let s0 = _mm256_shuffle_epi8(sc, word_splat_idx(2 * k as i32));
                 let s1 = _mm256_shuffle_epi8(sc, word_splat_idx(2 * k as i32 + 1));
-                // Sub-blocks 2k, 2k+1: 16 bytes each, low nibbles first then high nibbles.
-                let q = _mm256_loadu_si256(xb.add(8 + 32 * k) as *const __m256i);
-                let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(q, m4));
-                let hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4));
-                let x0 = _mm256_permute2x128_si256::<0x20>(lo, hi);
-                let x1 = _mm256_permute2x128_si256::<0x31>(lo, hi);
+                let [x0, x1] = iq4_xs_pair(xb, k, table);
                 let (ax0, ax1) = (_mm256_sign_epi8(x0, x0), _mm256_sign_epi8(x1, x1));
                 for (j, s) in isum.iter_mut().enumerate() {
                     let yq = ys.add(j * yrow + b * Q8_K_BYTES + 4 + 64 * k);

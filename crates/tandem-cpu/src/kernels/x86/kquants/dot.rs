@@ -2,6 +2,7 @@
 //! type and the number of activation rows `NY` (a weight block is unpacked once for all `NY` rows).
 
 use super::unpack::{Factors, KQuant, Unpacked};
+use crate::kernels::MAX_WIDE;
 use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
 use tandem_quant::blocks::BlockQ8K;
@@ -396,8 +397,40 @@ dot_512!(
     unpack_vbmi
 );
 
-/// Most tokens a wide kernel (`wide_512!`) takes.
-pub(crate) const MAX_WIDE: usize = 64;
+/// Block `$i` of the `NR` weight rows (`$wstride` bytes apart from `$w`, unpacked by `$unpack`)
+/// against the tokens `0..$ny` (rows `$row` bytes apart from `$ys`), the body of the zmm kernels
+/// of several weight rows (`wide_512!`, `tile_512!`): each activation block is loaded once for all
+/// the rows, and every (row `$r`, token `$j`) gets the block's float term `$v` of `dot_512!` and the
+/// token's factor `$ydv` to accumulate (`$acc`). The caller binds `T`, `NR` and the names given.
+macro_rules! rows_512 {
+    (
+        T::$unpack:ident, $scales:ident, $rowq:ident, ($w:ident, $wstride:ident, $ys:ident, $row:ident, $i:ident),
+        $ny:expr, |$r:ident, $j:ident, $v:ident, $ydv:ident| $acc:block
+    ) => {
+        // Plain loops, not `array::from_fn`: its closures were left as calls (not inlined) here,
+        // with the unpacked vectors passed through memory.
+        let zero = Factors { sc: _mm256_setzero_si256(), m: _mm256_setzero_si256(), d: 0.0, dmin: 0.0 };
+        let mut u = [([_mm512_setzero_si512(); 4], zero); NR];
+        let mut s = [[_mm512_setzero_si512(); _]; NR];
+        for r in 0..NR {
+            u[r] = T::$unpack($w.add(r * $wstride + $i * T::BYTES));
+            s[r] = $scales(u[r].1.sc);
+        }
+        for $j in 0..$ny {
+            let y = $ys.add($j * $row + $i * Q8K_BYTES);
+            let q = load_q(y);
+            let bs = ld(y.add(Q8K_BSUMS));
+            let $ydv = _mm512_set1_ps(yd(y));
+            for $r in 0..NR {
+                let (wz, f) = &u[$r];
+                let (dv, dmv) = (_mm512_set1_ps(f.d), _mm512_set1_ps(f.dmin));
+                let t = $rowq(wz, &s[$r], &q);
+                let $v = block_term512::<T>(t, bs, f.m, dv, dmv);
+                $acc
+            }
+        }
+    };
+}
 
 /// Wide zmm kernels: `NR` weight rows (`wstride` bytes apart; one row, or several where each
 /// activation block loaded once for all of them pays) against up to [`MAX_WIDE`] tokens, each
@@ -436,28 +469,11 @@ macro_rules! wide_512 {
             for i in 0..nb {
                 // SAFETY: block `i` of each of the NR weight rows and ny activation rows is in bounds.
                 unsafe {
-                    let zero = Factors { sc: _mm256_setzero_si256(), m: _mm256_setzero_si256(), d: 0.0, dmin: 0.0 };
-                    let mut u = [([_mm512_setzero_si512(); 4], zero); NR];
-                    let mut s = [[_mm512_setzero_si512(); _]; NR];
-                    for r in 0..NR {
-                        u[r] = T::$unpack(w.add(r * wstride + i * T::BYTES));
-                        s[r] = $scales(u[r].1.sc);
-                    }
-                    for j in 0..ny {
-                        let y = ys.add(j * row + i * Q8K_BYTES);
-                        let q = load_q(y);
-                        let bs = ld(y.add(Q8K_BSUMS));
-                        let ydv = _mm512_set1_ps(yd(y));
-                        for r in 0..NR {
-                            let (wz, f) = &u[r];
-                            let (dv, dmv) = (_mm512_set1_ps(f.d), _mm512_set1_ps(f.dmin));
-                            let t = $rowq(wz, &s[r], &q);
-                            let v = block_term512::<T>(t, bs, f.m, dv, dmv);
-                            let a = acc.add(r * MAX_WIDE + j);
-                            let prev = if i == 0 { _mm512_setzero_ps() } else { *a };
-                            *a = _mm512_fmadd_ps(v, ydv, prev);
-                        }
-                    }
+                    rows_512!(T::$unpack, $scales, $rowq, (w, wstride, ys, row, i), ny, |r, j, v, ydv| {
+                        let a = acc.add(r * MAX_WIDE + j);
+                        let prev = if i == 0 { _mm512_setzero_ps() } else { *a };
+                        *a = _mm512_fmadd_ps(v, ydv, prev);
+                    });
                 }
             }
             for r in 0..NR {
@@ -517,28 +533,9 @@ macro_rules! tile_512 {
             for i in 0..nb {
                 // SAFETY: block `i` of each of the NR weight rows and NY activation rows is in bounds.
                 unsafe {
-                    // Plain loops, not `array::from_fn`: its closures were left as calls (not
-                    // inlined) here, with the unpacked vectors passed through memory.
-                    let zero = Factors { sc: _mm256_setzero_si256(), m: _mm256_setzero_si256(), d: 0.0, dmin: 0.0 };
-                    let mut u = [([_mm512_setzero_si512(); 4], zero); NR];
-                    let mut s = [[_mm512_setzero_si512(); _]; NR];
-                    for r in 0..NR {
-                        u[r] = T::unpack512(w.add(r * wstride + i * T::BYTES));
-                        s[r] = $scales(u[r].1.sc);
-                    }
-                    for j in 0..NY {
-                        let y = ys.add(j * row + i * Q8K_BYTES);
-                        let q = load_q(y);
-                        let bs = ld(y.add(Q8K_BSUMS));
-                        let ydv = _mm512_set1_ps(yd(y));
-                        for r in 0..NR {
-                            let (wz, f) = &u[r];
-                            let (dv, dmv) = (_mm512_set1_ps(f.d), _mm512_set1_ps(f.dmin));
-                            let t = $rowq(wz, &s[r], &q);
-                            let v = block_term512::<T>(t, bs, f.m, dv, dmv);
-                            acc[r][j] = _mm512_fmadd_ps(v, ydv, acc[r][j]);
-                        }
-                    }
+                    rows_512!(T::unpack512, $scales, $rowq, (w, wstride, ys, row, i), NY, |r, j, v, ydv| {
+                        acc[r][j] = _mm512_fmadd_ps(v, ydv, acc[r][j]);
+                    });
                 }
             }
             for (r, a) in acc.iter().enumerate() {
