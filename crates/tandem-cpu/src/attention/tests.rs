@@ -21,6 +21,27 @@ fn cache_rows(ty: KvType, x: &[f32]) -> Vec<u8> {
     }
 }
 
+/// One token of MLA's absorbed attention over an f16 latent cache of `n` rows (`dk` 576, V the
+/// first 512 values of each row), as the bench model's layers have it.
+fn mla_f16<'a>(q: &'a [f32], k: &'a [u8], nh: usize, n: usize, scale: f32) -> Attn<'a> {
+    let (dk, dv) = (576, 512);
+    Attn {
+        q,
+        n_head: nh,
+        n_head_kv: 1,
+        dk,
+        dv,
+        k,
+        k_type: KvType::F16,
+        k_row: dk,
+        v: None,
+        v_type: KvType::F16,
+        v_row: dk,
+        n_kv: n,
+        scale,
+    }
+}
+
 /// Scores and weighted values have the same bits however the rows are cut into calls (at any
 /// row for scores, at whole blocks of 16 for values): a split of the rows between threads or
 /// into blocks may rely on it.
@@ -40,21 +61,7 @@ fn rows_cut_into_calls_give_the_same_bits() {
     let k = cache_rows(KvType::F16, &(0..n * dk).map(|_| rnd()).collect::<Vec<_>>());
     let q: Vec<f32> = (0..nh * dk).map(|_| rnd()).collect();
     let p: Vec<f32> = (0..nh * n).map(|_| rnd().abs() / n as f32).collect();
-    let a = Attn {
-        q: &q,
-        n_head: nh,
-        n_head_kv: 1,
-        dk,
-        dv,
-        k: &k,
-        k_type: KvType::F16,
-        k_row: dk,
-        v: None,
-        v_type: KvType::F16,
-        v_row: dk,
-        n_kv: n,
-        scale: 0.1,
-    };
+    let a = mla_f16(&q, &k, nh, n, 0.1);
     let (v, v_row, _) = a.v_rows();
     let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     for avx2 in levels {
@@ -339,21 +346,7 @@ fn decode_attention_speed() {
     let (nh, dk, dv, n) = (16usize, 576usize, 512usize, 3072usize);
     let k = cache_rows(KvType::F16, &(0..n * dk).map(|_| rnd()).collect::<Vec<_>>());
     let q: Vec<f32> = (0..nh * dk).map(|_| rnd()).collect();
-    let a = Attn {
-        q: &q,
-        n_head: nh,
-        n_head_kv: 1,
-        dk,
-        dv,
-        k: &k,
-        k_type: KvType::F16,
-        k_row: dk,
-        v: None,
-        v_type: KvType::F16,
-        v_row: dk,
-        n_kv: n,
-        scale: 0.04,
-    };
+    let a = mla_f16(&q, &k, nh, n, 0.04);
     let qr = a.prepared_q().unwrap();
     let level = Level::detected();
     let mut out = vec![0f32; nh * dv];

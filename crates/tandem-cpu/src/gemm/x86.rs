@@ -4,7 +4,8 @@
 use super::{Dims, KC, MR};
 use std::arch::x86_64::*;
 
-/// Panels of `KC` rows of `b`; within one, column blocks of `W` and row tiles of `MR`.
+/// With AVX-512, panels of `KC` rows of `b`; within one, column blocks of 64 and row tiles of
+/// `MR`. With AVX2 ([`gemm2`]), its own order.
 ///
 /// # Safety
 /// AVX-512F (or AVX2 and FMA with `avx2`) is present; the pointers hold what `d` describes.
@@ -14,7 +15,7 @@ pub(super) unsafe fn gemm(d: Dims, a: *const f32, b: *const f32, c: *mut f32, av
         unsafe { gemm2(d, a, b, c) };
         return;
     }
-    let w = if avx2 { 16 } else { 64 };
+    let w = 64;
     for k0 in (0..d.k).step_by(KC) {
         let kk = (k0 + KC).min(d.k) - k0;
         for j0 in (0..d.n).step_by(w) {
@@ -25,13 +26,7 @@ pub(super) unsafe fn gemm(d: Dims, a: *const f32, b: *const f32, c: *mut f32, av
                 let (ap, bp, cp) =
                     unsafe { (a.add(i0 * d.lda + k0 * d.ka), b.add(k0 * d.ldb + j0), c.add(i0 * d.ldc + j0)) };
                 // SAFETY: as above; the tile reads `rows` x `kk` of a, `kk` x `cols` of b.
-                unsafe {
-                    if avx2 {
-                        by_rows!(rows, tile2(kk, cols, ap, d.lda, d.ka, bp, d.ldb, cp, d.ldc));
-                    } else {
-                        by_rows!(rows, tile512(kk, cols, ap, d.lda, d.ka, bp, d.ldb, cp, d.ldc));
-                    }
-                }
+                unsafe { by_rows!(rows, tile512(kk, cols, ap, d.lda, d.ka, bp, d.ldb, cp, d.ldc)) };
             }
         }
     }
@@ -62,8 +57,8 @@ unsafe fn gemm2(d: Dims, a: *const f32, b: *const f32, c: *mut f32) {
             let rows = (d.m - i0).min(MR);
             // SAFETY: inside a (`fits`).
             let ta = unsafe { a.add(i0 * d.lda + k0 * d.ka) };
-            let (lda, ka) = (d.lda, d.ka);
-            // SAFETY: tiles inside c and the packed copies (`fits`).
+            let (lda, ka) = (d.lda, d.ka); // the macro's arguments, kept short
+                                           // SAFETY: tiles inside c and the packed copies (`fits`).
             unsafe {
                 let ct = c.add(i0 * d.ldc);
                 for jb in 0..nb {
