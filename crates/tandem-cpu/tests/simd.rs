@@ -119,6 +119,22 @@ fn kernels_never_exceed_the_level_asked_for() {
     }
 }
 
+/// A `TANDEM_CPU_ISA` cap gives the best level at or below it that runs here: AVX-VNNI is no part
+/// of the AVX-512 levels, so a cap above it never lands on it unless the machine has it.
+#[test]
+fn a_cap_gives_the_best_level_at_or_below_it_that_runs() {
+    for cap in Isa::ALL {
+        let got = Isa::best_within(Some(cap));
+        assert!(got <= cap && got.supported(), "cap {cap}: {got}");
+        let better = Isa::ALL.into_iter().find(|l| *l > got && *l <= cap && l.supported());
+        assert_eq!(better, None, "cap {cap}: {got}");
+        assert_eq!(Isa::parse(cap.name()), Some(cap));
+    }
+    let best = Isa::ALL.into_iter().rev().find(|l| l.supported()).unwrap();
+    assert_eq!(Isa::best_within(None), best);
+    println!("levels this machine runs: {:?}", Isa::ALL.into_iter().filter(|l| l.supported()).collect::<Vec<_>>());
+}
+
 #[test]
 #[should_panic(expected = "activation bytes")]
 fn a_kernel_refuses_mismatched_lengths() {

@@ -2,7 +2,8 @@
 //! (quantized to the weight type's `vec_dot_type`), so a weight block unpacked once serves several
 //! tokens of a batch. Every type has the scalar reference of tandem-quant; SIMD versions exist per
 //! type and instruction set, and [`kernel`] picks the best one the machine can run, never above the
-//! level `TANDEM_CPU_ISA` allows (`scalar`, `avx2`, `avx512`, `avx512vnni`, `avx512vbmi`, `avx512bf16`).
+//! level `TANDEM_CPU_ISA` allows (`scalar`, `avx2`, `avxvnni`, `avx512`, `avx512vnni`, `avx512vbmi`,
+//! `avx512bf16`).
 //!
 //! SIMD kernels sum the same integer products exactly but combine per-block float terms in another
 //! order (with FMA), as ggml's own SIMD kernels do, so they agree with the scalar reference within a
@@ -42,12 +43,17 @@ pub const MAX_NY: usize = 8;
 /// Most activation rows one call of a kernel with a wide variant takes ([`Kernel::max_tokens`]).
 pub const MAX_WIDE: usize = kquants::MAX_WIDE;
 
-/// Instruction-set levels, each including the ones below it.
+/// Instruction-set levels, each including the ones below it but `AvxVnni`: the AVX-512 levels
+/// bring their own VNNI and do not need it (Zen 4 has AVX-512 VNNI without AVX-VNNI). A cap of
+/// `TANDEM_CPU_ISA` picks the best level at or below it that the machine runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Isa {
     Scalar,
     /// AVX2 + FMA + F16C.
     Avx2,
+    /// AVX2 with AVX-VNNI (`vpdpbusd` on ymm, VEX-encoded): Alder Lake and later client cores,
+    /// Sierra Forest, Zen 5; also Sapphire Rapids, under its AVX-512.
+    AvxVnni,
     /// AVX-512 F/BW/VL/DQ.
     Avx512,
     /// AVX-512 with VNNI (`vpdpbusd`).
@@ -61,12 +67,14 @@ pub enum Isa {
 }
 
 impl Isa {
-    pub const ALL: [Isa; 6] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni, Isa::Avx512Vbmi, Isa::Avx512Bf16];
+    pub const ALL: [Isa; 7] =
+        [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Avx512Vnni, Isa::Avx512Vbmi, Isa::Avx512Bf16];
 
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avxvnni",
             Isa::Avx512 => "avx512",
             Isa::Avx512Vnni => "avx512vnni",
             Isa::Avx512Bf16 => "avx512bf16",
@@ -89,6 +97,7 @@ impl Isa {
             match self {
                 Isa::Scalar => true,
                 Isa::Avx2 => avx2,
+                Isa::AvxVnni => avx2 && has!("avxvnni"),
                 Isa::Avx512 => avx512,
                 Isa::Avx512Vnni => avx512 && has!("avx512vnni"),
                 Isa::Avx512Vbmi => vbmi,
@@ -104,13 +113,13 @@ impl Isa {
     /// The best level this machine runs, capped by `TANDEM_CPU_ISA` when set (read once).
     pub fn detected() -> Isa {
         static DETECTED: OnceLock<Isa> = OnceLock::new();
-        *DETECTED.get_or_init(|| {
-            let best = Isa::ALL.into_iter().rev().find(|i| i.supported()).unwrap_or(Isa::Scalar);
-            match std::env::var("TANDEM_CPU_ISA").ok().and_then(|s| Isa::parse(&s)) {
-                Some(cap) => best.min(cap),
-                None => best,
-            }
-        })
+        *DETECTED.get_or_init(|| Isa::best_within(std::env::var("TANDEM_CPU_ISA").ok().and_then(|s| Isa::parse(&s))))
+    }
+
+    /// The best level this machine runs at or below `cap`.
+    pub fn best_within(cap: Option<Isa>) -> Isa {
+        let fits = |i: &Isa| cap.is_none_or(|c| *i <= c) && i.supported();
+        Isa::ALL.into_iter().rev().find(fits).unwrap_or(Isa::Scalar)
     }
 }
 

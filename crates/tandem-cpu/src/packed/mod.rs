@@ -34,8 +34,8 @@ use x86::simd_kernels;
 
 /// No SIMD group kernels on this architecture: only the scalar references run.
 #[cfg(not(target_arch = "x86_64"))]
-fn simd_kernels(_ty: GgmlType) -> (Option<GroupFn>, Option<GroupFn>) {
-    (None, None)
+fn simd_kernels(_ty: GgmlType) -> [Option<(crate::Isa, GroupFn)>; 3] {
+    [None; 3]
 }
 
 use crate::{Error, Result, WeightRef};
@@ -281,16 +281,20 @@ unsafe fn store_scalar(out: *mut f32, t: usize, ostride: usize, acc: &[f32; PACK
 }
 
 /// The best group kernel for `ty` this machine runs (within `TANDEM_CPU_ISA`): AVX-512 VNNI, else
-/// AVX2, else the scalar reference.
+/// AVX-VNNI, else AVX2, else the scalar reference.
 pub(crate) fn group_kernel(ty: GgmlType) -> Option<GroupFn> {
     PACKED_TYPES.contains(&ty).then(|| simd_kernel(ty).unwrap_or(scalar_kernel(ty)))
 }
 
 /// The SIMD group kernel of `ty` this machine runs (within `TANDEM_CPU_ISA`), if any.
 fn simd_kernel(ty: GgmlType) -> Option<GroupFn> {
-    let isa = crate::Isa::detected();
-    let (vnni, avx2) = simd_kernels(ty);
-    vnni.filter(|_| isa >= crate::Isa::Avx512Vnni).or(avx2.filter(|_| isa >= crate::Isa::Avx2))
+    best_of(simd_kernels(ty), crate::Isa::detected())
+}
+
+/// The first of `kernels` (best first) whose level is at most `isa` and runs here: AVX-VNNI is
+/// no part of the AVX-512 levels (Zen 4 has AVX-512 VNNI without it), so it is asked for.
+fn best_of(kernels: [Option<(crate::Isa, GroupFn)>; 3], isa: crate::Isa) -> Option<GroupFn> {
+    kernels.into_iter().flatten().find(|(level, _)| *level <= isa && level.supported()).map(|(_, k)| k)
 }
 
 /// Whether packing `ty` pays on this machine: a SIMD group kernel of it runs here (within
@@ -444,13 +448,12 @@ mod tests {
     fn the_simd_group_kernels_equal_the_scalar_ones_bit_for_bit() {
         let mut rng = Rng(13);
         for ty in PACKED_TYPES {
-            let (vnni, avx2) = simd_kernels(ty);
-            let mut levels = vec![(crate::Isa::Avx512Vnni, "", vnni, true), (crate::Isa::Avx2, "", avx2, true)];
+            let mut levels: Vec<_> = simd_kernels(ty).into_iter().flatten().map(|(i, k)| (i, "", k, true)).collect();
             if ty == GgmlType::Q6_K {
                 // Each copy of the kernel, not only the one this machine picks.
-                levels.extend(q6k_variants().map(|(name, k, runs)| (crate::Isa::Avx512Vnni, name, Some(k), runs)));
+                levels.extend(q6k_variants().map(|(name, k, runs)| (crate::Isa::Avx512Vnni, name, k, runs)));
             }
-            for (isa, variant, k, runs) in levels.into_iter().filter_map(|(i, v, k, r)| k.map(|k| (i, v, k, r))) {
+            for (isa, variant, k, runs) in levels {
                 if !isa.supported() || !runs {
                     println!(
                         "SKIPPED {isa} {variant} packed {ty} kernel: this machine (or TANDEM_CPU_ISA) does not run it"
@@ -492,8 +495,7 @@ mod tests {
         // the largest partial sums the kernels keep in narrow lanes.
         let mut rng = Rng(17);
         for ty in PACKED_TYPES {
-            let (vnni, avx2) = simd_kernels(ty);
-            let levels = [(crate::Isa::Avx512Vnni, vnni), (crate::Isa::Avx2, avx2)];
+            let levels = simd_kernels(ty);
             let n = 512;
             let mut w = random_rows(ty, PACK_ROWS, n, &mut rng);
             let factors = factor_offsets(ty);
@@ -534,7 +536,7 @@ mod tests {
                     let dot = tandem_quant::vec_dot(ty, n, &w[r * rb..(r + 1) * rb], &ys[..yb]).unwrap();
                     assert!((want[r] - dot).abs() <= 1e-5 * dot.abs().max(1.0), "{ty} row {r}: {} vs {dot}", want[r]);
                 }
-                for (isa, k) in levels.into_iter().filter_map(|(isa, k)| k.map(|k| (isa, k))) {
+                for (isa, k) in levels.into_iter().flatten() {
                     if !isa.supported() {
                         println!("SKIPPED {isa} packed {ty} kernel at the extremes: this machine does not run it");
                         continue;
@@ -552,14 +554,13 @@ mod tests {
     fn the_kernel_follows_the_instruction_set() {
         let isa = crate::Isa::detected();
         for ty in PACKED_TYPES {
-            let (vnni, avx2) = simd_kernels(ty);
-            let want = if isa >= crate::Isa::Avx512Vnni && vnni.is_some() {
-                vnni
-            } else if isa >= crate::Isa::Avx2 && avx2.is_some() {
-                avx2
-            } else {
-                None
-            };
+            let kernels = simd_kernels(ty);
+            let runs = |level: crate::Isa| level <= isa && level.supported();
+            let want = kernels.into_iter().flatten().find(|(level, _)| runs(*level)).map(|(_, k)| k);
+            // Each level's kernel where it runs, even under another, better one's cap.
+            for (level, k) in kernels.into_iter().flatten().filter(|(level, _)| level.supported()) {
+                assert_eq!(best_of(kernels, level).map(|k| k as usize), Some(k as usize), "{ty} capped at {level}");
+            }
             let got = group_kernel(ty).unwrap();
             assert_eq!(got as usize, want.unwrap_or(scalar_kernel(ty)) as usize, "{ty} at {isa}");
             assert_eq!(packing_pays_for(ty), want.is_some(), "{ty} at {isa}");

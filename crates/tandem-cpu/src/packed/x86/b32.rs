@@ -1,7 +1,7 @@
-//! The packed group kernels of Q8_0, Q5_0 and Q5_1 for x86-64 (AVX-512 VNNI, AVX2); layout and
-//! arithmetic in `packed/b32.rs`.
+//! The packed group kernels of Q8_0, Q5_0 and Q5_1 for x86-64 (AVX-512 VNNI, AVX2 and its AVX-VNNI
+//! twin); layout and arithmetic in `packed/b32.rs`.
 
-use super::{bcast, bcast8, nibble_dot8, nibbles8};
+use super::{bcast, bcast8, byte_dot8, nibble_dot8, nibbles8};
 use crate::packed::b32::{sizes, LEVELS, Q5_1_OFF};
 use crate::packed::GroupActs;
 use std::arch::x86_64::*;
@@ -47,7 +47,7 @@ q8_group! { ymm
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_0 activations with their block sums; Q8_1 activations for Q5_1),
     /// and the machine has AVX2.
-    group_avx2 => group2<const OFF: i32>("avx2,fma,f16c", LEVELS)
+    group_avx2 => group2, vnni group_avxvnni => group2v<const OFF: i32>("avx2,fma,f16c", LEVELS)
     |wb, hf, y, qs|
     setup {
         let ones = _mm256_set1_epi16(1);
@@ -59,13 +59,15 @@ q8_group! { ymm
         let mut nib = [[_mm256_setzero_si256(); 8]; 2];
         for (q, v) in wv.iter_mut().enumerate() {
             *v = _mm256_loadu_si256(wb.add(64 * q + 32 * hf) as *const __m256i);
-            if OFF == 128 {
+            if OFF == 128 && !VNNI {
                 [nib[0][q], nib[1][q]] = nibbles8(*v);
             }
         }
     }
     dot {
-        if OFF == 128 {
+        if VNNI {
+            byte_dot8(&wv, y.add(qs))
+        } else if OFF == 128 {
             nibble_dot8(&nib[0], &nib[1], y.add(qs), ones)
         } else {
             let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());

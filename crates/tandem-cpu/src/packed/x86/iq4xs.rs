@@ -1,7 +1,7 @@
-//! IQ4_XS's packed group kernels for x86-64 (AVX-512 VNNI, AVX2); layout and arithmetic in
-//! `packed/iq4xs.rs`.
+//! IQ4_XS's packed group kernels for x86-64 (AVX-512 VNNI, AVX2 and its AVX-VNNI twin); layout and
+//! arithmetic in `packed/iq4xs.rs`.
 
-use super::{bcast, bcast8, nibble_dot8, nibbles8, nl_nibbles8};
+use super::{bcast, bcast8, byte_dot8, nibble_dot8, nibbles8, nl_levels8, nl_nibbles8};
 use crate::packed::iq4xs::{D, GROUP_BLOCK, LS, QS};
 use crate::packed::q40::NL_LEVELS;
 use crate::packed::{GroupActs, Q8K_BSUMS, Q8K_QS};
@@ -58,7 +58,7 @@ q8k_group! { ymm
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    group_avx2 => group2<>("avx2,fma,f16c", GROUP_BLOCK)
+    group_avx2 => group2, vnni group_avxvnni => group2v<>("avx2,fma,f16c", GROUP_BLOCK)
     |wb, y, hf, j, isum, ibias, t|
     setup {
         let off32 = _mm256_set1_epi16(32);
@@ -71,14 +71,27 @@ q8k_group! { ymm
         let ll = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(ls, ls)), off32);
         // the levels in nibbles: the low indices' (elements 4v..) then the high ones'
         let mut nl = [[_mm256_setzero_si256(); 8]; 2];
+        // With VNNI: the levels whole, and ls - 32 as an i32 for `vpmulld`
+        let mut u = [_mm256_setzero_si256(); 8];
+        let ls32 = _mm256_srai_epi32::<16>(ll);
         for v in 0..4 {
             let raw = _mm256_loadu_si256(wb.add(QS + 256 * j + 64 * v + 32 * hf) as *const __m256i);
             let [lo, hi] = nibbles8(raw);
-            [nl[0][v], nl[1][v]] = nl_nibbles8(lo);
-            [nl[0][v + 4], nl[1][v + 4]] = nl_nibbles8(hi);
+            if VNNI {
+                [u[v], u[v + 4]] = [nl_levels8(lo), nl_levels8(hi)];
+            } else {
+                [nl[0][v], nl[1][v]] = nl_nibbles8(lo);
+                [nl[0][v + 4], nl[1][v + 4]] = nl_nibbles8(hi);
+            }
         }
         for t in 0..NY {
-            let s = nibble_dot8(&nl[0], &nl[1], y[t].add(Q8K_QS + 32 * j), ll);
+            let q = y[t].add(Q8K_QS + 32 * j);
+            let s = if VNNI {
+                // |sum| <= 32 * 255 * 128, times |ls - 32| <= 32: exact in i32
+                _mm256_mullo_epi32(byte_dot8(&u, q), ls32)
+            } else {
+                nibble_dot8(&nl[0], &nl[1], q, ll)
+            };
             isum[t] = _mm256_add_epi32(isum[t], s);
             let bias = _mm256_madd_epi16(ll, bcast8(y[t].add(Q8K_BSUMS + 4 * j)));
             ibias[t] = _mm256_add_epi32(ibias[t], bias);

@@ -1,4 +1,5 @@
-//! Q2_K's packed group kernels for x86-64 (AVX-512 VNNI, AVX2); layout and arithmetic in `packed/q2k.rs`.
+//! Q2_K's packed group kernels for x86-64 (AVX-512 VNNI, AVX2 and its AVX-VNNI twin); layout and
+//! arithmetic in `packed/q2k.rs`.
 
 use super::{bcast, planes_dot, planes_dot8};
 use crate::packed::q2k::{D, DMIN, GROUP_BLOCK, QS, SM};
@@ -59,7 +60,7 @@ q8k_group! { ymm
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    group_avx2 => group2<>("avx2,fma,f16c", GROUP_BLOCK)
+    group_avx2 => group2, vnni group_avxvnni => group2v<>("avx2,fma,f16c", GROUP_BLOCK)
     |wb, y, hf, i, isum, imin, t|
     setup {
         let three = _mm256_set1_epi8(3);
@@ -89,7 +90,7 @@ q8k_group! { ymm
         let mm = _mm256_or_si256(m[0], _mm256_slli_epi32::<16>(m[1]));
         for t in 0..NY {
             for h in 0..2 {
-                let s = planes_dot8(&planes[h], y[t].add(Q8K_QS + 16 * (2 * i + h)), scsc[h]);
+                let s = planes_dot8::<VNNI>(&planes[h], y[t].add(Q8K_QS + 16 * (2 * i + h)), scsc[h]);
                 isum[t] = _mm256_add_epi32(isum[t], s);
             }
             let bs = _mm256_set1_epi32((y[t].add(Q8K_BSUMS + 4 * i) as *const i32).read_unaligned());

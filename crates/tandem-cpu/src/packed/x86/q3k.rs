@@ -1,4 +1,5 @@
-//! Q3_K's packed group kernels for x86-64 (AVX-512 VNNI, AVX2); layout and arithmetic in `packed/q3k.rs`.
+//! Q3_K's packed group kernels for x86-64 (AVX-512 VNNI, AVX2 and its AVX-VNNI twin); layout and
+//! arithmetic in `packed/q3k.rs`.
 
 use super::{bcast, planes_dot, planes_dot8};
 use crate::packed::q3k::{D, GROUP_BLOCK, QH, QS, SC};
@@ -73,7 +74,7 @@ q8k_group! { ymm
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    group_avx2 => group2<>("avx2,fma,f16c", GROUP_BLOCK)
+    group_avx2 => group2, vnni group_avxvnni => group2v<>("avx2,fma,f16c", GROUP_BLOCK)
     |wb, y, hf, i, isum, ibias, t|
     setup {
         let three = _mm256_set1_epi8(3);
@@ -104,7 +105,7 @@ q8k_group! { ymm
         let ss = _mm256_or_si256(_mm256_and_si256(sc[0], low16), _mm256_slli_epi32::<16>(sc[1]));
         for t in 0..NY {
             for h in 0..2 {
-                let s = planes_dot8(&planes[h], y[t].add(Q8K_QS + 16 * (2 * i + h)), scsc[h]);
+                let s = planes_dot8::<VNNI>(&planes[h], y[t].add(Q8K_QS + 16 * (2 * i + h)), scsc[h]);
                 isum[t] = _mm256_add_epi32(isum[t], s);
             }
             let bs = _mm256_set1_epi32((y[t].add(Q8K_BSUMS + 4 * i) as *const i32).read_unaligned());

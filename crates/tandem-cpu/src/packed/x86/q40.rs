@@ -1,7 +1,7 @@
-//! The packed group kernels of Q4_0, IQ4_NL and Q4_1 for x86-64 (AVX-512 VNNI, AVX2); layout and
-//! arithmetic in `packed/q40.rs`.
+//! The packed group kernels of Q4_0, IQ4_NL and Q4_1 for x86-64 (AVX-512 VNNI, AVX2 and its AVX-VNNI
+//! twin); layout and arithmetic in `packed/q40.rs`.
 
-use super::{bcast, bcast8, nibble_dot8, nibbles8, nl_nibbles8};
+use super::{bcast, bcast8, byte_dot8, nibble_dot8, nibbles8, nl_levels8, nl_nibbles8};
 use crate::packed::q40::{sizes, CODES, NL_LEVELS};
 use crate::packed::GroupActs;
 use std::arch::x86_64::*;
@@ -53,7 +53,7 @@ q8_group! { ymm
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_0 activations with their block sums; with `MIN`, Q4_1, Q8_1
     /// activations), and the machine has AVX2.
-    group_avx2 => group2<const NL: bool, const MIN: bool>("avx2,fma,f16c", CODES)
+    group_avx2 => group2, vnni group_avxvnni => group2v<const NL: bool, const MIN: bool>("avx2,fma,f16c", CODES)
     |wb, hf, y, qs|
     setup {
         let ones = _mm256_set1_epi16(1);
@@ -64,16 +64,22 @@ q8_group! { ymm
         let mut hi = [_mm256_setzero_si256(); 4];
         // IQ4_NL's levels in nibbles: the low codes' (elements 4v..) then the high ones'
         let mut nl = [[_mm256_setzero_si256(); 8]; 2];
+        // With VNNI: the levels (IQ4_NL's plus 128) whole, as `byte_dot8` takes them
+        let mut u = [_mm256_setzero_si256(); 8];
         for v in 0..4 {
             [lo[v], hi[v]] = nibbles8(_mm256_loadu_si256(wb.add(64 * v + 32 * hf) as *const __m256i));
-            if NL {
+            if VNNI {
+                [u[v], u[v + 4]] = if NL { [nl_levels8(lo[v]), nl_levels8(hi[v])] } else { [lo[v], hi[v]] };
+            } else if NL {
                 [nl[0][v], nl[1][v]] = nl_nibbles8(lo[v]);
                 [nl[0][v + 4], nl[1][v + 4]] = nl_nibbles8(hi[v]);
             }
         }
     }
     dot {
-        if NL {
+        if VNNI {
+            byte_dot8(&u, y.add(qs))
+        } else if NL {
             nibble_dot8(&nl[0], &nl[1], y.add(qs), ones)
         } else {
             let mut s = _mm256_setzero_si256();

@@ -1,7 +1,7 @@
-//! Q4_K's and Q5_K's packed group kernels for x86-64 (AVX-512 VNNI, AVX2); layout and arithmetic in
-//! `packed/q4k.rs`.
+//! Q4_K's and Q5_K's packed group kernels for x86-64 (AVX-512 VNNI, AVX2, AVX-VNNI for Q5_K); layout
+//! and arithmetic in `packed/q4k.rs`.
 
-use super::{bcast, bcast8};
+use super::{bcast, bcast8, dpbusd8};
 use crate::packed::q4k::{layout, SUBS};
 use crate::packed::{GroupActs, Q8K_BSUMS, Q8K_QS};
 use std::arch::x86_64::*;
@@ -132,7 +132,7 @@ q8k_group! { ymm
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    group_avx2 => group2<const HIGH: bool>("avx2,fma,f16c", lay.size)
+    group_avx2 => group2, vnni group_avxvnni => group2v<const HIGH: bool>("avx2,fma,f16c", lay.size)
     |wb, y, hf, j, isum, imin, t|
     setup {
         let lay = const { layout(HIGH) };
@@ -162,7 +162,15 @@ q8k_group! { ymm
         }
         for t in 0..NY {
             let q = y[t].add(Q8K_QS + 32 * j);
-            if HIGH {
+            if VNNI && HIGH {
+                // Levels up to 31, the sums in i32 (no copy for Q4_K: see `simd_kernels`).
+                let mut s = _mm256_setzero_si256();
+                for l in 0..4 {
+                    s = dpbusd8(s, lo[l], q.add(8 * l));
+                    s = dpbusd8(s, hi[l], q.add(8 * l + 4));
+                }
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(s, sc));
+            } else if HIGH {
                 // levels up to 31: four pair sums per i16 at most
                 let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
                 for l in 0..4 {

@@ -1,7 +1,7 @@
-//! Q6_K's packed group kernels for x86-64 (AVX-512 VNNI with and without GFNI, AVX2); layout and
-//! arithmetic in `packed/q6k.rs`.
+//! Q6_K's packed group kernels for x86-64 (AVX-512 VNNI with and without GFNI, AVX2 and its AVX-VNNI
+//! twin); layout and arithmetic in `packed/q6k.rs`.
 
-use super::{bcast, bcast8};
+use super::{bcast, bcast8, dpbusd8};
 use crate::packed::q6k::{D, GROUP_BLOCK, QH, QL, SC};
 use crate::packed::{GroupActs, GroupFn, Q8K_BSUMS, Q8K_QS};
 use std::arch::x86_64::*;
@@ -128,7 +128,7 @@ q8k_group! { ymm
     ///
     /// # Safety
     /// As [`crate::packed::GroupFn`] (Q8_K activations), and the machine has AVX2.
-    group_avx2 => group2<>("avx2,fma,f16c", GROUP_BLOCK)
+    group_avx2 => group2, vnni group_avxvnni => group2v<>("avx2,fma,f16c", GROUP_BLOCK)
     |wb, y, hf, j, isum, imin, t|
     setup {
         let nib = _mm256_set1_epi8(0x0F);
@@ -167,12 +167,22 @@ q8k_group! { ymm
             let q = y[t].add(Q8K_QS + 32 * j);
             // Loads 0, 1: elements 0..16 (scale sc0); loads 2, 3: 16..32 (sc1).
             let mut s = _mm256_setzero_si256();
-            for l in 0..4 {
-                let p = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(lo[l], bcast8(q.add(8 * l))),
-                    _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))),
-                );
-                s = _mm256_add_epi32(s, _mm256_madd_epi16(p, if l < 2 { scsc0 } else { scsc1 }));
+            if VNNI {
+                // The sums of 16 in i32 (|.| <= 16 * 63 * 128), each times its scale.
+                let mut part = [_mm256_setzero_si256(); 2];
+                for l in 0..4 {
+                    part[l / 2] = dpbusd8(part[l / 2], lo[l], q.add(8 * l));
+                    part[l / 2] = dpbusd8(part[l / 2], hi[l], q.add(8 * l + 4));
+                }
+                s = _mm256_add_epi32(_mm256_mullo_epi32(part[0], sc0), _mm256_mullo_epi32(part[1], sc1));
+            } else {
+                for l in 0..4 {
+                    let p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo[l], bcast8(q.add(8 * l))),
+                        _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))),
+                    );
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, if l < 2 { scsc0 } else { scsc1 }));
+                }
             }
             isum[t] = _mm256_add_epi32(isum[t], s);
             let bs = _mm256_set1_epi32((y[t].add(Q8K_BSUMS + 4 * j) as *const i32).read_unaligned());

@@ -169,7 +169,7 @@ fn tile_for_type<T: KQuant>(isa: Isa) -> Option<TileFn> {
         Isa::Avx2 => Some(tile256::<T>),
         Isa::Avx512 => Some(tile512::<T>),
         Isa::Avx512Vnni if T::VNNI => Some(tile512vnni::<T>),
-        Isa::Scalar | Isa::Avx512Vnni | Isa::Avx512Vbmi | Isa::Avx512Bf16 => None,
+        Isa::Scalar | Isa::AvxVnni | Isa::Avx512Vnni | Isa::Avx512Vbmi | Isa::Avx512Bf16 => None,
     }
 }
 
@@ -185,7 +185,7 @@ fn for_type<T: KQuant>(isa: Isa) -> Option<KernelFn> {
         Isa::Avx512Vnni if T::VNNI => Some(avx512vnni::<T>),
         Isa::Avx512Vbmi if T::OWN_VBMI && T::VNNI => Some(avx512vbmi_vnni::<T>),
         Isa::Avx512Vbmi if T::OWN_VBMI => Some(avx512vbmi::<T>),
-        Isa::Scalar | Isa::Avx512Vnni | Isa::Avx512Bf16 | Isa::Avx512Vbmi => None,
+        Isa::Scalar | Isa::AvxVnni | Isa::Avx512Vnni | Isa::Avx512Bf16 | Isa::Avx512Vbmi => None,
     }
 }
 
