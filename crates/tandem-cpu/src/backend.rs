@@ -460,21 +460,8 @@ mod tests {
                 let q = rand(1, nh * dk, 1.0);
                 let k = cache_bytes(ty, &rand(2, n_kv * nkv * dk, 1.0));
                 let v = cache_bytes(ty, &rand(3, n_kv * nkv * dv, 1.0));
-                let a = Attn {
-                    q: &q,
-                    n_head: nh,
-                    n_head_kv: nkv,
-                    dk,
-                    dv,
-                    k: &k,
-                    k_type: ty,
-                    k_row: nkv * dk,
-                    v: sep.then_some(&v[..]),
-                    v_type: ty,
-                    v_row: if sep { nkv * dv } else { nkv * dk },
-                    n_kv,
-                    scale: 1.0 / (dk as f32).sqrt(),
-                };
+                let a =
+                    Attn::case(&q, (nh, nkv, dk, dv), &k, sep.then_some(&v[..]), ty, n_kv, 1.0 / (dk as f32).sqrt());
                 let mut want = vec![0f32; nh * dv];
                 reference(&a, &mut want);
                 let mut alone = vec![0f32; nh * dv];
@@ -522,21 +509,7 @@ mod tests {
         let b = CpuBackend::new(Threads::new(1, 1).unwrap());
         let q = vec![0f32; 2 * 48];
         let k = vec![0u8; 4096];
-        let a = |ty: KvType, dk: usize, k: &'static [u8]| Attn {
-            q: &q[..2 * dk],
-            n_head: 2,
-            n_head_kv: 1,
-            dk,
-            dv: dk,
-            k,
-            k_type: ty,
-            k_row: dk,
-            v: None,
-            v_type: ty,
-            v_row: dk,
-            n_kv: 3,
-            scale: 1.0,
-        };
+        let a = |ty: KvType, dk: usize, k: &'static [u8]| Attn::case(&q[..2 * dk], (2, 1, dk, dk), k, None, ty, 3, 1.0);
         let k: &'static [u8] = Box::leak(k.into_boxed_slice());
         let mut out = vec![0f32; 2 * 48];
         assert!(b.attention(&[a(KvType::Q8_0, 32, k)], &mut out[..64]).is_ok());

@@ -87,6 +87,7 @@ mod ops;
 pub mod packed;
 mod pool;
 mod prefetch;
+pub mod testing;
 mod vmath;
 
 /// Values in [-1, 1) from an xorshift generator seeded with `seed`, shared by the unit tests.
@@ -100,19 +101,9 @@ pub(crate) fn uniform(mut seed: u64) -> impl FnMut() -> f32 {
     }
 }
 
-/// Deterministic test data in [-1, 1) (xorshift), shared by the unit tests.
+/// [`testing::data`] for the unit tests.
 #[cfg(test)]
-pub(crate) fn test_data(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
+pub(crate) use testing::data as test_data;
 
 pub use attention::{attention, attention_many, Attn, KvType, FLASH_MIN};
 pub use backend::{CpuBackend, MlaDecompressed};

@@ -1,19 +1,8 @@
 //! Batched products (`matmul_jobs`, `ffn_jobs`) against one `matmul` per product.
 
+use tandem_cpu::testing::data;
 use tandem_cpu::{ffn_jobs, matmul, matmul_jobs, packed, quantize_activations, silu_mul, FfnJob, MatJob, WeightRef};
 use tandem_quant::{quantize_row, row_size, GgmlType};
-
-fn data(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
 
 fn weight(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     let rb = row_size(ty, cols).unwrap();

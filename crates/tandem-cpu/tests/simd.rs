@@ -2,27 +2,14 @@
 //! generic kernels), for every level this machine runs; the levels it cannot run are named in the
 //! output (`cargo test -p tandem-cpu --test simd -- --nocapture`).
 
+use tandem_cpu::testing::check_against_scalar;
 use tandem_cpu::{kernel, quantize_activations, Isa, MAX_NY};
 use tandem_quant::{dequantize_row, quantize_row, row_size, vec_dot, vec_dot_type, GgmlType, VEC_DOT_TYPES};
 
-/// xorshift floats in [-1, 1), some rows scaled so blocks span very different magnitudes.
+/// [`data`] with some rows scaled, so that blocks span very different magnitudes.
 fn data(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|i| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let v = (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
-            let scale = match (i / 256) % 4 {
-                0 => 1.0,
-                1 => 0.01,
-                2 => 30.0,
-                _ => 0.5,
-            };
-            v * scale
-        })
-        .collect()
+    let scale = [1.0, 0.01, 30.0, 0.5];
+    tandem_cpu::testing::data(seed, n).into_iter().enumerate().map(|(i, v)| v * scale[(i / 256) % 4]).collect()
 }
 
 fn weight_row(ty: GgmlType, n: usize, seed: u64) -> Vec<u8> {
@@ -82,19 +69,7 @@ fn every_simd_kernel_matches_the_scalar_reference() {
                 };
                 let x = data(100 + case as u64, n * MAX_NY);
                 let acts = quantize_activations(ty, &x, n).unwrap();
-                for ny in 1..=MAX_NY {
-                    let mut out = vec![0f32; ny];
-                    k.run(n, &w, &acts.data[..ny * acts.row_bytes], &mut out);
-                    for (j, got) in out.iter().enumerate() {
-                        let want = vec_dot(ty, n, &w, acts.row(j)).unwrap();
-                        let mag: f32 = wf.iter().zip(&x[j * n..(j + 1) * n]).map(|(a, b)| (a * b).abs()).sum();
-                        let tol = 2e-6 * mag + 1e-6;
-                        assert!(
-                            (got - want).abs() <= tol,
-                            "{ty} {isa} n={n} ny={ny} row {j}: simd {got} scalar {want} (tolerance {tol})"
-                        );
-                    }
-                }
+                check_against_scalar(&k, n, &w, &wf, &x, &acts);
             }
             ran.push(format!("{ty}/{isa}"));
         }

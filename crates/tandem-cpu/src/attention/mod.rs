@@ -115,6 +115,24 @@ pub struct Attn<'a> {
     pub scale: f32,
 }
 
+#[cfg(test)]
+impl<'a> Attn<'a> {
+    /// A test's attention: `(n_head, n_head_kv, dk, dv)` over `n_kv` rows of `ty` packed back to
+    /// back, K's heads in `k`, V's in `v` (or, without, in K's).
+    pub(crate) fn case(
+        q: &'a [f32],
+        (n_head, n_head_kv, dk, dv): (usize, usize, usize, usize),
+        k: &'a [u8],
+        v: Option<&'a [u8]>,
+        ty: KvType,
+        n_kv: usize,
+        scale: f32,
+    ) -> Self {
+        let v_row = if v.is_some() { n_head_kv * dv } else { n_head_kv * dk };
+        Attn { q, n_head, n_head_kv, dk, dv, k, k_type: ty, k_row: n_head_kv * dk, v, v_type: ty, v_row, n_kv, scale }
+    }
+}
+
 impl Attn<'_> {
     fn check(&self, out: &[f32]) -> bool {
         let (kt, vt) = (self.k_type, self.v_type);

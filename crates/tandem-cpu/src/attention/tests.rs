@@ -24,22 +24,7 @@ fn cache_rows(ty: KvType, x: &[f32]) -> Vec<u8> {
 /// One token of MLA's absorbed attention over an f16 latent cache of `n` rows (`dk` 576, V the
 /// first 512 values of each row), as the bench model's layers have it.
 fn mla_f16<'a>(q: &'a [f32], k: &'a [u8], nh: usize, n: usize, scale: f32) -> Attn<'a> {
-    let (dk, dv) = (576, 512);
-    Attn {
-        q,
-        n_head: nh,
-        n_head_kv: 1,
-        dk,
-        dv,
-        k,
-        k_type: KvType::F16,
-        k_row: dk,
-        v: None,
-        v_type: KvType::F16,
-        v_row: dk,
-        n_kv: n,
-        scale,
-    }
+    Attn::case(q, (nh, 1, 576, 512), k, None, KvType::F16, n, scale)
 }
 
 /// Scores and weighted values have the same bits however the rows are cut into calls (at any
@@ -109,22 +94,11 @@ fn a_batch_of_tokens_equals_each_token_alone_bit_for_bit() {
             let n_tok = 37;
             let qs: Vec<Vec<f32>> = (0..n_tok).map(|_| (0..nh * dk).map(|_| rnd()).collect()).collect();
             let items: Vec<Attn> = (0..n_tok)
-                .map(|t| Attn {
-                    q: &qs[t],
-                    n_head: nh,
-                    n_head_kv: nkv,
-                    dk,
-                    dv,
-                    // The last tokens read another cache (another sequence).
-                    k: if t < 30 { &k } else { &k2 },
-                    k_type: ty,
-                    k_row: nkv * dk,
-                    v: sep.then_some(&v[..]),
-                    v_type: ty,
-                    v_row: nkv * dv,
-                    // Depths from 100 to 767 rows.
-                    n_kv: if t < 30 { 100 + 23 * t } else { 1 + 17 * (t - 30) },
-                    scale: 0.125,
+                .map(|t| {
+                    // The last tokens read another cache (another sequence), at depths from 100
+                    // to 767 rows.
+                    let (k, n_kv) = if t < 30 { (&k, 100 + 23 * t) } else { (&k2, 1 + 17 * (t - 30)) };
+                    Attn::case(&qs[t], (nh, nkv, dk, dv), k, sep.then_some(&v[..]), ty, n_kv, 0.125)
                 })
                 .collect();
             let mut batch = vec![vec![f32::NAN; nh * dv]; n_tok];
@@ -177,21 +151,7 @@ fn simd_kernels_match_the_scalar_code() {
             let mut values = |n: usize| -> Vec<u8> { cache_rows(ty, &(0..n).map(|_| rnd()).collect::<Vec<f32>>()) };
             let (k, v) = (values(n_kv * nkv * dk), values(n_kv * nkv * dv));
             let q: Vec<f32> = (0..nh * dk).map(|_| rnd()).collect();
-            let a = Attn {
-                q: &q,
-                n_head: nh,
-                n_head_kv: nkv,
-                dk,
-                dv,
-                k: &k,
-                k_type: ty,
-                k_row: nkv * dk,
-                v: sep.then_some(&v[..]),
-                v_type: ty,
-                v_row: nkv * dv,
-                n_kv,
-                scale: 0.125,
-            };
+            let a = Attn::case(&q, (nh, nkv, dk, dv), &k, sep.then_some(&v[..]), ty, n_kv, 0.125);
             assert!(a.check(&vec![0f32; nh * dv]));
             let qr = a.prepared_q().unwrap();
             let mut slow = vec![0f32; nh * dv];
@@ -230,21 +190,7 @@ fn long_caches_run_by_chunks_the_same_on_any_threads() {
         let v: Vec<f32> = (0..n_kv * dv).map(|_| rnd()).collect();
         let q: Vec<f32> = (0..nh * dk).map(|_| rnd()).collect();
         let (kb, vb) = (cache_rows(KvType::F32, &k), cache_rows(KvType::F32, &v));
-        let a = Attn {
-            q: &q,
-            n_head: nh,
-            n_head_kv: 1,
-            dk,
-            dv,
-            k: &kb,
-            k_type: KvType::F32,
-            k_row: dk,
-            v: Some(&vb),
-            v_type: KvType::F32,
-            v_row: dv,
-            n_kv,
-            scale: 0.25,
-        };
+        let a = Attn::case(&q, (nh, 1, dk, dv), &kb, Some(&vb), KvType::F32, n_kv, 0.25);
         assert_eq!(flash_rows(&a), chunk, "{nh} heads of {dv} over {n_kv} rows");
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
@@ -281,21 +227,7 @@ fn bad_shapes_are_refused() {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     let q = vec![0.5f32; 2 * 48];
     let k = vec![0u8; 10 * 48 * 4]; // ten f32 rows
-    let a = |ty: KvType, n_kv: usize| Attn {
-        q: &q,
-        n_head: 2,
-        n_head_kv: 1,
-        dk: 48,
-        dv: 32,
-        k: &k,
-        k_type: ty,
-        k_row: 48,
-        v: None,
-        v_type: ty,
-        v_row: 0,
-        n_kv,
-        scale: 1.0,
-    };
+    let a = |ty: KvType, n_kv: usize| Attn::case(&q, (2, 1, 48, 32), &k, None, ty, n_kv, 1.0);
     let mut out = vec![0f32; 64];
     assert!(attention(&pool, &a(KvType::F16, 10), &mut out).is_ok());
     let e = attention(&pool, &a(KvType::Q8_0, 10), &mut out).unwrap_err().to_string();

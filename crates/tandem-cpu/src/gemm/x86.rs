@@ -62,47 +62,15 @@ unsafe fn gemm2(d: Dims, a: *const f32, b: *const f32, c: *mut f32) {
             unsafe {
                 let ct = c.add(i0 * d.ldc);
                 for jb in 0..nb {
-                    by_rows!(rows, tile2_full(kk, ta, lda, ka, bp.as_ptr().add(jb * KC * W), W, ct.add(jb * W), d.ldc));
+                    by_rows!(
+                        rows,
+                        tile2_full(kk, W, ta, lda, ka, bp.as_ptr().add(jb * KC * W), W, ct.add(jb * W), d.ldc)
+                    );
                 }
                 if nb * W < d.n {
                     let j0 = nb * W;
                     by_rows!(rows, tile2(kk, d.n - j0, ta, lda, ka, b.add(k0 * d.ldb + j0), d.ldb, ct.add(j0), d.ldc));
                 }
-            }
-        }
-    }
-}
-
-/// [`tile2`] for a tile of the full 16 columns: plain loads and stores (AMD's masked moves
-/// are slow).
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile2_full<const R: usize>(
-    kk: usize,
-    a: *const f32,
-    lda: usize,
-    ka: usize,
-    b: *const f32,
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-) {
-    // SAFETY: the caller upholds this function's `# Safety` contract: R rows of 16 columns.
-    unsafe {
-        let mut acc: [[__m256; 2]; R] =
-            std::array::from_fn(|r| [0, 1].map(|v| _mm256_loadu_ps(c.add(r * ldc + 8 * v))));
-        for k in 0..kk {
-            let bv = [0, 1].map(|v| _mm256_loadu_ps(b.add(k * ldb + 8 * v)));
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let av = _mm256_broadcast_ss(&*a.add(r * lda + k * ka));
-                for v in 0..2 {
-                    acc[v] = _mm256_fmadd_ps(av, bv[v], acc[v]);
-                }
-            }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            for (v, x) in acc.iter().enumerate() {
-                _mm256_storeu_ps(c.add(r * ldc + 8 * v), *x);
             }
         }
     }
@@ -123,95 +91,89 @@ macro_rules! by_rows {
 }
 use by_rows;
 
-/// `R` rows by `cols` (<= 64) columns: four 16-lane vectors per row, masked past `cols`.
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile512<const R: usize>(
-    kk: usize,
-    cols: usize,
-    a: *const f32,
-    lda: usize,
-    ka: usize,
-    b: *const f32,
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-) {
-    let mask = |v: usize| -> u16 {
-        let n = cols.saturating_sub(16 * v).min(16);
-        ((1u32 << n) - 1) as u16
-    };
-    let m = [mask(0), mask(1), mask(2), mask(3)];
-    // Constant indices only, so the accumulators stay in registers; a narrow tile's unused
-    // vectors are masked to nothing (masked-out lanes are neither read nor written).
-    let mut acc = [[_mm512_setzero_ps(); 4]; R];
-    for (r, acc) in acc.iter_mut().enumerate() {
-        for v in 0..4 {
-            // SAFETY: masked to the tile's columns of row r.
-            acc[v] = unsafe { _mm512_maskz_loadu_ps(m[v], c.wrapping_add(r * ldc + 16 * v)) };
-        }
-    }
-    for k in 0..kk {
-        // SAFETY: masked to the tile's columns of row k of the panel.
-        let bv = unsafe { [0, 1, 2, 3].map(|v| _mm512_maskz_loadu_ps(m[v], b.wrapping_add(k * ldb + 16 * v))) };
-        for (r, acc) in acc.iter_mut().enumerate() {
-            // SAFETY: element (r, k) of a.
-            let av = _mm512_set1_ps(unsafe { *a.wrapping_add(r * lda + k * ka) });
-            for v in 0..4 {
-                acc[v] = _mm512_fmadd_ps(av, bv[v], acc[v]);
+/// Defines `$name::<R>`: `R` rows by `cols` (<= `$v` x `$lanes`) columns, `$v` vectors of `$lanes`
+/// lanes per row, masked past `cols` (masked-out lanes are neither read nor written). `mask(n)`
+/// gives the mask of a vector's first `n` lanes, `load(p, m)` and `store(p, m, x)` move one
+/// vector. Constant indices only, so the accumulators stay in registers.
+macro_rules! masked_tile {
+    (
+        $(#[$doc:meta])* $name:ident($feat:literal, $v:literal x $lanes:literal, $zero:ident, $set1:ident, $fmadd:ident)
+        mask($n:ident) $mask:expr,
+        load($lp:ident, $lm:ident) $load:expr,
+        store($sp:ident, $sm:ident, $sx:ident) $store:expr
+    ) => {
+        $(#[$doc])*
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $name<const R: usize>(
+            kk: usize,
+            cols: usize,
+            a: *const f32,
+            lda: usize,
+            ka: usize,
+            b: *const f32,
+            ldb: usize,
+            c: *mut f32,
+            ldc: usize,
+        ) {
+            let m = std::array::from_fn::<_, $v, _>(|v| {
+                let $n = cols.saturating_sub($lanes * v).min($lanes);
+                $mask
+            });
+            let mut acc = [[$zero(); $v]; R];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                for v in 0..$v {
+                    let ($lp, $lm) = (c.wrapping_add(r * ldc + $lanes * v), m[v]);
+                    // SAFETY: masked to the tile's columns of row r.
+                    acc[v] = unsafe { $load };
+                }
+            }
+            for k in 0..kk {
+                let bv = std::array::from_fn::<_, $v, _>(|v| {
+                    let ($lp, $lm) = (b.wrapping_add(k * ldb + $lanes * v), m[v]);
+                    // SAFETY: masked to the tile's columns of row k of the panel.
+                    unsafe { $load }
+                });
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    // SAFETY: element (r, k) of a.
+                    let av = $set1(unsafe { *a.wrapping_add(r * lda + k * ka) });
+                    for v in 0..$v {
+                        acc[v] = $fmadd(av, bv[v], acc[v]);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                for v in 0..$v {
+                    let ($sp, $sm, $sx) = (c.wrapping_add(r * ldc + $lanes * v), m[v], acc[v]);
+                    // SAFETY: masked to the tile's columns of row r.
+                    unsafe { $store };
+                }
             }
         }
-    }
-    for (r, acc) in acc.iter().enumerate() {
-        for v in 0..4 {
-            // SAFETY: masked to the tile's columns of row r.
-            unsafe { _mm512_mask_storeu_ps(c.wrapping_add(r * ldc + 16 * v), m[v], acc[v]) };
-        }
-    }
+    };
 }
 
-/// `R` rows by `cols` (<= 16) columns: two 8-lane vectors per row, masked past `cols`.
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile2<const R: usize>(
-    kk: usize,
-    cols: usize,
-    a: *const f32,
-    lda: usize,
-    ka: usize,
-    b: *const f32,
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-) {
-    let mask = |v: usize| -> __m256i {
-        let n = cols.saturating_sub(8 * v).min(8) as i32;
-        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane)
-    };
-    let m = [mask(0), mask(1)];
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    for (r, acc) in acc.iter_mut().enumerate() {
-        for v in 0..2 {
-            // SAFETY: masked to the tile's columns of row r.
-            acc[v] = unsafe { _mm256_maskload_ps(c.wrapping_add(r * ldc + 8 * v), m[v]) };
-        }
-    }
-    for k in 0..kk {
-        // SAFETY: masked to the tile's columns of row k.
-        let bv = unsafe { [0, 1].map(|v| _mm256_maskload_ps(b.wrapping_add(k * ldb + 8 * v), m[v])) };
-        for (r, acc) in acc.iter_mut().enumerate() {
-            // SAFETY: element (r, k) of a.
-            let av = _mm256_set1_ps(unsafe { *a.wrapping_add(r * lda + k * ka) });
-            for v in 0..2 {
-                acc[v] = _mm256_fmadd_ps(av, bv[v], acc[v]);
-            }
-        }
-    }
-    for (r, acc) in acc.iter().enumerate() {
-        for v in 0..2 {
-            // SAFETY: masked to the tile's columns of row r.
-            unsafe { _mm256_maskstore_ps(c.wrapping_add(r * ldc + 8 * v), m[v], acc[v]) };
-        }
-    }
+masked_tile! {
+    /// Four 16-lane vectors per row (`cols` <= 64); AVX-512's mask registers.
+    tile512("avx512f", 4 x 16, _mm512_setzero_ps, _mm512_set1_ps, _mm512_fmadd_ps)
+    mask(n) ((1u32 << n) - 1) as u16,
+    load(p, m) _mm512_maskz_loadu_ps(m, p),
+    store(p, m, x) _mm512_mask_storeu_ps(p, m, x)
+}
+
+masked_tile! {
+    /// Two 8-lane vectors per row (`cols` <= 16); AVX2's masked moves, a lane mask per vector.
+    tile2("avx2,fma", 2 x 8, _mm256_setzero_ps, _mm256_set1_ps, _mm256_fmadd_ps)
+    mask(n) _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+    load(p, m) _mm256_maskload_ps(p, m),
+    store(p, m, x) _mm256_maskstore_ps(p, m, x)
+}
+
+masked_tile! {
+    /// [`tile2`] for a tile of the full 16 columns (`cols` is 16): plain loads and stores (AMD's
+    /// masked moves are slow).
+    tile2_full("avx2,fma", 2 x 8, _mm256_setzero_ps, _mm256_set1_ps, _mm256_fmadd_ps)
+    mask(_n) (),
+    load(p, _m) _mm256_loadu_ps(p),
+    store(p, _m, x) _mm256_storeu_ps(p, x)
 }

@@ -18,7 +18,7 @@ mod bench;
 #[cfg(test)]
 mod tests {
     use crate::kernels::{kernel, simd_levels, MAX_NY};
-    use tandem_quant::{dequantize_row, quantize_row, row_size, vec_dot, GgmlType};
+    use tandem_quant::{dequantize_row, quantize_row, row_size, GgmlType};
 
     /// [`crate::test_data`] with the magnitude changing every 32 elements.
     fn data(seed: u64, n: usize) -> Vec<f32> {
@@ -46,20 +46,8 @@ mod tests {
                     dequantize_row(ty, &w, &mut wf).unwrap();
                     let x = data(3 + n as u64, n * MAX_NY);
                     let acts = crate::quantize_activations(ty, &x, n).unwrap();
-                    for ny in 1..=MAX_NY {
-                        let mut out = vec![0f32; ny];
-                        k.run(n, &w, &acts.data[..ny * acts.row_bytes], &mut out);
-                        for (j, got) in out.iter().enumerate() {
-                            let want = vec_dot(ty, n, &w, acts.row(j)).unwrap();
-                            let mag: f32 = wf.iter().zip(&x[j * n..(j + 1) * n]).map(|(a, b)| (a * b).abs()).sum();
-                            let tol = 2e-6 * mag + 1e-6;
-                            assert!(
-                                (got - want).abs() <= tol,
-                                "{ty} {isa} n={n} ny={ny} row {j}: simd {got} scalar {want}"
-                            );
-                        }
-                        checked += 1;
-                    }
+                    crate::testing::check_against_scalar(&k, n, &w, &wf, &x, &acts);
+                    checked += MAX_NY;
                 }
             }
         }
