@@ -275,9 +275,10 @@ fn router_and_packet_match_moe_route() {
             let wb = rt.alloc::<f32>(n_tokens * p.n_used, "weights").unwrap();
             rt.router(&lb, bb.as_ref(), n_tokens, p, &ids, &wb).unwrap();
             let n_embd = 40;
+            let shape = tandem_cuda::Packet { n_tokens, n_embd, n_used: p.n_used };
             let h = random(n_tokens * n_embd, 30 + i as u64);
-            let packet = rt.alloc::<f32>(n_tokens * (n_embd + 2 * p.n_used), "packet").unwrap();
-            rt.moe_pack(&up(&rt, &h), &ids, &wb, &packet, n_tokens, n_embd, p.n_used).unwrap();
+            let packet = rt.alloc::<f32>(n_tokens * shape.row(), "packet").unwrap();
+            rt.moe_pack(&up(&rt, &h), &ids, &wb, &packet, shape).unwrap();
             let got = down(&rt, &packet, n_tokens * (n_embd + 2 * p.n_used));
             for (t, row) in got.chunks_exact(n_embd + 2 * p.n_used).enumerate() {
                 let want = route_cpu(&logits[t * p.n_expert..(t + 1) * p.n_expert], bias, p);
@@ -291,7 +292,7 @@ fn router_and_packet_match_moe_route() {
             // The weighted sum of the experts' outputs, in slot order.
             let y = random(n_tokens * p.n_used * n_embd, 40 + i as u64);
             let out = rt.alloc::<f32>(n_tokens * n_embd, "out").unwrap();
-            rt.moe_sum(&up(&rt, &y), &packet, &out, n_tokens, n_embd, p.n_used).unwrap();
+            rt.moe_sum(&up(&rt, &y), &packet, &out, shape).unwrap();
             let mut want = vec![0f32; n_tokens * n_embd];
             for t in 0..n_tokens {
                 let w = &got[t * (n_embd + 2 * p.n_used) + n_embd + p.n_used..][..p.n_used];

@@ -32,7 +32,7 @@ pub use half::f16;
 pub use image::{Image, ImageKind};
 pub use ledger::{Counts, Ledger};
 pub use memory::DeviceBuffer;
-pub use runtime::{DequantOut, GemmPrecision, Reading, Runtime};
+pub use runtime::{DequantOut, GemmPrecision, Packet, Reading, Runtime};
 pub use tandem_quant::GgmlType;
 
 /// Whether this build has the CUDA runtime (the `cuda` feature).

@@ -401,7 +401,8 @@ impl Device for CudaDevice {
         };
         self.rt.router(logits.buf()?, bias, n, &p, &ids, weights.buf()?).map_err(self.named(m.router_name()))?;
         let packet = self.out(n * m.packet_row(), "MoE packet")?;
-        self.rt.moe_pack(self.mine(x)?, &ids, weights.buf()?, packet.buf()?, n, ne, r.n_used).map_err(cuda)?;
+        let shape = tandem_cuda::Packet { n_tokens: n, n_embd: ne, n_used: r.n_used };
+        self.rt.moe_pack(self.mine(x)?, &ids, weights.buf()?, packet.buf()?, shape).map_err(cuda)?;
         Ok(packet)
     }
 
@@ -477,7 +478,8 @@ impl Device for CudaDevice {
                 .map_err(self.named(&e.down.name))?;
         }
         let out = self.out(n * ne, "experts' sum")?;
-        self.rt.moe_sum(y.buf()?, pb, out.buf()?, n, ne, nu).map_err(cuda)?;
+        let shape = tandem_cuda::Packet { n_tokens: n, n_embd: ne, n_used: nu };
+        self.rt.moe_sum(y.buf()?, pb, out.buf()?, shape).map_err(cuda)?;
         Ok(out)
     }
 

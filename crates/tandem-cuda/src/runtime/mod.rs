@@ -38,6 +38,7 @@ mod moe;
 mod products;
 
 pub use memory::Reading;
+pub use moe::Packet;
 pub use products::{DequantOut, GemmPrecision};
 
 use products::GemmScratch;

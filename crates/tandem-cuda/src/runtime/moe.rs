@@ -5,6 +5,30 @@ use super::{grid, int, Runtime};
 use crate::memory::DeviceBuffer;
 use crate::{Error, Result, RouterParams, ROUTER_MAX_EXPERT};
 
+/// The shape of a MoE packet: `n_tokens` rows, each a token's `n_embd` values, then its `n_used`
+/// expert ids and weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Packet {
+    pub n_tokens: usize,
+    pub n_embd: usize,
+    pub n_used: usize,
+}
+
+impl Packet {
+    /// Values per row.
+    pub fn row(&self) -> usize {
+        self.n_embd + 2 * self.n_used
+    }
+
+    /// `n_embd`, `n_used` and the row as kernel arguments; None for no tokens (nothing to launch).
+    fn ints(&self, what: &str) -> Result<Option<(i32, i32, i32)>> {
+        if self.n_tokens == 0 {
+            return Ok(None);
+        }
+        Ok(Some((int(self.n_embd, what)?, int(self.n_used, what)?, int(self.row(), what)?)))
+    }
+}
+
 impl Runtime {
     /// Expert selection for `n_tokens` rows of router logits: `ids` and `weights` are
     /// `[n_tokens][n_used]`.
@@ -49,48 +73,37 @@ impl Runtime {
         )
     }
 
-    /// The packet `[n_tokens][n_embd + 2 n_used]`: each row of `h`, its expert ids (as f32), its
-    /// weights.
-    #[allow(clippy::too_many_arguments)]
+    /// The packet `[n_tokens][n_embd + 2 n_used]` (`p`): each row of `h`, its expert ids (as f32),
+    /// its weights.
     pub fn moe_pack(
         &self,
         h: &DeviceBuffer<f32>,
         ids: &DeviceBuffer<i32>,
         weights: &DeviceBuffer<f32>,
         packet: &DeviceBuffer<f32>,
-        n_tokens: usize,
-        n_embd: usize,
-        n_used: usize,
+        p: Packet,
     ) -> Result<()> {
-        if n_tokens == 0 {
-            return Ok(());
-        }
-        let hp = h.at(0, n_tokens * n_embd, "moe_pack h")?;
-        let ip = ids.at(0, n_tokens * n_used, "moe_pack ids")?;
-        let wp = weights.at(0, n_tokens * n_used, "moe_pack weights")?;
-        let pp = packet.at(0, n_tokens * (n_embd + 2 * n_used), "moe_pack packet")?;
-        let (ne, nu) = (int(n_embd, "moe_pack")?, int(n_used, "moe_pack")?);
-        self.launch_rows("tandem_moe_pack_f32", n_tokens, &mut args![hp, ip, wp, pp, ne, nu])
+        let Some((ne, nu, _)) = p.ints("moe_pack")? else { return Ok(()) };
+        let hp = h.at(0, p.n_tokens * p.n_embd, "moe_pack h")?;
+        let ip = ids.at(0, p.n_tokens * p.n_used, "moe_pack ids")?;
+        let wp = weights.at(0, p.n_tokens * p.n_used, "moe_pack weights")?;
+        let pp = packet.at(0, p.n_tokens * p.row(), "moe_pack packet")?;
+        self.launch_rows("tandem_moe_pack_f32", p.n_tokens, &mut args![hp, ip, wp, pp, ne, nu])
     }
 
-    /// `out[t] = sum over slots of weight * y[t][slot]` (weights from the packet), in slot order.
+    /// `out[t] = sum over slots of weight * y[t][slot]` (weights from the packet, `p`), in slot
+    /// order.
     pub fn moe_sum(
         &self,
         y: &DeviceBuffer<f32>,
         packet: &DeviceBuffer<f32>,
         out: &DeviceBuffer<f32>,
-        n_tokens: usize,
-        n_embd: usize,
-        n_used: usize,
+        p: Packet,
     ) -> Result<()> {
-        if n_tokens == 0 {
-            return Ok(());
-        }
-        let row = n_embd + 2 * n_used;
-        let yp = y.at(0, n_tokens * n_used * n_embd, "moe_sum y")?;
-        let pp = packet.at(0, n_tokens * row, "moe_sum packet")?;
-        let op = out.at(0, n_tokens * n_embd, "moe_sum out")?;
-        let (ne, nu, pr) = (int(n_embd, "moe_sum")?, int(n_used, "moe_sum")?, int(row, "moe_sum")?);
-        self.launch_rows("tandem_moe_sum_f32", n_tokens, &mut args![yp, pp, op, ne, nu, pr])
+        let Some((ne, nu, pr)) = p.ints("moe_sum")? else { return Ok(()) };
+        let yp = y.at(0, p.n_tokens * p.n_used * p.n_embd, "moe_sum y")?;
+        let pp = packet.at(0, p.n_tokens * p.row(), "moe_sum packet")?;
+        let op = out.at(0, p.n_tokens * p.n_embd, "moe_sum out")?;
+        self.launch_rows("tandem_moe_sum_f32", p.n_tokens, &mut args![yp, pp, op, ne, nu, pr])
     }
 }

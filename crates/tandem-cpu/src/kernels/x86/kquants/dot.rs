@@ -183,62 +183,89 @@ pub(crate) unsafe fn dot_wide_avx2<T: KQuant>(n: usize, w: *const u8, ys: *const
     }
 }
 
-/// AVX2 multi-row kernel: `out[r * NY + j] = dot(w_r, y_j)` for `NR` weight rows `wstride` bytes
-/// apart. Each activation vector is loaded once for the `NR` rows; every (row, token) result goes
-/// through the operations of [`dot_avx2`] (integer sums are exact), so it is bit-identical to it.
-///
-/// # Safety
-/// `w` holds `NR` rows of `n / 256` blocks of `T`, `wstride` bytes apart; `ys` holds `NY` rows of
-/// `n / 256` Q8_K blocks; `out` has `NR * NY` elements; the machine has AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::needless_range_loop)] // r, j and k index several arrays at once
-pub(crate) unsafe fn tile_avx2<T: KQuant, const NR: usize, const NY: usize>(
-    n: usize,
-    w: *const u8,
-    wstride: usize,
-    ys: *const u8,
-    out: *mut f32,
-) {
-    let nb = n / tandem_quant::QK_K;
-    let row = nb * Q8K_BYTES;
-    let mut acc = [[_mm256_setzero_ps(); NY]; NR];
-    for i in 0..nb {
-        // SAFETY: block `i` of each of the NR weight rows and NY activation rows is in bounds.
-        unsafe {
-            let zero = Factors { sc: _mm256_setzero_si256(), m: _mm256_setzero_si256(), d: 0.0, dmin: 0.0 };
-            let mut u = [Unpacked { w: [_mm256_setzero_si256(); 8], f: zero }; NR];
-            let mut s = [[_mm256_setzero_si256(); 8]; NR];
-            for r in 0..NR {
-                u[r] = T::unpack(w.add(r * wstride + i * T::BYTES));
-                s[r] = scales_256(u[r].f.sc);
-            }
-            for j in 0..NY {
-                let y = ys.add(j * row + i * Q8K_BYTES);
-                let mut t = [_mm256_setzero_si256(); NR];
-                for k in 0..8 {
-                    let q = ld(y.add(Q8K_QS + 32 * k));
-                    for r in 0..NR {
-                        t[r] = _mm256_add_epi32(t[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u[r].w[k], q), s[r][k]));
-                    }
+/// Multi-row kernels: `NR` weight rows (`wstride` bytes apart) against `NY` activation rows, on
+/// the registers of `$rows` (`rows_256!`, `rows_512!`, which take `$rargs` and the block): each
+/// activation block is loaded once and serves all `NR` unpacked weight blocks; every (row, token)
+/// result goes through exactly the operations of the single-row kernel of its width, so it is
+/// bit-identical to it.
+macro_rules! tile {
+    (
+        $(#[$doc:meta])* $name:ident, $features:literal, [$zero:ident, $fmadd:ident, $reduce:path],
+        $rows:ident!($($rargs:tt)*)
+    ) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// `w` holds `NR` rows of `n / 256` blocks of `T`, `wstride` bytes apart; `ys` holds `NY` rows
+        /// of `n / 256` Q8_K blocks; `out` has `NR * NY` elements (`out[r * NY + j]`); the machine has
+        /// the features named.
+        #[target_feature(enable = $features)]
+        #[allow(clippy::needless_range_loop)] // r, j and k index several arrays at once
+        pub(crate) unsafe fn $name<T: KQuant, const NR: usize, const NY: usize>(
+            n: usize,
+            w: *const u8,
+            wstride: usize,
+            ys: *const u8,
+            out: *mut f32,
+        ) {
+            let nb = n / tandem_quant::QK_K;
+            let row = nb * Q8K_BYTES;
+            let mut acc = [[$zero(); NY]; NR];
+            for i in 0..nb {
+                // SAFETY: block `i` of each of the NR weight rows and NY activation rows is in bounds.
+                unsafe {
+                    $rows!($($rargs)* (w, wstride, ys, row, i), NY, |r, j, v, ydv| {
+                        acc[r][j] = $fmadd(v, ydv, acc[r][j]);
+                    });
                 }
-                let bs = ld(y.add(Q8K_BSUMS));
-                let ydv = _mm256_set1_ps(yd(y));
-                for r in 0..NR {
-                    let f = u[r].f;
-                    let (dv, dmv) = (_mm256_set1_ps(f.d), _mm256_set1_ps(f.dmin));
-                    let v = block_term256::<T>(t[r], bs, f.m, dv, dmv);
-                    acc[r][j] = _mm256_fmadd_ps(v, ydv, acc[r][j]);
+            }
+            for (r, a) in acc.iter().enumerate() {
+                for (j, a) in a.iter().enumerate() {
+                    // SAFETY: `out` has NR * NY elements.
+                    unsafe { *out.add(r * NY + j) = $reduce(*a) };
                 }
             }
         }
-    }
-    for (r, a) in acc.iter().enumerate() {
-        for (j, a) in a.iter().enumerate() {
-            // SAFETY: `out` has NR * NY elements.
-            unsafe { *out.add(r * NY + j) = hsum256(*a) };
-        }
-    }
+    };
 }
+
+/// Block `$i` of `NR` weight rows against the `$ny` activation rows of [`tile!`] with AVX2, as
+/// [`dot_avx2`] computes each: per token, each activation vector loaded once for the `NR` rows;
+/// then `$acc` with row `$r`, token `$j`, the block's value `$v` and the token's factor `$ydv`.
+macro_rules! rows_256 {
+    (($w:ident, $wstride:ident, $ys:ident, $row:ident, $i:ident), $ny:expr, |$r:ident, $j:ident, $v:ident, $ydv:ident| $acc:block) => {
+        let zero = Factors { sc: _mm256_setzero_si256(), m: _mm256_setzero_si256(), d: 0.0, dmin: 0.0 };
+        let mut u = [Unpacked { w: [_mm256_setzero_si256(); 8], f: zero }; NR];
+        let mut s = [[_mm256_setzero_si256(); 8]; NR];
+        for r in 0..NR {
+            u[r] = T::unpack($w.add(r * $wstride + $i * T::BYTES));
+            s[r] = scales_256(u[r].f.sc);
+        }
+        for $j in 0..$ny {
+            let y = $ys.add($j * $row + $i * Q8K_BYTES);
+            let mut t = [_mm256_setzero_si256(); NR];
+            for k in 0..8 {
+                let q = ld(y.add(Q8K_QS + 32 * k));
+                for r in 0..NR {
+                    t[r] = _mm256_add_epi32(t[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u[r].w[k], q), s[r][k]));
+                }
+            }
+            let bs = ld(y.add(Q8K_BSUMS));
+            let $ydv = _mm256_set1_ps(yd(y));
+            for $r in 0..NR {
+                let f = u[$r].f;
+                let (dv, dmv) = (_mm256_set1_ps(f.d), _mm256_set1_ps(f.dmin));
+                let $v = block_term256::<T>(t[$r], bs, f.m, dv, dmv);
+                $acc
+            }
+        }
+    };
+}
+
+tile!(
+    /// AVX2 (ymm): `out[r * NY + j] = dot(w_r, y_j)`, each bit-identical to [`dot_avx2`].
+    tile_avx2, "avx2,fma,f16c", [_mm256_setzero_ps, _mm256_fmadd_ps, hsum256], rows_256!()
+);
 
 /// vpermw indices spreading 16 group scales over the 32 i16 lanes of `vpmaddubsw` on 64 elements.
 #[inline]
@@ -399,7 +426,7 @@ dot_512!(
 
 /// Block `$i` of the `NR` weight rows (`$wstride` bytes apart from `$w`, unpacked by `$unpack`)
 /// against the tokens `0..$ny` (rows `$row` bytes apart from `$ys`), the body of the zmm kernels
-/// of several weight rows (`wide_512!`, `tile_512!`): each activation block is loaded once for all
+/// of several weight rows (`wide_512!`, `tile!`): each activation block is loaded once for all
 /// the rows, and every (row `$r`, token `$j`) gets the block's float term `$v` of `dot_512!` and the
 /// token's factor `$ydv` to accumulate (`$acc`). The caller binds `T`, `NR` and the names given.
 macro_rules! rows_512 {
@@ -507,52 +534,13 @@ wide_512!(
     scales_packed, row_vnni_q, unpack_vbmi
 );
 
-/// Multi-row zmm kernels: `NR` weight rows (`wstride` bytes apart) against `NY` activation rows.
-/// Each activation block is loaded once and serves all `NR` unpacked weight blocks; every
-/// (row, token) result goes through exactly the operations of the single-row kernel (`dot_512!`),
-/// so it is bit-identical to it.
-macro_rules! tile_512 {
-    ($(#[$doc:meta])* $name:ident, $features:literal, $scales:ident, $rowq:ident) => {
-        $(#[$doc])*
-        ///
-        /// # Safety
-        /// `w` holds `NR` rows of `n / 256` blocks of `T`, `wstride` bytes apart; `ys` holds `NY` rows
-        /// of `n / 256` Q8_K blocks; `out` has `NR * NY` elements (`out[r * NY + j]`); the machine has
-        /// the features named.
-        #[target_feature(enable = $features)]
-        pub(crate) unsafe fn $name<T: KQuant, const NR: usize, const NY: usize>(
-            n: usize,
-            w: *const u8,
-            wstride: usize,
-            ys: *const u8,
-            out: *mut f32,
-        ) {
-            let nb = n / tandem_quant::QK_K;
-            let row = nb * Q8K_BYTES;
-            let mut acc = [[_mm512_setzero_ps(); NY]; NR];
-            for i in 0..nb {
-                // SAFETY: block `i` of each of the NR weight rows and NY activation rows is in bounds.
-                unsafe {
-                    rows_512!(T::unpack512, $scales, $rowq, (w, wstride, ys, row, i), NY, |r, j, v, ydv| {
-                        acc[r][j] = _mm512_fmadd_ps(v, ydv, acc[r][j]);
-                    });
-                }
-            }
-            for (r, a) in acc.iter().enumerate() {
-                for (j, a) in a.iter().enumerate() {
-                    // SAFETY: `out` has NR * NY elements.
-                    unsafe { *out.add(r * NY + j) = _mm512_reduce_add_ps(*a) };
-                }
-            }
-        }
-    };
-}
-
-tile_512!(
+tile!(
     /// AVX-512 (zmm): `out[r * NY + j] = dot(w_r, y_j)`.
-    tile_avx512, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", scales_512, row_madd_q
+    tile_avx512, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c",
+    [_mm512_setzero_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps], rows_512!(T::unpack512, scales_512, row_madd_q,)
 );
-tile_512!(
+tile!(
     /// AVX-512 VNNI (zmm): `out[r * NY + j] = dot(w_r, y_j)`.
-    tile_avx512vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", scales_packed, row_vnni_q
+    tile_avx512vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c",
+    [_mm512_setzero_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps], rows_512!(T::unpack512, scales_packed, row_vnni_q,)
 );
