@@ -21,27 +21,22 @@ __device__ void kv_store(const float* src, long long src_stride, const KvMeta* m
     write(s, dst, width);
 }
 
-extern "C" __global__ void __launch_bounds__(KV_THREADS)
-    tandem_kv_store_f16(const float* src, long long src_stride, const KvMeta* meta, int layer, long long row_bytes,
-                        long long byte_off, int width) {
-    kv_store(src, src_stride, meta, layer, row_bytes, byte_off, width, [](const float* s, uint8_t* d, int n) {
-        __half* h = reinterpret_cast<__half*>(d);
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            h[i] = __float2half_rn(s[i]);
-        }
-    });
-}
+// The entry point `name`: each value of the row converted to `T` by `cvt`, the threads taking
+// them in turn.
+#define KV_STORE_FLOAT(name, T, cvt)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(KV_THREADS)                                                          \
+        name(const float* src, long long src_stride, const KvMeta* meta, int layer, long long row_bytes,              \
+             long long byte_off, int width) {                                                                         \
+        kv_store(src, src_stride, meta, layer, row_bytes, byte_off, width, [](const float* s, uint8_t* d, int n) {  \
+            T* h = reinterpret_cast<T*>(d);                                                                           \
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {                                                       \
+                h[i] = cvt(s[i]);                                                                                     \
+            }                                                                                                         \
+        });                                                                                                           \
+    }
 
-extern "C" __global__ void __launch_bounds__(KV_THREADS)
-    tandem_kv_store_bf16(const float* src, long long src_stride, const KvMeta* meta, int layer, long long row_bytes,
-                         long long byte_off, int width) {
-    kv_store(src, src_stride, meta, layer, row_bytes, byte_off, width, [](const float* s, uint8_t* d, int n) {
-        uint16_t* h = reinterpret_cast<uint16_t*>(d);
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            h[i] = f32_to_bf16(s[i]);
-        }
-    });
-}
+KV_STORE_FLOAT(tandem_kv_store_f16, __half, __float2half_rn)
+KV_STORE_FLOAT(tandem_kv_store_bf16, uint16_t, f32_to_bf16)
 
 // One warp per block of 32 values: d = max|x| / 127, q = round(x / d), as ggml's
 // quantize_row_q8_0_ref.

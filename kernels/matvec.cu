@@ -19,6 +19,20 @@ struct Group {
     bool valid;
 };
 
+// Each token's sum over the warp's lanes into `row` of its output (lane 0 writes).
+__device__ __forceinline__ void store_sums(const Group& gr, const float (&acc)[MAX_TOKENS], int n_tokens,
+                                           long long y_tok, int row, int lane) {
+#pragma unroll
+    for (int t = 0; t < MAX_TOKENS; ++t) {
+        if (t < n_tokens) {
+            const float s = warp_sum(acc[t]);
+            if (lane == 0) {
+                gr.y[(long long)t * y_tok + row] = s;
+            }
+        }
+    }
+}
+
 __device__ __forceinline__ Group group(const uint8_t* w, const float* x, float* y, long long x_grp, int x_grp_div,
                                        long long y_grp, long long w_grp_bytes, const float* ids, int ids_per,
                                        long long ids_row, int n_mats) {
@@ -68,15 +82,7 @@ __device__ void matvec_quant(const Group& gr, int rows, int cols, int n_tokens, 
             }
         }
     }
-#pragma unroll
-    for (int t = 0; t < MAX_TOKENS; ++t) {
-        if (t < n_tokens) {
-            const float s = warp_sum(acc[t]);
-            if (lane == 0) {
-                gr.y[(long long)t * y_tok + row] = s;
-            }
-        }
-    }
+    store_sums(gr, acc, n_tokens, y_tok, row, lane);
 }
 
 __device__ __forceinline__ float load_f32(const uint8_t* w, size_t i) {
@@ -112,15 +118,7 @@ __device__ void matvec_float(const Group& gr, int rows, int cols, int n_tokens, 
             }
         }
     }
-#pragma unroll
-    for (int t = 0; t < MAX_TOKENS; ++t) {
-        if (t < n_tokens) {
-            const float s = warp_sum(acc[t]);
-            if (lane == 0) {
-                gr.y[(long long)t * y_tok + row] = s;
-            }
-        }
-    }
+    store_sums(gr, acc, n_tokens, y_tok, row, lane);
 }
 
 // Every entry point: w: the matrices, `rows` rows of `cols` elements each in the type's layout,

@@ -3,38 +3,40 @@
 
 use std::arch::x86_64::*;
 
+/// ggml's `ggml_v_expf` up to the scaling, on registers of either width (the intrinsics given):
+/// `(n, j)` with e^x = j * 2^n, `n` the rounded x / ln 2 and `j` the polynomial of the rest.
+macro_rules! exp_poly {
+    ($x:expr, $set1:ident, $fmadd:ident, $fnmadd:ident, $sub:ident, $mul:ident) => {{
+        let x = $x;
+        let r = $set1(f32::from_bits(0x4B40_0000)); // 0x1.8p23
+        let z = $fmadd(x, $set1(f32::from_bits(0x3FB8_AA3B)), r); // 0x1.715476p+0
+        let n = $sub(z, r);
+        let b = $fnmadd(
+            n,
+            $set1(f32::from_bits(0x35BF_BE8E)),                // 0x1.7f7d1cp-20
+            $fnmadd(n, $set1(f32::from_bits(0x3F31_7200)), x), // 0x1.62e4p-1
+        );
+        let u = $mul(b, b);
+        let j = $fmadd(
+            $fmadd(
+                $fmadd($set1(f32::from_bits(0x3C07_2010)), b, $set1(f32::from_bits(0x3D2B_9F17))),
+                u,
+                $fmadd($set1(f32::from_bits(0x3E2A_AF33)), b, $set1(f32::from_bits(0x3EFF_FEDB))),
+            ),
+            u,
+            $fmadd($set1(f32::from_bits(0x3F7F_FFF6)), b, $set1(1.0)),
+        );
+        (n, j)
+    }};
+}
+
 /// ggml's `ggml_v_expf` (ggml-cpu/vec.h, AVX-512): e^x to about 1 ulp, with the same
 /// polynomial llama.cpp's softmax uses.
 #[inline]
 #[target_feature(enable = "avx512f,avx512dq")]
 pub(crate) unsafe fn expf(x: __m512) -> __m512 {
-    let r = _mm512_set1_ps(f32::from_bits(0x4B40_0000)); // 0x1.8p23
-    let z = _mm512_fmadd_ps(x, _mm512_set1_ps(f32::from_bits(0x3FB8_AA3B)), r); // 0x1.715476p+0
-    let n = _mm512_sub_ps(z, r);
-    let b = _mm512_fnmadd_ps(
-        n,
-        _mm512_set1_ps(f32::from_bits(0x35BF_BE8E)), // 0x1.7f7d1cp-20
-        _mm512_fnmadd_ps(n, _mm512_set1_ps(f32::from_bits(0x3F31_7200)), x), // 0x1.62e4p-1
-    );
+    let (n, j) = exp_poly!(x, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_sub_ps, _mm512_mul_ps);
     let d = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_abs_ps(n), _mm512_set1_ps(192.0));
-    let u = _mm512_mul_ps(b, b);
-    let j = _mm512_fmadd_ps(
-        _mm512_fmadd_ps(
-            _mm512_fmadd_ps(
-                _mm512_set1_ps(f32::from_bits(0x3C07_2010)),
-                b,
-                _mm512_set1_ps(f32::from_bits(0x3D2B_9F17)),
-            ),
-            u,
-            _mm512_fmadd_ps(
-                _mm512_set1_ps(f32::from_bits(0x3E2A_AF33)),
-                b,
-                _mm512_set1_ps(f32::from_bits(0x3EFF_FEDB)),
-            ),
-        ),
-        u,
-        _mm512_fmadd_ps(_mm512_set1_ps(f32::from_bits(0x3F7F_FFF6)), b, _mm512_set1_ps(1.0)),
-    );
     let res = _mm512_scalef_ps(j, n);
     if d == 0 {
         return res;
@@ -95,34 +97,9 @@ unsafe fn sum16(lo: __m256, hi: __m256) -> f32 {
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn expf8(x: __m256) -> __m256 {
-    let r = _mm256_set1_ps(f32::from_bits(0x4B40_0000)); // 0x1.8p23
-    let z = _mm256_fmadd_ps(x, _mm256_set1_ps(f32::from_bits(0x3FB8_AA3B)), r); // 0x1.715476p+0
-    let n = _mm256_sub_ps(z, r);
-    let b = _mm256_fnmadd_ps(
-        n,
-        _mm256_set1_ps(f32::from_bits(0x35BF_BE8E)), // 0x1.7f7d1cp-20
-        _mm256_fnmadd_ps(n, _mm256_set1_ps(f32::from_bits(0x3F31_7200)), x), // 0x1.62e4p-1
-    );
+    let (n, j) = exp_poly!(x, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_sub_ps, _mm256_mul_ps);
     let abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
     let d = _mm256_cmp_ps::<_CMP_GT_OQ>(abs, _mm256_set1_ps(192.0));
-    let u = _mm256_mul_ps(b, b);
-    let j = _mm256_fmadd_ps(
-        _mm256_fmadd_ps(
-            _mm256_fmadd_ps(
-                _mm256_set1_ps(f32::from_bits(0x3C07_2010)),
-                b,
-                _mm256_set1_ps(f32::from_bits(0x3D2B_9F17)),
-            ),
-            u,
-            _mm256_fmadd_ps(
-                _mm256_set1_ps(f32::from_bits(0x3E2A_AF33)),
-                b,
-                _mm256_set1_ps(f32::from_bits(0x3EFF_FEDB)),
-            ),
-        ),
-        u,
-        _mm256_fmadd_ps(_mm256_set1_ps(f32::from_bits(0x3F7F_FFF6)), b, _mm256_set1_ps(1.0)),
-    );
     // 2^n for |n| <= 192 as 2^n1 * 2^(n - n1), n1 = trunc(n / 2): both factors are normal.
     let ni = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(n, _mm256_set1_ps(-192.0)), _mm256_set1_ps(192.0)));
     let n1 = _mm256_srai_epi32::<1>(ni);
