@@ -6,7 +6,7 @@ use crate::attention::{Attn, KvType};
 use crate::gemm::{gemm, Dims};
 use crate::jobs::{ffn_jobs, matmul_jobs, FfnJob, MatJob};
 use crate::matmul::{quantize_activations, QuantizedActs, WeightRef};
-use crate::mla::{cache_rows_f32, mla_prefill, MlaPrefill};
+use crate::mla::{cache_rows_f32, mla_prefill, MlaHeads, MlaPrefill};
 use crate::vmath::Level;
 use crate::{Error, Result, Threads};
 use rayon::prelude::*;
@@ -20,11 +20,7 @@ use tandem_quant::{dequantize_row, row_size, vec_dot_type};
 pub struct MlaDecompressed<'a> {
     /// `[n][n_head][nope + n_rot]`, after rope.
     pub q: &'a [f32],
-    pub n_head: usize,
-    pub nope: usize,
-    pub n_rot: usize,
-    pub kv_lora: usize,
-    pub dv: usize,
+    pub heads: MlaHeads,
     /// The sequence's cached rows, `kv_lora + n_rot` values each.
     pub kv: &'a [u8],
     pub kv_type: KvType,
@@ -143,21 +139,21 @@ impl CpuBackend {
     /// MLA attention in the decompressed form; `out` is `[n][n_head][dv]`. `Ok(false)` (and `out`
     /// untouched) where the shapes do not allow it (a latent that is not whole Q8_0 blocks).
     pub fn mla_decompressed(&self, a: &MlaDecompressed, out: &mut [f32]) -> Result<bool> {
-        let row = a.kv_lora + a.n_rot;
+        let row = a.heads.kv_lora + a.heads.n_rot;
         if !row.is_multiple_of(a.kv_type.block()) {
             return Ok(false);
         }
-        let (nh, kl) = (a.n_head, a.kv_lora);
+        let (nh, kl) = (a.heads.n_head, a.heads.kv_lora);
         if a.k_b.packed
             || a.v_b.packed
             || a.k_b.rows != nh * kl
-            || a.k_b.cols != a.nope
-            || a.v_b.rows != nh * a.dv
+            || a.k_b.cols != a.heads.nope
+            || a.v_b.rows != nh * a.heads.dv
             || a.v_b.cols != kl
         {
             return Err(Error::Shape(format!("{}: attn_k_b / attn_v_b shapes do not fit the attention", a.k_b_key)));
         }
-        let (n, dk, dv, nope) = (a.n_kv.len(), a.nope + a.n_rot, a.dv, a.nope);
+        let (n, dk, dv, nope) = (a.n_kv.len(), a.heads.nope + a.heads.n_rot, a.heads.dv, a.heads.nope);
         if a.q.len() != n * nh * dk || out.len() != n * nh * dv {
             return Err(Error::Shape(format!("decompressed MLA attention of {n} tokens: query or output size wrong")));
         }
@@ -204,11 +200,7 @@ impl CpuBackend {
             };
             let p = MlaPrefill {
                 q: &qg,
-                n_head: g,
-                nope,
-                n_rot: a.n_rot,
-                kv_lora: kl,
-                dv,
+                heads: MlaHeads { n_head: g, ..a.heads },
                 kv: &kv,
                 k: &k,
                 v: &v,
@@ -234,7 +226,7 @@ impl CpuBackend {
         if let Some(w) = all.get(a.k_b_key) {
             return Ok(w.clone());
         }
-        let (kl, nope, dv) = (a.kv_lora, a.nope, a.dv);
+        let (kl, nope, dv) = (a.heads.kv_lora, a.heads.nope, a.heads.dv);
         let pool = self.threads.for_tokens(2);
         // attn_k_b is `[n_head][kv_lora][nope]` already; attn_v_b is `[n_head][dv][kv_lora]`,
         // each head's matrix transposed to `[kv_lora][dv]`.

@@ -110,7 +110,7 @@ pub use backend::{CpuBackend, MlaDecompressed};
 pub use jobs::{ffn_jobs, matmul_jobs, FfnJob, MatJob};
 pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY, MAX_WIDE};
 pub use matmul::{matmul, matmul_quantized, quantize_activations, QuantizedActs, WeightRef};
-pub use mla::{cache_rows_f32, mla_prefill, MlaPrefill};
+pub use mla::{cache_rows_f32, mla_prefill, MlaHeads, MlaPrefill};
 pub use ops::{add_assign, rmsnorm, rope, silu_mul, softmax_in_place, RopeParams, RopeStyle};
 pub use pool::Threads;
 #[cfg(target_arch = "x86_64")]

@@ -18,15 +18,23 @@ use rayon::prelude::*;
 /// Tokens per block of scores.
 const TB: usize = 64;
 
-/// The decompressed attention of `n = n_kv.len()` tokens of one sequence.
-pub struct MlaPrefill<'a> {
-    /// `[n][n_head][nope + n_rot]`: the queries after rope.
-    pub q: &'a [f32],
+/// The heads of multi-head latent attention: `n_head` queries of `nope + n_rot` values (the part
+/// without rope, then the rotary part), cached rows of a `kv_lora`-value latent and the shared
+/// `n_rot`-value rotary key, values of `dv`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaHeads {
     pub n_head: usize,
     pub nope: usize,
     pub n_rot: usize,
     pub kv_lora: usize,
     pub dv: usize,
+}
+
+/// The decompressed attention of `n = n_kv.len()` tokens of one sequence.
+pub struct MlaPrefill<'a> {
+    /// `[n][n_head][nope + n_rot]`: the queries after rope.
+    pub q: &'a [f32],
+    pub heads: MlaHeads,
     /// The cached rows as f32, `[rows][kv_lora + n_rot]`: the latent, then the rotary key
     /// ([`cache_rows_f32`]).
     pub kv: &'a [f32],
@@ -43,26 +51,26 @@ pub struct MlaPrefill<'a> {
 
 impl MlaPrefill<'_> {
     fn dk(&self) -> usize {
-        self.nope + self.n_rot
+        self.heads.nope + self.heads.n_rot
     }
 
     fn check(&self, out: &[f32]) -> crate::Result<usize> {
         let n = self.n_kv.len();
-        let row = self.kv_lora + self.n_rot;
+        let row = self.heads.kv_lora + self.heads.n_rot;
         let rows = self.kv.len() / row.max(1);
-        let heads = self.n_head;
+        let heads = self.heads.n_head;
         let ok = row > 0
-            && self.nope > 0
-            && self.dv > 0
+            && self.heads.nope > 0
+            && self.heads.dv > 0
             && Some(self.q.len()) == n.checked_mul(heads * self.dk())
-            && Some(out.len()) == n.checked_mul(heads * self.dv)
-            && rows.checked_mul(heads * self.nope).is_some_and(|need| self.k.len() >= need)
-            && rows.checked_mul(heads * self.dv).is_some_and(|need| self.v.len() >= need)
+            && Some(out.len()) == n.checked_mul(heads * self.heads.dv)
+            && rows.checked_mul(heads * self.heads.nope).is_some_and(|need| self.k.len() >= need)
+            && rows.checked_mul(heads * self.heads.dv).is_some_and(|need| self.v.len() >= need)
             && self.n_kv.iter().all(|&k| (1..=rows).contains(&k));
         if !ok {
             return Err(crate::Error::Shape(format!(
                 "decompressed MLA attention of {n} tokens ({heads} heads, nope {}, rope {}, latent {}, dv {}) over {rows} rows: shapes do not agree",
-                self.nope, self.n_rot, self.kv_lora, self.dv
+                self.heads.nope, self.heads.n_rot, self.heads.kv_lora, self.heads.dv
             )));
         }
         Ok(self.n_kv.iter().copied().max().unwrap_or(0))
@@ -116,7 +124,7 @@ pub fn mla_prefill(pool: &rayon::ThreadPool, a: &MlaPrefill, out: &mut [f32]) ->
 /// [`mla_prefill`] at `level`.
 fn mla_prefill_at(pool: &rayon::ThreadPool, a: &MlaPrefill, out: &mut [f32], level: Level) -> crate::Result<()> {
     let cols = a.check(out)?;
-    let (n, nh, dv) = (a.n_kv.len(), a.n_head, a.dv);
+    let (n, nh, dv) = (a.n_kv.len(), a.heads.n_head, a.heads.dv);
     if n == 0 {
         return Ok(());
     }
@@ -134,7 +142,8 @@ fn mla_prefill_at(pool: &rayon::ThreadPool, a: &MlaPrefill, out: &mut [f32], lev
 /// dimension (keys `[cols][nope]`, scores `[cols][tokens]`), so no operand is transposed but a
 /// block of queries, and the softmax runs down the columns, one token per lane.
 fn one_head(a: &MlaPrefill, h: usize, cols: usize, level: Level) -> Vec<f32> {
-    let (n, nh, nope, nr, kl, dv, dk) = (a.n_kv.len(), a.n_head, a.nope, a.n_rot, a.kv_lora, a.dv, a.dk());
+    let (n, nh, nope, nr, kl, dv, dk) =
+        (a.n_kv.len(), a.heads.n_head, a.heads.nope, a.heads.n_rot, a.heads.kv_lora, a.heads.dv, a.dk());
     let row = kl + nr;
     let rows = a.kv.len() / row;
     // This head's keys `[rows][nope]` and values `[rows][dv]`, consecutive rows (the products
@@ -262,11 +271,7 @@ mod tests {
     fn input(c: &Case) -> MlaPrefill<'_> {
         MlaPrefill {
             q: &c.q,
-            n_head: NH,
-            nope: NOPE,
-            n_rot: NR,
-            kv_lora: KL,
-            dv: DV,
+            heads: MlaHeads { n_head: NH, nope: NOPE, n_rot: NR, kv_lora: KL, dv: DV },
             kv: &c.kv,
             k: &c.k,
             v: &c.v,

@@ -394,11 +394,13 @@ impl Device for HostDevice {
         let v_plain = WeightRef::new(v_b.ty, v_b.rows(), v_b.cols(), v_b.bytes())?;
         let input = tandem_cpu::MlaDecompressed {
             q,
-            n_head: s.n_head,
-            nope: s.nope,
-            n_rot: s.n_rot,
-            kv_lora: s.kv_lora,
-            dv: s.dv,
+            heads: tandem_cpu::MlaHeads {
+                n_head: s.n_head,
+                nope: s.nope,
+                n_rot: s.n_rot,
+                kv_lora: s.kv_lora,
+                dv: s.dv,
+            },
             kv: store.rows(seq, il).0,
             kv_type,
             n_kv,

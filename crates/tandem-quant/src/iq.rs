@@ -42,6 +42,17 @@ fn sign_i(signs: u8, j: usize) -> i32 {
     }
 }
 
+/// Two grid entries of four levels against `q8[..8]`, each level's sign from bit `j` of `signs`
+/// (the IQ3 types' pairs of grid indices).
+fn signed_grids(grid1: u64, grid2: u64, signs: u8, q8: &[i8]) -> i32 {
+    let mut sum = 0;
+    for j in 0..4 {
+        sum += gb(grid1, j) as i32 * q8[j] as i32 * sign_i(signs, j);
+        sum += gb(grid2, j) as i32 * q8[j + 4] as i32 * sign_i(signs, j + 4);
+    }
+    sum
+}
+
 /// IQ1_M's fp16 scale, spread over the top nibbles of its four u16 scale words.
 pub fn iq1m_scale(scales: &[u8; 8]) -> f32 {
     let sc = |k: usize| u16::from_le_bytes([scales[2 * k], scales[2 * k + 1]]);
@@ -277,10 +288,7 @@ pub(crate) fn dot_iq3_xxs(x: &BlockIQ3XXS, y: &BlockQ8K) -> f32 {
             let grid2 = IQ3XXS_GRID[qs[8 * ib32 + 2 * l + 1] as usize] as u64;
             let signs = KSIGNS_IQ2XS[((aux32 >> (7 * l)) & 127) as usize];
             let q8 = &y.qs[32 * ib32 + 8 * l..];
-            for j in 0..4 {
-                sumi += gb(grid1, j) as i32 * q8[j] as i32 * sign_i(signs, j);
-                sumi += gb(grid2, j) as i32 * q8[j + 4] as i32 * sign_i(signs, j + 4);
-            }
+            sumi += signed_grids(grid1, grid2, signs, q8);
         }
         bsum += sumi * ls;
     }
@@ -303,10 +311,7 @@ pub(crate) fn dot_iq3_s(x: &BlockIQ3S, y: &BlockQ8K) -> f32 {
                 let grid2 = IQ3S_GRID[iq3s_index(x.qs[8 * g + 2 * l + 1], qh, 7 - 2 * l)] as u64;
                 let signs = x.signs[4 * g + l];
                 let q8 = &y.qs[32 * g + 8 * l..];
-                for j in 0..4 {
-                    sumi += gb(grid1, j) as i32 * q8[j] as i32 * sign_i(signs, j);
-                    sumi += gb(grid2, j) as i32 * q8[j + 4] as i32 * sign_i(signs, j + 4);
-                }
+                sumi += signed_grids(grid1, grid2, signs, q8);
             }
             bsum += sumi * ls;
         }

@@ -274,11 +274,23 @@ fn q4_k_q8_k(x: &BlockQ4K, y: &BlockQ8K) -> ([f32; 8], f32) {
             a[64 * j + 32 + l] = (q4[l] >> 4) as i8;
         }
     }
-    let (scales, mins) = k4_scales_mins(&x.scales);
+    k4_terms(&a, &x.scales, x.d, x.dmin, y)
+}
+
+/// The rest of Q4_K's and Q5_K's dot products once their levels `a` are unpacked: the 6-bit
+/// scales and mins of `scales`, the mins against the activations' sums, the lanes' scaled sums.
+fn k4_terms(
+    a: &[i8; QK_K],
+    scales: &[u8; K_SCALE_SIZE],
+    d: half::f16,
+    dmin: half::f16,
+    y: &BlockQ8K,
+) -> ([f32; 8], f32) {
+    let (scales, mins) = k4_scales_mins(scales);
     let sumi = min_sum(y, &mins);
-    let aux32 = accumulate_lanes(&a, &y.qs, |j| scales[j / 2] as i32);
-    let dmin = fp16_to_f32(x.dmin) * y.d;
-    (lane_terms(fp16_to_f32(x.d) * y.d, aux32), dmin * sumi as f32)
+    let aux32 = accumulate_lanes(a, &y.qs, |j| scales[j / 2] as i32);
+    let dmin = fp16_to_f32(dmin) * y.d;
+    (lane_terms(fp16_to_f32(d) * y.d, aux32), dmin * sumi as f32)
 }
 
 /// ggml `ggml_vec_dot_q5_K_q8_K_generic` (one block).
@@ -292,11 +304,7 @@ fn q5_k_q8_k(x: &BlockQ5K, y: &BlockQ8K) -> ([f32; 8], f32) {
         }
         m <<= 2;
     }
-    let (scales, mins) = k4_scales_mins(&x.scales);
-    let sumi = min_sum(y, &mins);
-    let aux32 = accumulate_lanes(&a, &y.qs, |j| scales[j / 2] as i32);
-    let dmin = fp16_to_f32(x.dmin) * y.d;
-    (lane_terms(fp16_to_f32(x.d) * y.d, aux32), dmin * sumi as f32)
+    k4_terms(&a, &x.scales, x.d, x.dmin, y)
 }
 
 /// ggml `ggml_vec_dot_q6_K_q8_K_generic` (one block).

@@ -77,17 +77,21 @@ impl Seg<'_> {
             }
             n_ws += 1;
         }
-        let end = if last_end_r_or_n > 0 {
-            last_end_r_or_n
-        } else if n_ws > 1 && self.cpt(pos + n_ws) != OUT_OF_RANGE {
+        let end = if last_end_r_or_n > 0 { last_end_r_or_n } else { self.spaces_end(pos, n_ws) };
+        self.add(end);
+        end
+    }
+
+    /// Where a run of `n_ws` whitespace code points at `pos` ends as `\s+(?!\S)|\s+` takes it
+    /// (before its last one when more follows), else one code point.
+    fn spaces_end(&self, pos: usize, n_ws: usize) -> usize {
+        if n_ws > 1 && self.cpt(pos + n_ws) != OUT_OF_RANGE {
             pos + n_ws - 1
         } else if n_ws > 0 {
             pos + n_ws
         } else {
             pos + 1
-        };
-        self.add(end);
-        end
+        }
     }
 
     /// ` ?[^\s\p{L}\p{N}]+[\r\n]*` (llama3 / qwen2 / kimi) if it matches at `pos`. llama.cpp's ports
@@ -174,13 +178,7 @@ pub(crate) fn gpt2(cpts: &[u32], flags: &[Flags], offsets: &[usize]) -> Vec<usiz
             while s.flags(pos + n_ws).is_whitespace() {
                 n_ws += 1;
             }
-            pos = if n_ws > 1 && s.cpt(pos + n_ws) != OUT_OF_RANGE {
-                pos + n_ws - 1
-            } else if n_ws > 0 {
-                pos + n_ws
-            } else {
-                pos + 1
-            };
+            pos = s.spaces_end(pos, n_ws);
             s.add(pos);
         }
     })
