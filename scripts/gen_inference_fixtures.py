@@ -102,6 +102,15 @@ DS_SMALL = dict(n_embd=128, n_ff=256, n_head=4, q_lora_rank=64, kv_lora_rank=64,
 DS_KQ = dict(n_embd=256, n_ff=256, n_head=4, q_lora_rank=256, kv_lora_rank=256,
              nope=64, rope=64, v=64, n_expert=8, n_ff_exp=256)
 
+def kimi_one_layer(name: str, weights: str, seed: int, note: str) -> dict:
+    """A Kimi-K2-shaped file of one MoE layer (DS_KQ sizes, sigmoid routing in 4 groups, YaRN as
+    Kimi's) in the weight mix `weights`."""
+    return dict(name=name, arch="deepseek2", weights=weights, cache="f16", seed=seed, **DS_KQ,
+                mla=True, n_layer=1, n_dense_lead=0, n_expert_used=2, n_expert_shared=1,
+                gating=SIGMOID, exp_probs_b=True, n_groups=4, n_group_used=2,
+                weights_norm=True, weights_scale=2.827, yarn=YARN_KIMI, tokenizer="kimi-k2", note=note)
+
+
 # Numerical noise (see the README section): with quantized weights or an f16 cache, llama.cpp's own paths
 # (n_ubatch, weight repacking, one token per decode) differ by ~1e-7 somewhere, and activation quantization
 # (q8_0 / q8_K / q8_1 of every matmul input) and f16 rounding amplify that to ~1e-2 of max|logit| at a few
@@ -137,32 +146,17 @@ MODELS: list[dict] = [
          gating=SIGMOID, exp_probs_b=True, n_groups=1, n_group_used=1,
          weights_norm=True, weights_scale=2.827, yarn=YARN_DSV3, tokenizer="kimi-k2",
          note="Kimi-K2 routing (expert_group_count 1), 3 leading dense layers"),
-    dict(name="deepseek2-mla-q4_k_m", arch="deepseek2", weights="Q4_K_M", cache="f16", seed=35, **DS_KQ,
-         mla=True, n_layer=1, n_dense_lead=0, n_expert_used=2, n_expert_shared=1,
-         gating=SIGMOID, exp_probs_b=True, n_groups=4, n_group_used=2,
-         weights_norm=True, weights_scale=2.827, yarn=YARN_KIMI, tokenizer="kimi-k2",
-         note="DeepSeek-V3 / Kimi-K2 shape (one MoE layer) with llama.cpp's real Q4_K_M mix"),
-    dict(name="deepseek2-mla-q4_0", arch="deepseek2", weights="Q4_0", cache="f16", seed=41, **DS_KQ,
-         mla=True, n_layer=1, n_dense_lead=0, n_expert_used=2, n_expert_shared=1,
-         gating=SIGMOID, exp_probs_b=True, n_groups=4, n_group_used=2,
-         weights_norm=True, weights_scale=2.827, yarn=YARN_KIMI, tokenizer="kimi-k2",
-         note="Kimi-K2 shape (one MoE layer) with llama.cpp's Q4_0 mix (the format of Kimi's int4 experts)"),
-    dict(name="deepseek2-mla-iq4_xs", arch="deepseek2", weights="IQ4_XS", cache="f16", seed=42, **DS_KQ,
-         mla=True, n_layer=1, n_dense_lead=0, n_expert_used=2, n_expert_shared=1,
-         gating=SIGMOID, exp_probs_b=True, n_groups=4, n_group_used=2,
-         weights_norm=True, weights_scale=2.827, yarn=YARN_KIMI, tokenizer="kimi-k2",
-         note="Kimi-K2 shape (one MoE layer) with llama.cpp's IQ4_XS mix"),
-    dict(name="deepseek2-mla-iq1_s-mix", arch="deepseek2", weights="IQ1_S-mix", cache="f16", seed=45, **DS_KQ,
-         mla=True, n_layer=1, n_dense_lead=0, n_expert_used=2, n_expert_shared=1,
-         gating=SIGMOID, exp_probs_b=True, n_groups=4, n_group_used=2,
-         weights_norm=True, weights_scale=2.827, yarn=YARN_KIMI, tokenizer="kimi-k2",
-         note="Kimi-K2 shape (one MoE layer) with every IQ1/IQ2/IQ3 type (GRID_MIX), as in 1-2 bit "
-              "Kimi / DeepSeek GGUFs"),
-    dict(name="deepseek2-mla-q5_k_m", arch="deepseek2", weights="Q5_K_M", cache="f16", seed=43, **DS_KQ,
-         mla=True, n_layer=1, n_dense_lead=0, n_expert_used=2, n_expert_shared=1,
-         gating=SIGMOID, exp_probs_b=True, n_groups=4, n_group_used=2,
-         weights_norm=True, weights_scale=2.827, yarn=YARN_KIMI, tokenizer="kimi-k2",
-         note="Kimi-K2 shape (one MoE layer) with llama.cpp's Q5_K_M mix (attn_k_b falls back to Q5_1)"),
+    kimi_one_layer("deepseek2-mla-q4_k_m", "Q4_K_M", 35,
+                   "DeepSeek-V3 / Kimi-K2 shape (one MoE layer) with llama.cpp's real Q4_K_M mix"),
+    kimi_one_layer("deepseek2-mla-q4_0", "Q4_0", 41,
+                   "Kimi-K2 shape (one MoE layer) with llama.cpp's Q4_0 mix (the format of Kimi's int4 experts)"),
+    kimi_one_layer("deepseek2-mla-iq4_xs", "IQ4_XS", 42,
+                   "Kimi-K2 shape (one MoE layer) with llama.cpp's IQ4_XS mix"),
+    kimi_one_layer("deepseek2-mla-iq1_s-mix", "IQ1_S-mix", 45,
+                   ("Kimi-K2 shape (one MoE layer) with every IQ1/IQ2/IQ3 type (GRID_MIX), as in 1-2 bit "
+                   "Kimi / DeepSeek GGUFs")),
+    kimi_one_layer("deepseek2-mla-q5_k_m", "Q5_K_M", 43,
+                   "Kimi-K2 shape (one MoE layer) with llama.cpp's Q5_K_M mix (attn_k_b falls back to Q5_1)"),
     dict(name="deepseek2-legacy-q2_k", arch="deepseek2", weights="Q2_K", cache="f16", seed=36, **DS_KQ,
          mla=False, n_layer=1, n_dense_lead=0, n_expert_used=2, n_expert_shared=2,
          gating=SOFTMAX, exp_probs_b=False, n_groups=0, n_group_used=0,
