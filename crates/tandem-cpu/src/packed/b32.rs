@@ -14,7 +14,7 @@
 //! Kernels (`x86/b32.rs`): AVX-512 VNNI and AVX2 for all three (AVX2: `vpmaddubsw` on Q5_0's and Q5_1's levels
 //! <= 31, on the two nibbles of Q8_0's).
 
-use super::{f16_at, GroupActs, PACK_ROWS};
+use super::{GroupActs, PACK_ROWS};
 use tandem_quant::blocks::{BlockQ8_0, BlockQ8_1};
 use tandem_quant::GgmlType;
 
@@ -131,31 +131,9 @@ pub(super) unsafe fn group_scalar<const OFF: i32>(
     out: *mut f32,
     ostride: usize,
 ) {
-    let (gb, ab, qs) = const { sizes(OFF) };
+    let level = |w: &[u8], b: usize, r: usize, e: usize| w[b * LEVELS + level_at(r, e)] as i32;
     // SAFETY: forwarded from the caller.
-    let (w, ys) = unsafe { super::scalar_views(nb, w, gb, &a, ny, ab) };
-    for t in 0..ny {
-        let mut acc = [0f32; PACK_ROWS];
-        for b in 0..nb {
-            let y = &ys[t * a.yb + b * ab..t * a.yb + (b + 1) * ab];
-            // Q5_1 has no offset (and Q8_1 blocks, where `block_sum` would not find the quants).
-            let corr = if OFF == Q5_1_OFF { 0 } else { OFF * block_sum(y) };
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let mut isum = 0i32;
-                for e in 0..32 {
-                    isum += w[b * LEVELS + level_at(r, e)] as i32 * y[qs + e] as i8 as i32;
-                }
-                let dat = nb * LEVELS + b * 2 * PACK_ROWS + 2 * r;
-                let dd = f16_at(w, dat) * f16_at(y, 0);
-                *acc = dd.mul_add((isum - corr) as f32, *acc);
-                if OFF == Q5_1_OFF {
-                    *acc = f16_at(w, dat + nb * 2 * PACK_ROWS).mul_add(f16_at(y, Q8_1_S), *acc);
-                }
-            }
-        }
-        // SAFETY: t < ny (see `GroupFn`).
-        unsafe { super::store_scalar(out, t, ostride, &acc) };
-    }
+    unsafe { super::q8_scalar((nb, w, a, ny, out, ostride), sizes(OFF), LEVELS, OFF == Q5_1_OFF, OFF, level) }
 }
 
 #[cfg(test)]
@@ -163,6 +141,7 @@ mod tests {
     use super::super::tests::{random_rows, Rng};
     use super::super::{group_bytes, pack};
     use super::*;
+    use crate::packed::f16_at;
     use tandem_quant::row_size;
 
     #[test]

@@ -211,6 +211,50 @@ unsafe fn scalar_views<'a>(
     }
 }
 
+/// The loop the scalar kernels of the 32-element types share, against Q8_0 (or with `min`, Q8_1)
+/// activations of `sizes` (group block, activation block, offset of the quants): `level(w, b, r,
+/// e)` is row `r`'s level of element `e` of block `b`; the factors follow the `levels` bytes of
+/// every block's levels (then, with `min`, the minimums). Per row and block, `acc = (dw * da) *
+/// (isum - off * the block's quant sum) + acc`, or with `min`, `isum` alone, then `acc = mw * s +
+/// acc` (Q8_1's `s`), fused, in block order.
+///
+/// # Safety
+/// As [`GroupFn`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn q8_scalar(
+    (nb, w, a, ny, out, ostride): (usize, *const u8, GroupActs, usize, *mut f32, usize),
+    (gb, ab, qs): (usize, usize, usize),
+    levels: usize,
+    min: bool,
+    off: i32,
+    level: impl Fn(&[u8], usize, usize, usize) -> i32,
+) {
+    // SAFETY: forwarded from the caller.
+    let (w, ys) = unsafe { scalar_views(nb, w, gb, &a, ny, ab) };
+    for t in 0..ny {
+        let mut acc = [0f32; PACK_ROWS];
+        for b in 0..nb {
+            let y = &ys[t * a.yb + b * ab..t * a.yb + (b + 1) * ab];
+            // Q8_1 blocks have no offset (`block_sum` would not find their quants).
+            let corr = if min { 0 } else { off * b32::block_sum(y) };
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let mut isum = 0i32;
+                for e in 0..32 {
+                    isum += level(w, b, r, e) * y[qs + e] as i8 as i32;
+                }
+                let dat = nb * levels + b * 2 * PACK_ROWS + 2 * r;
+                let dd = f16_at(w, dat) * f16_at(y, 0);
+                *acc = dd.mul_add((isum - corr) as f32, *acc);
+                if min {
+                    *acc = f16_at(w, dat + nb * 2 * PACK_ROWS).mul_add(f16_at(y, b32::Q8_1_S), *acc);
+                }
+            }
+        }
+        // SAFETY: t < ny (see `GroupFn`).
+        unsafe { store_scalar(out, t, ostride, &acc) };
+    }
+}
+
 /// ggml block_q8_K (the activations of the k-quant and IQ4_XS kernels): f32 d, i8 qs[256],
 /// i16 bsums[16].
 pub(super) const Q8K_BYTES: usize = std::mem::size_of::<tandem_quant::blocks::BlockQ8K>();

@@ -17,8 +17,8 @@
 //! Kernels (`x86/q40.rs`): AVX-512 VNNI and AVX2 for all three (AVX2: `vpmaddubsw` on the codes; for IQ4_NL on
 //! the two nibbles of each level, which two byte shuffles of the codes give).
 
-use super::b32::{block_sum, Q8_0_BYTES, Q8_1_BYTES};
-use super::{f16_at, GroupActs, PACK_ROWS};
+use super::b32::{Q8_0_BYTES, Q8_1_BYTES};
+use super::{GroupActs, PACK_ROWS};
 use tandem_quant::blocks::{BlockQ4_0, KVALUES_IQ4NL};
 
 /// Bytes of one block's codes in a group (16 rows x 16 bytes).
@@ -29,8 +29,7 @@ pub(super) const GROUP_BLOCK: usize = CODES + 2 * PACK_ROWS;
 pub(super) const GROUP_BLOCK_Q4_1: usize = CODES + 4 * PACK_ROWS;
 const Q4_0_BYTES: usize = std::mem::size_of::<BlockQ4_0>();
 const Q8_0_QS: usize = 2;
-/// Q8_1 (Q4_1's activations): fp16 d, fp16 s = d * sum(qs), i8 qs[32].
-pub(super) const Q8_1_S: usize = 2;
+/// Q8_1 (Q4_1's activations): fp16 d, fp16 s = d * sum(qs) (at `b32::Q8_1_S`), i8 qs[32].
 const Q8_1_QS: usize = 4;
 
 /// Bytes of one packed block of a group, of one activation block, and where the activations'
@@ -131,34 +130,11 @@ pub(super) unsafe fn group_scalar<const NL: bool, const MIN: bool>(
     out: *mut f32,
     ostride: usize,
 ) {
-    let (gb, ab, qs) = const { sizes(MIN) };
-    // SAFETY: forwarded from the caller.
-    let (w, ys) = unsafe { super::scalar_views(nb, w, gb, &a, ny, ab) };
     // the codes of every block come first, as in Q4_0's layout
-    let codes_end = nb * CODES;
-    for t in 0..ny {
-        let mut acc = [0f32; PACK_ROWS];
-        for b in 0..nb {
-            let y = &ys[t * a.yb + b * ab..t * a.yb + (b + 1) * ab];
-            // Q4_1 has no offset (and Q8_1 blocks, where `block_sum` would not find the quants)
-            let corr = if MIN { 0 } else { level::<NL, MIN>(0).1 * block_sum(y) };
-            let codes = &w[b * CODES..(b + 1) * CODES];
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let mut isum = 0i32;
-                for e in 0..32 {
-                    isum += level::<NL, MIN>(code(codes, r, e)).0 * y[qs + e] as i8 as i32;
-                }
-                let dat = codes_end + b * 2 * PACK_ROWS + 2 * r;
-                let dd = f16_at(w, dat) * f16_at(y, 0);
-                *acc = dd.mul_add((isum - corr) as f32, *acc);
-                if MIN {
-                    *acc = f16_at(w, dat + nb * 2 * PACK_ROWS).mul_add(f16_at(y, Q8_1_S), *acc);
-                }
-            }
-        }
-        // SAFETY: t < ny (see `GroupFn`).
-        unsafe { super::store_scalar(out, t, ostride, &acc) };
-    }
+    let off = level::<NL, MIN>(0).1;
+    let at = |w: &[u8], b: usize, r: usize, e: usize| level::<NL, MIN>(code(&w[b * CODES..], r, e)).0;
+    // SAFETY: forwarded from the caller.
+    unsafe { super::q8_scalar((nb, w, a, ny, out, ostride), sizes(MIN), CODES, MIN, off, at) }
 }
 
 #[cfg(test)]
@@ -166,6 +142,7 @@ mod tests {
     use super::super::tests::{random_rows, Rng};
     use super::super::{group_bytes, pack};
     use super::*;
+    use crate::packed::f16_at;
     use tandem_quant::{row_size, GgmlType};
 
     #[test]
