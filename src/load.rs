@@ -338,7 +338,7 @@ pub const REPACK_HEADROOM: u64 = 1 << 30;
 pub fn repack(model: &tandem_model::Model, exec: &tandem_model::Exec, progress: bool) -> String {
     let paying = tandem_cpu::packed::paying_types();
     if paying.is_empty() {
-        return "repack: this CPU runs no packed kernel (they need AVX2, most of them AVX-512 VNNI; or TANDEM_CPU_ISA caps the level); weights are used as they are".into();
+        return "repack: this CPU runs no packed kernel (they need AVX2; or TANDEM_CPU_ISA caps the level below it); weights are used as they are".into();
     }
     let names: Vec<String> = paying.iter().map(|t| t.to_string().to_uppercase()).collect();
     let skip = |name: &str| exec.holds_elsewhere(name);

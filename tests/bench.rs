@@ -348,6 +348,29 @@ fn ik_llama_cpp_flags_are_taken() {
     assert_eq!(v["repack"], Value::Bool(tandem_cpu::packed::packing_pays()), "{v}");
 }
 
+/// `TANDEM_CPU_ISA` caps the kernels' level (shown in the header); a name it does not know is
+/// reported in one line and the machine's best level is kept.
+#[test]
+fn the_kernel_level_follows_tandem_cpu_isa() {
+    let m = fixture("deepseek2-mla-tiny.gguf");
+    let run = |isa: &str| {
+        Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["bench", "-m", m.to_str().unwrap(), "--bandwidth-mib", "0", "--no-progress", "-p", "4", "-n", "2"])
+            .env("TANDEM_CPU_ISA", isa)
+            .output()
+            .unwrap()
+    };
+    let (so, _) = ok(&run("scalar"));
+    assert!(so.contains("CPU kernels: scalar,"), "{so}");
+    let (so, se) = ok(&run("avx-vnni"));
+    assert!(
+        se.contains("TANDEM_CPU_ISA=\"avx-vnni\" is not one of scalar, avx2, avxvnni, avx512, avx512vnni, avx512vbmi, avx512bf16; ignored"),
+        "{se}"
+    );
+    let best = tandem_cpu::Isa::best_within(None);
+    assert!(so.contains(&format!("CPU kernels: {best},")), "{so}");
+}
+
 /// `TANDEM_PREFETCH` picks the weight prefetch hint (shown with the kernels' level); a name it
 /// does not know is reported in one line and the processor's default is kept.
 #[test]

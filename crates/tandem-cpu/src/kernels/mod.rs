@@ -113,7 +113,17 @@ impl Isa {
     /// The best level this machine runs, capped by `TANDEM_CPU_ISA` when set (read once).
     pub fn detected() -> Isa {
         static DETECTED: OnceLock<Isa> = OnceLock::new();
-        *DETECTED.get_or_init(|| Isa::best_within(std::env::var("TANDEM_CPU_ISA").ok().and_then(|s| Isa::parse(&s))))
+        *DETECTED.get_or_init(|| {
+            let cap = std::env::var("TANDEM_CPU_ISA").ok().and_then(|s| {
+                let cap = Isa::parse(&s);
+                if cap.is_none() {
+                    let names: Vec<&str> = Isa::ALL.iter().map(|i| i.name()).collect();
+                    tracing::warn!("TANDEM_CPU_ISA={s:?} is not one of {}; ignored", names.join(", "));
+                }
+                cap
+            });
+            Isa::best_within(cap)
+        })
     }
 
     /// The best level this machine runs at or below `cap`.
