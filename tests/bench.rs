@@ -348,18 +348,21 @@ fn ik_llama_cpp_flags_are_taken() {
     assert_eq!(v["repack"], Value::Bool(tandem_cpu::packed::packing_pays()), "{v}");
 }
 
+/// A short `tandem bench` of the tiny fixture with the environment variable `var` set to `value`.
+fn short_bench_with(var: &str, value: &str) -> std::process::Output {
+    let m = fixture("deepseek2-mla-tiny.gguf");
+    Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["bench", "-m", m.to_str().unwrap(), "--bandwidth-mib", "0", "--no-progress", "-p", "4", "-n", "2"])
+        .env(var, value)
+        .output()
+        .unwrap()
+}
+
 /// `TANDEM_CPU_ISA` caps the kernels' level (shown in the header); a name it does not know is
 /// reported in one line and the machine's best level is kept.
 #[test]
 fn the_kernel_level_follows_tandem_cpu_isa() {
-    let m = fixture("deepseek2-mla-tiny.gguf");
-    let run = |isa: &str| {
-        Command::new(env!("CARGO_BIN_EXE_tandem"))
-            .args(["bench", "-m", m.to_str().unwrap(), "--bandwidth-mib", "0", "--no-progress", "-p", "4", "-n", "2"])
-            .env("TANDEM_CPU_ISA", isa)
-            .output()
-            .unwrap()
-    };
+    let run = |isa: &str| short_bench_with("TANDEM_CPU_ISA", isa);
     let (so, _) = ok(&run("scalar"));
     assert!(so.contains("CPU kernels: scalar,"), "{so}");
     let (so, se) = ok(&run("avx-vnni"));
@@ -375,14 +378,7 @@ fn the_kernel_level_follows_tandem_cpu_isa() {
 /// does not know is reported in one line and the processor's default is kept.
 #[test]
 fn the_prefetch_hint_follows_tandem_prefetch() {
-    let m = fixture("deepseek2-mla-tiny.gguf");
-    let run = |hint: &str| {
-        Command::new(env!("CARGO_BIN_EXE_tandem"))
-            .args(["bench", "-m", m.to_str().unwrap(), "--bandwidth-mib", "0", "--no-progress", "-p", "4", "-n", "2"])
-            .env("TANDEM_PREFETCH", hint)
-            .output()
-            .unwrap()
-    };
+    let run = |hint: &str| short_bench_with("TANDEM_PREFETCH", hint);
     for hint in ["nta", "t0", "t1", "off"] {
         let (so, _) = ok(&run(hint));
         assert!(so.contains(&format!(", weight prefetch {hint} (")), "{hint}: {so}");
