@@ -220,7 +220,6 @@ unsafe fn scalar_views<'a>(
 ///
 /// # Safety
 /// As [`GroupFn`].
-#[allow(clippy::too_many_arguments)]
 unsafe fn q8_scalar(
     (nb, w, a, ny, out, ostride): (usize, *const u8, GroupActs, usize, *mut f32, usize),
     (gb, ab, qs): (usize, usize, usize),
