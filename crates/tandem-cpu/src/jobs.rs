@@ -202,8 +202,15 @@ fn run_piece(p: Piece) {
     }
 }
 
+/// The activation bytes [`run_packed_piece`] passes every group of rows over at a time: all of
+/// a prefill's (1.2 MB for 512 tokens of 2048 columns) came from the third-level cache for each
+/// group on a Zen 3 (512 KiB of L2); in chunks of 128 KiB prefill of 512 tokens of the Q4_K_M
+/// bench model ran 3-4% faster there (AVX2 only, 2 threads).
+const ACT_CHUNK_BYTES: usize = 128 << 10;
+
 /// [`run_piece`] of a packed weight: each group of 16 rows against the tokens in groups of
-/// [`MAX_NY`], writing 16 columns of each token's output row at once.
+/// [`MAX_NY`], writing 16 columns of each token's output row at once; the tokens in chunks of
+/// [`ACT_CHUNK_BYTES`].
 fn run_packed_piece(p: Piece) {
     let n = p.acts.n_rows();
     let yb = p.acts.row_bytes;
@@ -220,21 +227,27 @@ fn run_packed_piece(p: Piece) {
     let Some(kernel) = group_kernel(p.w.ty) else { return };
     let sums = p.sums;
     assert!(sums.is_empty() || sums.len() == n * nb);
-    for (g, w) in p.w.data.chunks_exact(gb).enumerate() {
-        for t0 in (0..n).step_by(MAX_NY) {
-            let nt = MAX_NY.min(n - t0);
-            // SAFETY: one whole group (checked above); tokens t0..t0 + nt of the checked activations
-            // and their block sums (`nb` per token, or none where the type has no use for them);
-            // `matmul_jobs` checked that the output holds n rows of `stride`, and this piece alone
-            // writes columns r0 + 16g .. r0 + 16g + 16 (see `OutPtr`).
-            unsafe {
-                let a = GroupActs {
-                    ys: p.acts.data.as_ptr().add(t0 * yb),
-                    yb,
-                    sums: if sums.is_empty() { std::ptr::null() } else { sums.as_ptr().add(t0 * nb) },
-                };
-                let out = p.out.0.add(t0 * p.stride + p.r0 + g * PACK_ROWS);
-                kernel(nb, w.as_ptr(), a, nt, out, p.stride);
+    // Tokens in chunks whose activations stay in the second-level cache while every group of
+    // rows passes over them; groups of MAX_NY from each chunk's start, as without chunks.
+    let chunk = (ACT_CHUNK_BYTES / yb.max(1) / MAX_NY).max(1) * MAX_NY;
+    for c0 in (0..n).step_by(chunk) {
+        let cend = (c0 + chunk).min(n);
+        for (g, w) in p.w.data.chunks_exact(gb).enumerate() {
+            for t0 in (c0..cend).step_by(MAX_NY) {
+                let nt = MAX_NY.min(cend - t0);
+                // SAFETY: one whole group (checked above); tokens t0..t0 + nt of the checked
+                // activations and their block sums (`nb` per token, or none where the type has no
+                // use for them); `matmul_jobs` checked that the output holds n rows of `stride`,
+                // and this piece alone writes columns r0 + 16g .. r0 + 16g + 16 (see `OutPtr`).
+                unsafe {
+                    let a = GroupActs {
+                        ys: p.acts.data.as_ptr().add(t0 * yb),
+                        yb,
+                        sums: if sums.is_empty() { std::ptr::null() } else { sums.as_ptr().add(t0 * nb) },
+                    };
+                    let out = p.out.0.add(t0 * p.stride + p.r0 + g * PACK_ROWS);
+                    kernel(nb, w.as_ptr(), a, nt, out, p.stride);
+                }
             }
         }
     }

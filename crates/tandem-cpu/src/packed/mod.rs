@@ -635,6 +635,27 @@ mod tests {
     }
 
     #[test]
+    fn a_long_prompt_gives_the_bits_of_its_token_groups_alone() {
+        // 1000 tokens of 256 columns pass over the rows in more than one chunk of activations.
+        let mut rng = Rng(23);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for ty in [GgmlType::Q4_K, GgmlType::Q8_0] {
+            let (rows, n, tokens) = (32, 256, 1000);
+            let w = random_rows(ty, rows, n, &mut rng);
+            let p = pack(ty, rows, n, &w).unwrap();
+            let x: Vec<f32> = (0..tokens * n).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect();
+            let mut all = vec![0f32; tokens * rows];
+            crate::matmul(&pool, &p.weight_ref(), &x, &mut all).unwrap();
+            for (t0, want) in all.chunks(crate::MAX_NY * rows).enumerate() {
+                let xs = &x[t0 * crate::MAX_NY * n..][..want.len() / rows * n];
+                let mut got = vec![0f32; want.len()];
+                crate::matmul(&pool, &p.weight_ref(), xs, &mut got).unwrap();
+                assert_eq!(got, want, "{ty} tokens from {}", t0 * crate::MAX_NY);
+            }
+        }
+    }
+
+    #[test]
     fn shapes_without_a_packed_layout_are_refused() {
         let e = pack(GgmlType::Q4_K, 8, 256, &[0u8; 8 * 144]).unwrap_err().to_string();
         assert!(e.contains("no packed layout for a 8 x 256 q4_K tensor"), "{e}");
@@ -653,7 +674,10 @@ mod tests {
     fn packed_speedup() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         let mut rng = Rng(17);
-        for ty in PACKED_TYPES {
+        // TANDEM_SPEEDUP_TYPES=Q4_K,Q6_K measures only those types.
+        let only = std::env::var("TANDEM_SPEEDUP_TYPES").ok();
+        let wanted = |ty: GgmlType| only.as_deref().is_none_or(|o| o.split(',').any(|n| n.trim().eq_ignore_ascii_case(&ty.to_string())));
+        for ty in PACKED_TYPES.into_iter().filter(|&ty| wanted(ty)) {
             let shapes = [
                 (65536usize, 2048usize, 1usize),
                 (4096, 2048, 1),
