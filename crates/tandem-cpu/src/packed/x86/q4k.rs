@@ -1,7 +1,7 @@
 //! Q4_K's and Q5_K's packed group kernels for x86-64 (AVX-512 VNNI, AVX2, AVX-VNNI for Q5_K); layout
 //! and arithmetic in `packed/q4k.rs`.
 
-use super::{bcast, bcast8, dpbusd8};
+use super::{bcast, bcast8, dpbusd8, words8};
 use crate::packed::q4k::{layout, SUBS};
 use crate::packed::{GroupActs, Q8K_BSUMS, Q8K_QS};
 use std::arch::x86_64::*;
@@ -181,9 +181,10 @@ q8k_group! { ymm
                 isum[t] = _mm256_add_epi32(isum[t], s);
             } else {
                 let mut s = _mm256_setzero_si256();
+                let a = words8(q);
                 for l in 0..4 {
-                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[l], bcast8(q.add(8 * l))));
-                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[l], bcast8(q.add(8 * l + 4))));
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[l], a[2 * l]));
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[l], a[2 * l + 1]));
                 }
                 isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, scsc));
             }
