@@ -181,7 +181,9 @@ q8k_group! { ymm
                 isum[t] = _mm256_add_epi32(isum[t], s);
             } else {
                 let mut s = _mm256_setzero_si256();
-                let a = words8(q);
+                // One token (decode) waits on the weights from memory, not on these loads: it
+                // keeps the broadcast loads; a batch's loop is bound by them (`words8`).
+                let a = if NY == 1 { std::array::from_fn(|k| bcast8(q.add(4 * k))) } else { words8(q) };
                 for l in 0..4 {
                     s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[l], a[2 * l]));
                     s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[l], a[2 * l + 1]));
