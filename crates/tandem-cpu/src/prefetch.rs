@@ -9,11 +9,13 @@
 //!   2 threads, alternating: 30-32 t/s with `nta`, 23-31 with none, 40-46 with `t0`, 45-51 with
 //!   `t1`; without `--repack` 15 t/s with `nta` against 27-28 with `t1`.
 //!
-//! * AMD CPU family 25 (Zen 4; Zen 3 shares the family and was not measured): `nta`, except for
-//!   the packed Q8_0 kernel, which does the least work per byte of all and streams faster with
-//!   `t1` there: decode of the Q8_0 bench model, the hint switched token by token in one process,
-//!   10-14% faster with 2 threads and 12% with 1; the Q4_K_M model's kernels were 6-10% faster
-//!   with 1 thread on `nta` and within 2% either way with 2 (docs/perf/HISTORY.md).
+//! * AMD CPU family 25 (Zen 4, Zen 3): `nta`, except for the packed Q8_0 kernel, which does the
+//!   least work per byte of all and streams faster with `t1` on Zen 4: decode of the Q8_0 bench
+//!   model, the hint switched token by token in one process, 10-14% faster with 2 threads and 12%
+//!   with 1; the Q4_K_M model's kernels were 6-10% faster with 1 thread on `nta` and within 2%
+//!   either way with 2. On Zen 3 (AVX2 only), Q4_K_M decode with 2 threads, 3 alternating
+//!   rounds: 65-70 t/s with `nta`, 63-64 with `t0`, 60-65 with `t1`, 43-49 with none
+//!   (docs/perf/HISTORY.md).
 //!
 //! `TANDEM_PREFETCH` (`nta`, `t0`, `t1`, `off`) overrides the choice for every kernel; it is read
 //! once.
