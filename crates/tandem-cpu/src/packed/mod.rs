@@ -676,7 +676,9 @@ mod tests {
         let mut rng = Rng(17);
         // TANDEM_SPEEDUP_TYPES=Q4_K,Q6_K measures only those types.
         let only = std::env::var("TANDEM_SPEEDUP_TYPES").ok();
-        let wanted = |ty: GgmlType| only.as_deref().is_none_or(|o| o.split(',').any(|n| n.trim().eq_ignore_ascii_case(&ty.to_string())));
+        let wanted = |ty: GgmlType| {
+            only.as_deref().is_none_or(|o| o.split(',').any(|n| n.trim().eq_ignore_ascii_case(&ty.to_string())))
+        };
         for ty in PACKED_TYPES.into_iter().filter(|&ty| wanted(ty)) {
             let shapes = [
                 (65536usize, 2048usize, 1usize),
