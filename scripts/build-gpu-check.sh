@@ -23,24 +23,11 @@ export TANDEM_REQUIRE_KERNELS=1
 
 log() { echo "build-gpu-check: $*" >&2; }
 start=$(date +%s)
-# Executables from cargo's JSON messages: the `tandem` binary and the two test targets.
+# Executables from cargo's JSON messages: the `tandem` binary and the three test targets.
 exes=$(cargo test --release --locked --features cuda --no-run --test gpu --test gpu_fallback --test kernels \
-        --message-format=json-render-diagnostics |
-    python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
-        continue
-    t = m["target"]
-    if t["name"] == "tandem" and "bin" in t["kind"]:
-        print("tandem", m["executable"])
-    elif t["name"] in ("gpu", "gpu_fallback", "kernels") and "test" in t["kind"]:
-        print("test-" + t["name"], m["executable"])
-')
+        --message-format=json-render-diagnostics | scripts/cargo_artifacts.py |
+    awk '$1 == "bin" && $2 == "tandem" { print "tandem", $3 }
+         $1 == "test" && ($2 == "gpu" || $2 == "gpu_fallback" || $2 == "kernels") { print "test-" $2, $3 }')
 log "cargo build: $(( $(date +%s) - start )) s"
 for want in tandem test-gpu test-gpu_fallback test-kernels; do
     if ! grep -q "^$want " <<<"$exes"; then

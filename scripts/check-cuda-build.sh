@@ -20,16 +20,7 @@ export TANDEM_REQUIRE_KERNELS=1
 
 start=$(date +%s)
 out_dir=$(cargo build --locked --features cuda "$@" --message-format=json-render-diagnostics |
-    python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "build-script-executed" and m["package_id"].split("#")[-1].startswith(("tandem@", "tandem:")):
-        print(m["out_dir"])
-')
+    scripts/cargo_artifacts.py | awk '$1 == "out-dir" && $2 == "tandem" { print $3 }')
 echo "cargo build --features cuda: $(( $(date +%s) - start )) s"
 images="$out_dir/kernels"
 if [ -z "$out_dir" ] || ! ls "$images"/*.cubin >/dev/null 2>&1; then

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -54,7 +53,8 @@ import numpy as np
 import gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gen_model_fixtures import KIMI_ROPE, TOKENIZERS, add_tokenizer, bytes_to_unicode, copy_metadata  # noqa: E402
+from gen_model_fixtures import (KIMI_ROPE, TOKENIZERS, add_deepseek2_keys, add_tokenizer, begin_model,  # noqa: E402
+                                bytes_to_unicode, copy_metadata)
 
 F32 = gguf.GGMLQuantizationType.F32
 F16 = gguf.GGMLQuantizationType.F16
@@ -197,43 +197,19 @@ def tensor_specs() -> Iterator[TensorSpec]:
 def write_f16(path: Path) -> None:
     h = H
     rope = KIMI_ROPE
-    w = gguf.GGUFWriter(str(path), "deepseek2")
-    w.add_type("model")
-    w.add_name("Tandem Bench DeepSeek2 (Kimi-K2 attention shapes, 12 layers, 64 experts)")
-    w.add_block_count(h["n_layer"])
-    w.add_context_length(rope["context_length"])
-    w.add_embedding_length(h["n_embd"])
-    w.add_feed_forward_length(h["n_ff"])
-    w.add_head_count(h["n_head"])
-    w.add_head_count_kv(1)  # mainline MLA: MQA over the latent
-    w.add_rope_freq_base(rope["rope_freq_base"])
-    w.add_layer_norm_rms_eps(h["rms_eps"])
-    w.add_expert_used_count(h["n_expert_used"])
-    w.add_expert_group_count(h["n_expert_groups"])
-    w.add_expert_group_used_count(h["n_group_used"])
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_leading_dense_block_count(h["n_layer_dense_lead"])
-    w.add_vocab_size(h["n_vocab"])
-    w.add_q_lora_rank(h["q_lora_rank"])
-    w.add_kv_lora_rank(h["kv_lora_rank"])
-    w.add_key_length(h["kv_lora_rank"] + h["qk_rope_head_dim"])
-    w.add_value_length(h["kv_lora_rank"])
-    w.add_key_length_mla(h["qk_nope_head_dim"] + h["qk_rope_head_dim"])
-    w.add_value_length_mla(h["v_head_dim"])
-    w.add_expert_feed_forward_length(h["n_ff_exp"])
-    w.add_expert_count(h["n_expert"])
-    w.add_expert_shared_count(h["n_expert_shared"])
-    w.add_expert_weights_scale(h["expert_weights_scale"])
-    w.add_expert_weights_norm(h["expert_weights_norm"])
-    w.add_rope_dimension_count(h["qk_rope_head_dim"])
-    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    w.add_rope_scaling_factor(rope["rope_scaling_factor"])
-    w.add_rope_scaling_orig_ctx_len(rope["rope_orig_ctx"])
-    w.add_rope_scaling_yarn_beta_fast(YARN_BETA_FAST)
-    w.add_rope_scaling_yarn_beta_slow(YARN_BETA_SLOW)
-    w.add_rope_scaling_yarn_log_mul(rope["yarn_log_mul"])
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w = begin_model(path, "deepseek2", "Tandem Bench DeepSeek2 (Kimi-K2 attention shapes, 12 layers, 64 experts)",
+                    n_layer=h["n_layer"], context_length=rope["context_length"], n_embd=h["n_embd"], n_ff=h["n_ff"],
+                    n_head=h["n_head"], n_head_kv=1,  # mainline MLA: MQA over the latent
+                    freq_base=rope["rope_freq_base"], rms_eps=h["rms_eps"])
+    add_deepseek2_keys(w, n_expert_used=h["n_expert_used"], groups=(h["n_expert_groups"], h["n_group_used"]),
+                       gating=gguf.ExpertGatingFuncType.SIGMOID, file_type=gguf.LlamaFileType.MOSTLY_F16,
+                       n_dense_lead=h["n_layer_dense_lead"], n_vocab=h["n_vocab"], q_lora_rank=h["q_lora_rank"],
+                       kv_lora_rank=h["kv_lora_rank"], mla=True, nope=h["qk_nope_head_dim"],
+                       rope=h["qk_rope_head_dim"], v=h["v_head_dim"], n_ff_exp=h["n_ff_exp"], n_expert=h["n_expert"],
+                       n_expert_shared=h["n_expert_shared"], weights_scale=h["expert_weights_scale"],
+                       weights_norm=h["expert_weights_norm"],
+                       yarn=(rope["rope_scaling_factor"], rope["rope_orig_ctx"], rope["yarn_log_mul"]),
+                       yarn_betas=(YARN_BETA_FAST, YARN_BETA_SLOW))
     add_tokenizer(w, synthetic_vocab(h["n_vocab"]))
 
     specs = list(tensor_specs())

@@ -215,114 +215,37 @@ GRID_MIX = [
 def deepseek2_weights(c: dict) -> dict[str, np.ndarray]:
     """All tensors in GGUF names, numpy shape = reversed ne, f32. Drawn in a fixed order that does not
     depend on the layout flags (mla / bias / ...), so variants of a config share their weights."""
-    r = gm.Init(c["seed"])
-    E, H = c["n_embd"], c["n_head"]
-    qk = c["nope"] + c["rope"]
-    W: dict[str, np.ndarray] = {"token_embd.weight": r.normal(gm.N_VOCAB, E, std=0.5)}
-    for il in range(c["n_layer"]):
-        b = f"blk.{il}."
-        W[b + "attn_norm.weight"] = r.norm(E)
-        if c["q_lora_rank"] > 0:
-            W[b + "attn_q_a.weight"] = r.linear(c["q_lora_rank"], E)
-            W[b + "attn_q_a_norm.weight"] = r.norm(c["q_lora_rank"])
-            W[b + "attn_q_b.weight"] = r.linear(H * qk, c["q_lora_rank"])
-        else:
-            W[b + "attn_q.weight"] = r.linear(H * qk, E)
-        W[b + "attn_kv_a_mqa.weight"] = r.linear(c["kv_lora_rank"] + c["rope"], E)
-        W[b + "attn_kv_a_norm.weight"] = r.norm(c["kv_lora_rank"])
-        W[b + "attn_kv_b.weight"] = r.linear(H * (c["nope"] + c["v"]), c["kv_lora_rank"])
-        W[b + "attn_output.weight"] = r.linear(E, H * c["v"])
-        W[b + "ffn_norm.weight"] = r.norm(E)
-        if il < c["n_dense_lead"]:
-            W[b + "ffn_gate.weight"] = r.linear(c["n_ff"], E)
-            W[b + "ffn_up.weight"] = r.linear(c["n_ff"], E)
-            W[b + "ffn_down.weight"] = r.linear(E, c["n_ff"])
-        else:
-            W[b + "ffn_gate_inp.weight"] = r.linear(c["n_expert"], E, gain=2.0)
-            W[b + "exp_probs_b.bias"] = r.normal(c["n_expert"], std=0.3)
-            W[b + "ffn_gate_exps.weight"] = r.linear(c["n_expert"], c["n_ff_exp"], E)
-            W[b + "ffn_up_exps.weight"] = r.linear(c["n_expert"], c["n_ff_exp"], E)
-            W[b + "ffn_down_exps.weight"] = r.linear(c["n_expert"], E, c["n_ff_exp"])
-            n_sh = c["n_ff_exp"] * c["n_expert_shared"]  # llama.cpp: ffn_*_shexp width = n_ff_exp * n_expert_shared
-            W[b + "ffn_gate_shexp.weight"] = r.linear(n_sh, E)
-            W[b + "ffn_up_shexp.weight"] = r.linear(n_sh, E)
-            W[b + "ffn_down_shexp.weight"] = r.linear(E, n_sh)
-    W["output_norm.weight"] = r.norm(E)
-    W["output.weight"] = r.linear(gm.N_VOCAB, E)
-    return W
+    return gm.deepseek2_weights(gm.Init(c["seed"]), n_layer=c["n_layer"], n_embd=c["n_embd"], n_head=c["n_head"],
+                                n_vocab=gm.N_VOCAB, q_lora_rank=c["q_lora_rank"], kv_lora_rank=c["kv_lora_rank"],
+                                nope=c["nope"], rope=c["rope"], v=c["v"], n_ff=c["n_ff"],
+                                n_dense_lead=c["n_dense_lead"], n_expert=c["n_expert"], n_ff_exp=c["n_ff_exp"],
+                                n_expert_shared=c["n_expert_shared"], router_gain=2.0, bias_std=0.3)
 
 
-def split_kv_b(c: dict, kv_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """DeepseekV2Model.modify_tensors of convert_hf_to_gguf.py: kv_b (H*(nope+v), kv_lora) ->
-    k_b (H, kv_lora, nope) [transposed], v_b (H, v, kv_lora)."""
-    H, nope, v = c["n_head"], c["nope"], c["v"]
-    kv = kv_b.reshape(H, nope + v, kv_b.shape[-1])
-    return np.ascontiguousarray(kv[:, :nope, :].transpose(0, 2, 1)), np.ascontiguousarray(kv[:, nope:, :])
-
-
-def tensor_dtype(name: str, arr: np.ndarray, all_f32: bool) -> np.ndarray:
-    """convert_hf_to_gguf.py's choice for an F16 file: 1-d tensors and the MoE router stay F32."""
-    if all_f32 or arr.ndim == 1 or name.endswith("ffn_gate_inp.weight"):
-        return arr.astype(np.float32)
-    return arr.astype(np.float16)
+def file_type(all_f32: bool) -> gguf.LlamaFileType:
+    return gguf.LlamaFileType.ALL_F32 if all_f32 else gguf.LlamaFileType.MOSTLY_F16
 
 
 def write_deepseek2(path: Path, c: dict, all_f32: bool) -> None:
     W = deepseek2_weights(c)
     vocab = gm.build_vocab(c["tokenizer"])
-    w = gguf.GGUFWriter(str(path), "deepseek2")
-    w.add_type("model")
-    w.add_name(f"Tandem Inference Fixture {c['name']}")
-    w.add_block_count(c["n_layer"])
-    w.add_context_length((c["yarn"] or YARN_DSV3)["context_length"])
-    w.add_embedding_length(c["n_embd"])
-    w.add_feed_forward_length(c["n_ff"])
-    w.add_head_count(c["n_head"])
-    w.add_head_count_kv(1 if c["mla"] else c["n_head"])
-    w.add_rope_freq_base((c["yarn"] or YARN_DSV3)["freq_base"])
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_expert_used_count(c["n_expert_used"])
-    if c["n_groups"]:
-        w.add_expert_group_count(c["n_groups"])
-        w.add_expert_group_used_count(c["n_group_used"])
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType(c["gating"]))
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if all_f32 else gguf.LlamaFileType.MOSTLY_F16)
-    w.add_leading_dense_block_count(c["n_dense_lead"])
-    w.add_vocab_size(gm.N_VOCAB)
-    w.add_q_lora_rank(c["q_lora_rank"])  # 0 = no q LoRA (see tests/fixtures/README.md: llama.cpp needs the key)
-    w.add_kv_lora_rank(c["kv_lora_rank"])
-    if c["mla"]:
-        w.add_key_length(c["kv_lora_rank"] + c["rope"])
-        w.add_value_length(c["kv_lora_rank"])
-        w.add_key_length_mla(c["nope"] + c["rope"])
-        w.add_value_length_mla(c["v"])
-    else:
-        w.add_key_length(c["nope"] + c["rope"])
-        w.add_value_length(c["v"])
-    w.add_expert_feed_forward_length(c["n_ff_exp"])
-    w.add_expert_count(c["n_expert"])
-    w.add_expert_shared_count(c["n_expert_shared"])
-    w.add_expert_weights_scale(c["weights_scale"])
-    w.add_expert_weights_norm(c["weights_norm"])
-    w.add_rope_dimension_count(c["rope"])
-    if c["yarn"]:
-        y = c["yarn"]
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(y["factor"])
-        w.add_rope_scaling_orig_ctx_len(y["orig_ctx"])
-        w.add_rope_scaling_yarn_log_mul(y["log_mul"])
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    rope = c["yarn"] or YARN_DSV3
+    w = gm.begin_model(path, "deepseek2", f"Tandem Inference Fixture {c['name']}", n_layer=c["n_layer"],
+                       context_length=rope["context_length"], n_embd=c["n_embd"], n_ff=c["n_ff"],
+                       n_head=c["n_head"], n_head_kv=1 if c["mla"] else c["n_head"], freq_base=rope["freq_base"],
+                       rms_eps=1e-6)
+    y = c["yarn"]
+    # q_lora_rank 0 = no q LoRA (see tests/fixtures/README.md: llama.cpp needs the key)
+    gm.add_deepseek2_keys(w, n_expert_used=c["n_expert_used"],
+                          groups=(c["n_groups"], c["n_group_used"]) if c["n_groups"] else None, gating=c["gating"],
+                          file_type=file_type(all_f32), n_dense_lead=c["n_dense_lead"], n_vocab=gm.N_VOCAB,
+                          q_lora_rank=c["q_lora_rank"], kv_lora_rank=c["kv_lora_rank"], mla=c["mla"],
+                          nope=c["nope"], rope=c["rope"], v=c["v"], n_ff_exp=c["n_ff_exp"], n_expert=c["n_expert"],
+                          n_expert_shared=c["n_expert_shared"], weights_scale=c["weights_scale"],
+                          weights_norm=c["weights_norm"], yarn=(y["factor"], y["orig_ctx"], y["log_mul"]) if y else None)
     gm.add_tokenizer(w, vocab)
-
-    for name, arr in W.items():
-        if name.endswith("exp_probs_b.bias") and not c["exp_probs_b"]:
-            continue
-        if name.endswith("attn_kv_b.weight") and c["mla"]:
-            k_b, v_b = split_kv_b(c, arr)
-            w.add_tensor(name.replace("attn_kv_b", "attn_k_b"), tensor_dtype(name, k_b, all_f32))
-            w.add_tensor(name.replace("attn_kv_b", "attn_v_b"), tensor_dtype(name, v_b, all_f32))
-            continue
-        w.add_tensor(name, tensor_dtype(name, arr, all_f32))
+    gm.add_deepseek2_tensors(w, W, q_lora=c["q_lora_rank"] > 0, mla=c["mla"], n_head=c["n_head"], nope=c["nope"],
+                             v=c["v"], exp_probs_b=c["exp_probs_b"], all_f32=all_f32)
     gm.write_and_close(w)
 
 
@@ -332,22 +255,14 @@ def write_qwen3moe(path: Path, c: dict, all_f32: bool) -> None:
     r = gm.Init(c["seed"])
     E, H, Hkv, D = c["n_embd"], c["n_head"], c["n_head_kv"], c["head_dim"]
     vocab = gm.build_vocab(c["tokenizer"])
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_type("model")
-    w.add_name(f"Tandem Inference Fixture {c['name']}")
-    w.add_block_count(c["n_layer"])
-    w.add_context_length(c["context_length"])
-    w.add_embedding_length(E)
-    w.add_feed_forward_length(c["n_ff"])
-    w.add_head_count(H)
-    w.add_head_count_kv(Hkv)
-    w.add_rope_freq_base(c["freq_base"])
-    w.add_layer_norm_rms_eps(1e-6)
+    w = gm.begin_model(path, "qwen3moe", f"Tandem Inference Fixture {c['name']}", n_layer=c["n_layer"],
+                       context_length=c["context_length"], n_embd=E, n_ff=c["n_ff"], n_head=H, n_head_kv=Hkv,
+                       freq_base=c["freq_base"], rms_eps=1e-6)
     w.add_expert_count(c["n_expert"])
     w.add_expert_used_count(c["n_expert_used"])
     w.add_key_length(D)
     w.add_value_length(D)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if all_f32 else gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type(file_type(all_f32))
     w.add_expert_feed_forward_length(c["n_ff_exp"])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     gm.add_tokenizer(w, vocab)
@@ -356,12 +271,8 @@ def write_qwen3moe(path: Path, c: dict, all_f32: bool) -> None:
     T = {"token_embd.weight": r.normal(gm.N_VOCAB, E, std=0.5)}
     for il in range(c["n_layer"]):
         b = f"blk.{il}."
-        T[b + "attn_norm.weight"] = r.norm(E)
         # q/k in llama.cpp's NEOX rope layout: qwen checkpoints are not permuted by the converter
-        T[b + "attn_q.weight"] = r.linear(H * D, E)
-        T[b + "attn_k.weight"] = r.linear(Hkv * D, E)
-        T[b + "attn_v.weight"] = r.linear(Hkv * D, E)
-        T[b + "attn_output.weight"] = r.linear(E, H * D)
+        gm.add_gqa_attention(T, b, r, E, H, Hkv, D)
         qn, kn = r.norm(D), r.norm(D)
         T[b + "attn_q_norm.weight"] = np.ones_like(qn) if qk_norm_ones else qn
         T[b + "attn_k_norm.weight"] = np.ones_like(kn) if qk_norm_ones else kn
@@ -373,48 +284,15 @@ def write_qwen3moe(path: Path, c: dict, all_f32: bool) -> None:
     T["output_norm.weight"] = r.norm(E)
     T["output.weight"] = r.linear(gm.N_VOCAB, E)
     for name, arr in T.items():
-        w.add_tensor(name, tensor_dtype(name, arr, all_f32))
+        w.add_tensor(name, gm.tensor_dtype(name, arr, all_f32))
     gm.write_and_close(w)
 
 
 def write_llama(path: Path, c: dict, all_f32: bool) -> None:
-    r = gm.Init(c["seed"])
-    E, H, Hkv = c["n_embd"], c["n_head"], c["n_head_kv"]
-    D = E // H
-    vocab = gm.build_vocab(c["tokenizer"])
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_type("model")
-    w.add_name(f"Tandem Inference Fixture {c['name']}")
-    w.add_block_count(c["n_layer"])
-    w.add_context_length(c["context_length"])
-    w.add_embedding_length(E)
-    w.add_feed_forward_length(c["n_ff"])
-    w.add_head_count(H)
-    w.add_head_count_kv(Hkv)
-    w.add_rope_freq_base(c["freq_base"])
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if all_f32 else gguf.LlamaFileType.MOSTLY_F16)
-    w.add_vocab_size(gm.N_VOCAB)
-    w.add_rope_dimension_count(D)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    gm.add_tokenizer(w, vocab)
-    T = {"token_embd.weight": r.normal(gm.N_VOCAB, E, std=0.5)}
-    for il in range(c["n_layer"]):
-        b = f"blk.{il}."
-        T[b + "attn_norm.weight"] = r.norm(E)
-        T[b + "attn_q.weight"] = r.linear(H * D, E)  # already in GGUF (permuted) rope layout
-        T[b + "attn_k.weight"] = r.linear(Hkv * D, E)
-        T[b + "attn_v.weight"] = r.linear(Hkv * D, E)
-        T[b + "attn_output.weight"] = r.linear(E, H * D)
-        T[b + "ffn_norm.weight"] = r.norm(E)
-        T[b + "ffn_gate.weight"] = r.linear(c["n_ff"], E)
-        T[b + "ffn_up.weight"] = r.linear(c["n_ff"], E)
-        T[b + "ffn_down.weight"] = r.linear(E, c["n_ff"])
-    T["output_norm.weight"] = r.norm(E)
-    T["output.weight"] = r.linear(gm.N_VOCAB, E)
-    for name, arr in T.items():
-        w.add_tensor(name, tensor_dtype(name, arr, all_f32))
-    gm.write_and_close(w)
+    gm.write_llama_model(path, f"Tandem Inference Fixture {c['name']}", gm.build_vocab(c["tokenizer"]),
+                         gm.Init(c["seed"]), n_layer=c["n_layer"], context_length=c["context_length"],
+                         n_embd=c["n_embd"], n_ff=c["n_ff"], n_head=c["n_head"], n_head_kv=c["n_head_kv"],
+                         freq_base=c["freq_base"], rms_eps=1e-5, n_vocab=gm.N_VOCAB, all_f32=all_f32)
 
 
 WRITERS = {"deepseek2": write_deepseek2, "qwen3moe": write_qwen3moe, "llama": write_llama}

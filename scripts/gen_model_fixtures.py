@@ -44,7 +44,6 @@ import hashlib
 import importlib.metadata
 import json
 import math
-import os
 import re
 import sys
 from collections import Counter
@@ -169,9 +168,8 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs)))  # insertion order == GPT-2 token order
 
 
-def learn_merges(n_merges: int) -> list[tuple[str, str]]:
-    enc = bytes_to_unicode()
-    words = Counter(tuple(enc[b] for b in w.encode("utf-8")) for w in PRETOKENIZE.findall(CORPUS))
+def merge_words(words: Counter, n_merges: int) -> list[tuple[str, str]]:
+    """Byte-pair merges learned from words (tuples of byte-level symbols, counted)."""
     merges: list[tuple[str, str]] = []
     for _ in range(n_merges):
         pairs: Counter[tuple[str, str]] = Counter()
@@ -197,6 +195,13 @@ def learn_merges(n_merges: int) -> list[tuple[str, str]]:
                     i += 1
             new_words[tuple(out)] += c
         words = new_words
+    return merges
+
+
+def learn_merges(n_merges: int) -> list[tuple[str, str]]:
+    enc = bytes_to_unicode()
+    words = Counter(tuple(enc[b] for b in w.encode("utf-8")) for w in PRETOKENIZE.findall(CORPUS))
+    merges = merge_words(words, n_merges)
     if len(merges) < n_merges:
         raise RuntimeError(f"corpus too small: only {len(merges)} merges, wanted {n_merges}")
     return merges
@@ -330,205 +335,226 @@ class Init:
         return (1.0 + 0.1 * self.rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
 
 
-def deepseek2_hf_weights(seed: int) -> dict[str, np.ndarray]:
-    """A DeepSeek-V3 / Kimi-K2 checkpoint in HF layout (torch (out, in) shapes), with
-    *both* a q LoRA (q_a_proj / q_b_proj) and a plain q_proj, so that the MLA and the
-    legacy fixture share every other weight (in particular the same kv_b_proj)."""
-    h = DS
-    r = Init(seed)
-    n_embd, n_head = h["n_embd"], h["n_head"]
-    qk_head = h["qk_nope_head_dim"] + h["qk_rope_head_dim"]
-    W: dict[str, np.ndarray] = {}
-    W["model.embed_tokens.weight"] = r.normal(h["n_vocab"], n_embd, std=0.5)
-    for il in range(h["n_layer"]):
-        p = f"model.layers.{il}."
-        W[p + "input_layernorm.weight"] = r.norm(n_embd)
-        W[p + "self_attn.q_a_proj.weight"] = r.linear(h["q_lora_rank"], n_embd)
-        W[p + "self_attn.q_a_layernorm.weight"] = r.norm(h["q_lora_rank"])
-        W[p + "self_attn.q_b_proj.weight"] = r.linear(n_head * qk_head, h["q_lora_rank"])
-        W[p + "self_attn.q_proj.weight"] = r.linear(n_head * qk_head, n_embd)
-        W[p + "self_attn.kv_a_proj_with_mqa.weight"] = r.linear(h["kv_lora_rank"] + h["qk_rope_head_dim"], n_embd)
-        W[p + "self_attn.kv_a_layernorm.weight"] = r.norm(h["kv_lora_rank"])
-        W[p + "self_attn.kv_b_proj.weight"] = r.linear(n_head * (h["qk_nope_head_dim"] + h["v_head_dim"]), h["kv_lora_rank"])
-        W[p + "self_attn.o_proj.weight"] = r.linear(n_embd, n_head * h["v_head_dim"])
-        W[p + "post_attention_layernorm.weight"] = r.norm(n_embd)
-        if il < h["n_layer_dense_lead"]:
-            W[p + "mlp.gate_proj.weight"] = r.linear(h["n_ff"], n_embd)
-            W[p + "mlp.up_proj.weight"] = r.linear(h["n_ff"], n_embd)
-            W[p + "mlp.down_proj.weight"] = r.linear(n_embd, h["n_ff"])
+def deepseek2_weights(r: Init, *, n_layer: int, n_embd: int, n_head: int, n_vocab: int, q_lora_rank: int,
+                      kv_lora_rank: int, nope: int, rope: int, v: int, n_ff: int, n_dense_lead: int,
+                      n_expert: int, n_ff_exp: int, n_expert_shared: int, router_gain: float, bias_std: float,
+                      both_q: bool = False) -> dict[str, np.ndarray]:
+    """A deepseek2 checkpoint in GGUF names, numpy shape = reversed ne, f32, drawn in a fixed order.
+    The q projection is a LoRA (attn_q_a / attn_q_a_norm / attn_q_b) when q_lora_rank > 0, else a
+    plain attn_q; both_q draws both, so that a file with and one without q LoRA share every other
+    weight. attn_kv_b is whole (write_deepseek2_tensors splits it for the mainline MLA layout)."""
+    qk = nope + rope
+    W: dict[str, np.ndarray] = {"token_embd.weight": r.normal(n_vocab, n_embd, std=0.5)}
+    for il in range(n_layer):
+        b = f"blk.{il}."
+        W[b + "attn_norm.weight"] = r.norm(n_embd)
+        if q_lora_rank > 0:
+            W[b + "attn_q_a.weight"] = r.linear(q_lora_rank, n_embd)
+            W[b + "attn_q_a_norm.weight"] = r.norm(q_lora_rank)
+            W[b + "attn_q_b.weight"] = r.linear(n_head * qk, q_lora_rank)
+        if q_lora_rank == 0 or both_q:
+            W[b + "attn_q.weight"] = r.linear(n_head * qk, n_embd)
+        W[b + "attn_kv_a_mqa.weight"] = r.linear(kv_lora_rank + rope, n_embd)
+        W[b + "attn_kv_a_norm.weight"] = r.norm(kv_lora_rank)
+        W[b + "attn_kv_b.weight"] = r.linear(n_head * (nope + v), kv_lora_rank)
+        W[b + "attn_output.weight"] = r.linear(n_embd, n_head * v)
+        W[b + "ffn_norm.weight"] = r.norm(n_embd)
+        if il < n_dense_lead:
+            W[b + "ffn_gate.weight"] = r.linear(n_ff, n_embd)
+            W[b + "ffn_up.weight"] = r.linear(n_ff, n_embd)
+            W[b + "ffn_down.weight"] = r.linear(n_embd, n_ff)
         else:
-            W[p + "mlp.gate.weight"] = r.linear(h["n_expert"], n_embd, gain=1.6)
-            W[p + "mlp.gate.e_score_correction_bias"] = r.normal(h["n_expert"], std=0.2)
+            W[b + "ffn_gate_inp.weight"] = r.linear(n_expert, n_embd, gain=router_gain)
+            W[b + "exp_probs_b.bias"] = r.normal(n_expert, std=bias_std)
             # experts stacked the way convert_hf_to_gguf.py stacks them: (n_expert, out, in)
-            W[p + "mlp.experts.gate_proj.weight"] = r.linear(h["n_expert"], h["n_ff_exp"], n_embd)
-            W[p + "mlp.experts.up_proj.weight"] = r.linear(h["n_expert"], h["n_ff_exp"], n_embd)
-            W[p + "mlp.experts.down_proj.weight"] = r.linear(h["n_expert"], n_embd, h["n_ff_exp"])
-            n_ff_sh = h["n_ff_exp"] * h["n_expert_shared"]
-            W[p + "mlp.shared_experts.gate_proj.weight"] = r.linear(n_ff_sh, n_embd)
-            W[p + "mlp.shared_experts.up_proj.weight"] = r.linear(n_ff_sh, n_embd)
-            W[p + "mlp.shared_experts.down_proj.weight"] = r.linear(n_embd, n_ff_sh)
-    W["model.norm.weight"] = r.norm(n_embd)
-    W["lm_head.weight"] = r.linear(h["n_vocab"], n_embd)
+            W[b + "ffn_gate_exps.weight"] = r.linear(n_expert, n_ff_exp, n_embd)
+            W[b + "ffn_up_exps.weight"] = r.linear(n_expert, n_ff_exp, n_embd)
+            W[b + "ffn_down_exps.weight"] = r.linear(n_expert, n_embd, n_ff_exp)
+            n_sh = n_ff_exp * n_expert_shared  # llama.cpp: ffn_*_shexp width = n_ff_exp * n_expert_shared
+            W[b + "ffn_gate_shexp.weight"] = r.linear(n_sh, n_embd)
+            W[b + "ffn_up_shexp.weight"] = r.linear(n_sh, n_embd)
+            W[b + "ffn_down_shexp.weight"] = r.linear(n_embd, n_sh)
+    W["output_norm.weight"] = r.norm(n_embd)
+    W["output.weight"] = r.linear(n_vocab, n_embd)
     return W
 
 
-def split_kv_b(kv_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def split_kv_b(kv_b: np.ndarray, n_head: int, nope: int, v: int) -> tuple[np.ndarray, np.ndarray]:
     """Exactly DeepseekV2Model.modify_tensors in convert_hf_to_gguf.py (conversion/deepseek.py):
     kv_b (n_head*(nope+v), kv_lora) -> k_b (n_head, kv_lora, nope) [transposed], v_b (n_head, v, kv_lora)."""
-    h = DS
-    n_head, nope, v = h["n_head"], h["qk_nope_head_dim"], h["v_head_dim"]
     kv = kv_b.reshape(n_head, nope + v, kv_b.shape[-1])
     k_b = np.ascontiguousarray(kv[:, :nope, :].transpose(0, 2, 1))
     v_b = np.ascontiguousarray(kv[:, nope:, :])
     return k_b, v_b
 
 
+def tensor_dtype(name: str, arr: np.ndarray, all_f32: bool) -> np.ndarray:
+    """convert_hf_to_gguf.py's choice for an F16 file: 1-d tensors and the MoE router stay F32."""
+    if all_f32 or arr.ndim == 1 or name.endswith("ffn_gate_inp.weight"):
+        return arr.astype(np.float32)
+    return arr.astype(np.float16)
+
+
+def begin_model(path: Path, arch: str, name: str, *, n_layer: int, context_length: int, n_embd: int, n_ff: int,
+                n_head: int, n_head_kv: int, freq_base: float, rms_eps: float) -> gguf.GGUFWriter:
+    """A writer holding the keys every model file starts with, in convert_hf_to_gguf.py's order."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_type("model")
+    w.add_name(name)
+    w.add_block_count(n_layer)
+    w.add_context_length(context_length)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_freq_base(freq_base)
+    w.add_layer_norm_rms_eps(rms_eps)
+    return w
+
+
+def add_deepseek2_keys(w: gguf.GGUFWriter, *, n_expert_used: int, groups: tuple[int, int] | None, gating: int,
+                       file_type: gguf.LlamaFileType, n_dense_lead: int, n_vocab: int, q_lora_rank: int,
+                       kv_lora_rank: int, mla: bool, nope: int, rope: int, v: int, n_ff_exp: int, n_expert: int,
+                       n_expert_shared: int, weights_scale: float, weights_norm: bool,
+                       yarn: tuple[float, int, float] | None, yarn_betas: tuple[float, float] | None = None) -> None:
+    """The deepseek2 keys after begin_model's, in convert_hf_to_gguf.py's order. q_lora_rank 0 = no q
+    LoRA: DeepSeek-V2-Lite has none and convert_hf_to_gguf.py then writes no q_lora_rank key, but
+    llama.cpp only tolerates the missing key for the real 27-/26-layer "lite" models (it keys that off
+    n_layer), so a small file must say 0 explicitly. mla: the mainline layout (MQA over the latent,
+    *_mla lengths) vs legacy (MHA after decompression). yarn: (factor, original context, log_mul),
+    None = no rope scaling keys; yarn_betas: (beta_fast, beta_slow) keys, written when given."""
+    w.add_expert_used_count(n_expert_used)
+    if groups:
+        w.add_expert_group_count(groups[0])
+        w.add_expert_group_used_count(groups[1])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType(gating))
+    w.add_file_type(file_type)
+    w.add_leading_dense_block_count(n_dense_lead)
+    w.add_vocab_size(n_vocab)
+    w.add_q_lora_rank(q_lora_rank)
+    w.add_kv_lora_rank(kv_lora_rank)
+    if mla:
+        w.add_key_length(kv_lora_rank + rope)
+        w.add_value_length(kv_lora_rank)
+        w.add_key_length_mla(nope + rope)
+        w.add_value_length_mla(v)
+    else:
+        w.add_key_length(nope + rope)
+        w.add_value_length(v)
+    w.add_expert_feed_forward_length(n_ff_exp)
+    w.add_expert_count(n_expert)
+    w.add_expert_shared_count(n_expert_shared)
+    w.add_expert_weights_scale(weights_scale)
+    w.add_expert_weights_norm(weights_norm)
+    w.add_rope_dimension_count(rope)
+    if yarn:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(yarn[0])
+        w.add_rope_scaling_orig_ctx_len(yarn[1])
+        if yarn_betas:
+            w.add_rope_scaling_yarn_beta_fast(yarn_betas[0])
+            w.add_rope_scaling_yarn_beta_slow(yarn_betas[1])
+        w.add_rope_scaling_yarn_log_mul(yarn[2])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def add_deepseek2_tensors(w: gguf.GGUFWriter, W: dict[str, np.ndarray], *, q_lora: bool, mla: bool, n_head: int,
+                          nope: int, v: int, exp_probs_b: bool = True, all_f32: bool = False) -> None:
+    """deepseek2_weights' tensors as the converter writes them: the q projection q_lora picks, kv_b
+    split into k_b / v_b for the mainline MLA layout, exp_probs_b only where the model has one."""
+    for name, arr in W.items():
+        lora_q = "attn_q_a" in name or "attn_q_b" in name
+        if (name.endswith("attn_q.weight") and q_lora) or (lora_q and not q_lora):
+            continue
+        if name.endswith("exp_probs_b.bias") and not exp_probs_b:
+            continue
+        if name.endswith("attn_kv_b.weight") and mla:
+            k_b, v_b = split_kv_b(arr, n_head, nope, v)
+            w.add_tensor(name.replace("attn_kv_b", "attn_k_b"), tensor_dtype(name, k_b, all_f32))
+            w.add_tensor(name.replace("attn_kv_b", "attn_v_b"), tensor_dtype(name, v_b, all_f32))
+            continue
+        w.add_tensor(name, tensor_dtype(name, arr, all_f32))
+
+
 def write_deepseek2(path: Path, mla: bool, q_lora: bool | None = None, kimi: bool | None = None,
                     name: str | None = None) -> None:
     """mla: mainline layout (attn_k_b/attn_v_b, head_count_kv 1, *_mla keys) vs legacy (attn_kv_b).
     q_lora (default = mla): attn_q_a/attn_q_a_norm/attn_q_b vs a plain attn_q.
-    kimi (default = mla): Kimi-K2 rope/context/tokenizer vs DeepSeek-V3 ones."""
+    kimi (default = mla): Kimi-K2 rope/context/tokenizer vs DeepSeek-V3 ones.
+    Every variant has the same weights (the q LoRA and the plain q are both drawn)."""
     h = DS
     q_lora = mla if q_lora is None else q_lora
     kimi = mla if kimi is None else kimi
     rope = KIMI_ROPE if kimi else DSV3_ROPE
     vocab = build_vocab("kimi-k2" if kimi else "deepseek-v3")
-    W = deepseek2_hf_weights(SEED_DEEPSEEK2)
+    dims = dict(n_head=h["n_head"], nope=h["qk_nope_head_dim"], v=h["v_head_dim"])
+    W = deepseek2_weights(Init(SEED_DEEPSEEK2), n_layer=h["n_layer"], n_embd=h["n_embd"], n_vocab=h["n_vocab"],
+                          q_lora_rank=h["q_lora_rank"], kv_lora_rank=h["kv_lora_rank"],
+                          rope=h["qk_rope_head_dim"], n_ff=h["n_ff"], n_dense_lead=h["n_layer_dense_lead"],
+                          n_expert=h["n_expert"], n_ff_exp=h["n_ff_exp"], n_expert_shared=h["n_expert_shared"],
+                          router_gain=1.6, bias_std=0.2, both_q=True, **dims)
 
-    w = gguf.GGUFWriter(str(path), "deepseek2")
-    arch = "deepseek2"
-    w.add_type("model")
-    w.add_name(name or "Tandem Tiny DeepSeek2 " + ("MLA (Kimi-K2 layout)" if mla else "legacy (attn_kv_b, no q LoRA)"))
-    w.add_block_count(h["n_layer"])
-    w.add_context_length(rope["context_length"])
-    w.add_embedding_length(h["n_embd"])
-    w.add_feed_forward_length(h["n_ff"])
-    w.add_head_count(h["n_head"])
-    # mainline MLA: MQA over the latent (1 kv head); legacy: MHA after decompression
-    w.add_head_count_kv(1 if mla else h["n_head"])
-    w.add_rope_freq_base(rope["rope_freq_base"])
-    w.add_layer_norm_rms_eps(h["rms_eps"])
-    w.add_expert_used_count(h["n_expert_used"])
-    w.add_expert_group_count(h["n_expert_groups"])
-    w.add_expert_group_used_count(h["n_group_used"])
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType(h["expert_gating_func"]))
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_leading_dense_block_count(h["n_layer_dense_lead"])
-    w.add_vocab_size(h["n_vocab"])
-    if q_lora:
-        w.add_q_lora_rank(h["q_lora_rank"])
-    else:
-        # DeepSeek-V2-Lite has no q LoRA and convert_hf_to_gguf.py then writes no q_lora_rank key;
-        # llama.cpp only tolerates the missing key for the real 27-/26-layer "lite" models
-        # (it keys that off n_layer), so a 3-layer file must say q_lora_rank = 0 explicitly.
-        w.add_q_lora_rank(0)
-    w.add_kv_lora_rank(h["kv_lora_rank"])
-    if mla:
-        w.add_key_length(h["kv_lora_rank"] + h["qk_rope_head_dim"])
-        w.add_value_length(h["kv_lora_rank"])
-        w.add_key_length_mla(h["qk_nope_head_dim"] + h["qk_rope_head_dim"])
-        w.add_value_length_mla(h["v_head_dim"])
-    else:
-        w.add_key_length(h["qk_nope_head_dim"] + h["qk_rope_head_dim"])
-        w.add_value_length(h["v_head_dim"])
-    w.add_expert_feed_forward_length(h["n_ff_exp"])
-    w.add_expert_count(h["n_expert"])
-    w.add_expert_shared_count(h["n_expert_shared"])
-    w.add_expert_weights_scale(h["expert_weights_scale"])
-    w.add_expert_weights_norm(h["expert_weights_norm"])
-    w.add_rope_dimension_count(h["qk_rope_head_dim"])
-    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    w.add_rope_scaling_factor(rope["rope_scaling_factor"])
-    w.add_rope_scaling_orig_ctx_len(rope["rope_orig_ctx"])
-    w.add_rope_scaling_yarn_log_mul(rope["yarn_log_mul"])
+    title = name or "Tandem Tiny DeepSeek2 " + ("MLA (Kimi-K2 layout)" if mla else "legacy (attn_kv_b, no q LoRA)")
+    w = begin_model(path, "deepseek2", title, n_layer=h["n_layer"], context_length=rope["context_length"],
+                    n_embd=h["n_embd"], n_ff=h["n_ff"], n_head=h["n_head"],
+                    n_head_kv=1 if mla else h["n_head"], freq_base=rope["rope_freq_base"], rms_eps=h["rms_eps"])
+    add_deepseek2_keys(w, n_expert_used=h["n_expert_used"], groups=(h["n_expert_groups"], h["n_group_used"]),
+                       gating=h["expert_gating_func"], file_type=gguf.LlamaFileType.MOSTLY_F16,
+                       n_dense_lead=h["n_layer_dense_lead"], n_vocab=h["n_vocab"],
+                       q_lora_rank=h["q_lora_rank"] if q_lora else 0, kv_lora_rank=h["kv_lora_rank"], mla=mla,
+                       nope=h["qk_nope_head_dim"], rope=h["qk_rope_head_dim"], v=h["v_head_dim"],
+                       n_ff_exp=h["n_ff_exp"], n_expert=h["n_expert"], n_expert_shared=h["n_expert_shared"],
+                       weights_scale=h["expert_weights_scale"], weights_norm=h["expert_weights_norm"],
+                       yarn=(rope["rope_scaling_factor"], rope["rope_orig_ctx"], rope["yarn_log_mul"]))
+    add_tokenizer(w, vocab)
+    add_deepseek2_tensors(w, W, q_lora=q_lora, mla=mla, **dims)
+    write_and_close(w)
+
+
+def add_gqa_attention(T: dict[str, np.ndarray], b: str, r: Init, n_embd: int, n_head: int, n_head_kv: int,
+                      head_dim: int) -> None:
+    """Layer b's attention norm and q / k / v / output projections (grouped-query attention)."""
+    T[b + "attn_norm.weight"] = r.norm(n_embd)
+    T[b + "attn_q.weight"] = r.linear(n_head * head_dim, n_embd)
+    T[b + "attn_k.weight"] = r.linear(n_head_kv * head_dim, n_embd)
+    T[b + "attn_v.weight"] = r.linear(n_head_kv * head_dim, n_embd)
+    T[b + "attn_output.weight"] = r.linear(n_embd, n_head * head_dim)
+
+
+def write_llama_model(path: Path, name: str, vocab: dict, r: Init, *, n_layer: int, context_length: int,
+                      n_embd: int, n_ff: int, n_head: int, n_head_kv: int, freq_base: float, rms_eps: float,
+                      n_vocab: int, all_f32: bool = False) -> None:
+    """A llama file with random weights; q/k are in GGUF (llama.cpp) rope layout already, i.e. what
+    convert's permute() produces."""
+    head_dim = n_embd // n_head
+    w = begin_model(path, "llama", name, n_layer=n_layer, context_length=context_length, n_embd=n_embd,
+                    n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, freq_base=freq_base, rms_eps=rms_eps)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if all_f32 else gguf.LlamaFileType.MOSTLY_F16)
+    w.add_vocab_size(n_vocab)
+    w.add_rope_dimension_count(head_dim)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_tokenizer(w, vocab)
-    assert arch == w.arch
-
-    def t(name: str, arr: np.ndarray, dtype: gguf.GGMLQuantizationType) -> None:
-        w.add_tensor(name, arr.astype(np.float16 if dtype == F16 else np.float32))
-
-    t("token_embd.weight", W["model.embed_tokens.weight"], F16)
-    for il in range(h["n_layer"]):
-        p = f"model.layers.{il}."
+    T = {"token_embd.weight": r.normal(n_vocab, n_embd, std=0.5)}
+    for il in range(n_layer):
         b = f"blk.{il}."
-        t(b + "attn_norm.weight", W[p + "input_layernorm.weight"], F32)
-        if q_lora:
-            t(b + "attn_q_a.weight", W[p + "self_attn.q_a_proj.weight"], F16)
-            t(b + "attn_q_a_norm.weight", W[p + "self_attn.q_a_layernorm.weight"], F32)
-            t(b + "attn_q_b.weight", W[p + "self_attn.q_b_proj.weight"], F16)
-        else:
-            t(b + "attn_q.weight", W[p + "self_attn.q_proj.weight"], F16)
-        t(b + "attn_kv_a_mqa.weight", W[p + "self_attn.kv_a_proj_with_mqa.weight"], F16)
-        t(b + "attn_kv_a_norm.weight", W[p + "self_attn.kv_a_layernorm.weight"], F32)
-        if mla:
-            k_b, v_b = split_kv_b(W[p + "self_attn.kv_b_proj.weight"])
-            t(b + "attn_k_b.weight", k_b, F16)
-            t(b + "attn_v_b.weight", v_b, F16)
-        else:
-            t(b + "attn_kv_b.weight", W[p + "self_attn.kv_b_proj.weight"], F16)
-        t(b + "attn_output.weight", W[p + "self_attn.o_proj.weight"], F16)
-        t(b + "ffn_norm.weight", W[p + "post_attention_layernorm.weight"], F32)
-        if il < h["n_layer_dense_lead"]:
-            t(b + "ffn_gate.weight", W[p + "mlp.gate_proj.weight"], F16)
-            t(b + "ffn_up.weight", W[p + "mlp.up_proj.weight"], F16)
-            t(b + "ffn_down.weight", W[p + "mlp.down_proj.weight"], F16)
-        else:
-            t(b + "ffn_gate_inp.weight", W[p + "mlp.gate.weight"], F32)  # convert keeps the router F32
-            t(b + "exp_probs_b.bias", W[p + "mlp.gate.e_score_correction_bias"], F32)
-            t(b + "ffn_gate_exps.weight", W[p + "mlp.experts.gate_proj.weight"], F16)
-            t(b + "ffn_up_exps.weight", W[p + "mlp.experts.up_proj.weight"], F16)
-            t(b + "ffn_down_exps.weight", W[p + "mlp.experts.down_proj.weight"], F16)
-            t(b + "ffn_gate_shexp.weight", W[p + "mlp.shared_experts.gate_proj.weight"], F16)
-            t(b + "ffn_up_shexp.weight", W[p + "mlp.shared_experts.up_proj.weight"], F16)
-            t(b + "ffn_down_shexp.weight", W[p + "mlp.shared_experts.down_proj.weight"], F16)
-    t("output_norm.weight", W["model.norm.weight"], F32)
-    t("output.weight", W["lm_head.weight"], F16)
-
+        add_gqa_attention(T, b, r, n_embd, n_head, n_head_kv, head_dim)
+        T[b + "ffn_norm.weight"] = r.norm(n_embd)
+        T[b + "ffn_gate.weight"] = r.linear(n_ff, n_embd)
+        T[b + "ffn_up.weight"] = r.linear(n_ff, n_embd)
+        T[b + "ffn_down.weight"] = r.linear(n_embd, n_ff)
+    T["output_norm.weight"] = r.norm(n_embd)
+    T["output.weight"] = r.linear(n_vocab, n_embd)
+    for name, arr in T.items():
+        w.add_tensor(name, tensor_dtype(name, arr, all_f32))
     write_and_close(w)
 
 
 def write_llama(path: Path) -> None:
     h = LLAMA
-    vocab = build_vocab("llama-bpe")
-    r = Init(SEED_LLAMA)
-    n_embd, n_head, n_head_kv = h["n_embd"], h["n_head"], h["n_head_kv"]
-    head_dim = n_embd // n_head
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_type("model")
-    w.add_name("Tandem Tiny Llama")
-    w.add_block_count(h["n_layer"])
-    w.add_context_length(h["context_length"])
-    w.add_embedding_length(n_embd)
-    w.add_feed_forward_length(h["n_ff"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_freq_base(h["rope_freq_base"])
-    w.add_layer_norm_rms_eps(h["rms_eps"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_vocab_size(h["n_vocab"])
-    w.add_rope_dimension_count(head_dim)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    add_tokenizer(w, vocab)
-
-    f16 = lambda a: a.astype(np.float16)  # noqa: E731
-    # q/k are in GGUF (llama.cpp) rope layout already, i.e. what convert's permute() produces
-    w.add_tensor("token_embd.weight", f16(r.normal(h["n_vocab"], n_embd, std=0.5)))
-    for il in range(h["n_layer"]):
-        b = f"blk.{il}."
-        w.add_tensor(b + "attn_norm.weight", r.norm(n_embd))
-        w.add_tensor(b + "attn_q.weight", f16(r.linear(n_head * head_dim, n_embd)))
-        w.add_tensor(b + "attn_k.weight", f16(r.linear(n_head_kv * head_dim, n_embd)))
-        w.add_tensor(b + "attn_v.weight", f16(r.linear(n_head_kv * head_dim, n_embd)))
-        w.add_tensor(b + "attn_output.weight", f16(r.linear(n_embd, n_head * head_dim)))
-        w.add_tensor(b + "ffn_norm.weight", r.norm(n_embd))
-        w.add_tensor(b + "ffn_gate.weight", f16(r.linear(h["n_ff"], n_embd)))
-        w.add_tensor(b + "ffn_up.weight", f16(r.linear(h["n_ff"], n_embd)))
-        w.add_tensor(b + "ffn_down.weight", f16(r.linear(n_embd, h["n_ff"])))
-    w.add_tensor("output_norm.weight", r.norm(n_embd))
-    w.add_tensor("output.weight", f16(r.linear(h["n_vocab"], n_embd)))
-    write_and_close(w)
+    write_llama_model(path, "Tandem Tiny Llama", build_vocab("llama-bpe"), Init(SEED_LLAMA), n_layer=h["n_layer"],
+                      context_length=h["context_length"], n_embd=h["n_embd"], n_ff=h["n_ff"], n_head=h["n_head"],
+                      n_head_kv=h["n_head_kv"], freq_base=h["rope_freq_base"], rms_eps=h["rms_eps"],
+                      n_vocab=h["n_vocab"])
 
 
 def write_and_close(w: gguf.GGUFWriter) -> None:

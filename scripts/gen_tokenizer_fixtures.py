@@ -43,6 +43,9 @@ from pathlib import Path
 
 import gguf
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gen_model_fixtures import bytes_to_unicode, merge_words, write_and_close  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "tests" / "fixtures" / "tokenizer"
 UNICODE_RS = REPO / "crates" / "tandem-tokenizer" / "src" / "unicode_data.rs"
@@ -143,45 +146,6 @@ N_MERGES = 900
 UNREACHABLE = ["Ġsupercalifragilistic", "ĠHTTPServer", "Ġpneumono", "ĠWindows"]
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
-
-
-def learn_merges(words: Counter, n_merges: int) -> list[tuple[str, str]]:
-    merges = []
-    for _ in range(n_merges):
-        pairs: Counter = Counter()
-        for w, c in words.items():
-            for a, b in zip(w, w[1:]):
-                pairs[(a, b)] += c
-        if not pairs:
-            break
-        best = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))[0]
-        merges.append(best)
-        joined = best[0] + best[1]
-        new_words: Counter = Counter()
-        for w, c in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and w[i] == best[0] and w[i + 1] == best[1]:
-                    out.append(joined)
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            new_words[tuple(out)] += c
-        words = new_words
-    return merges
-
-
 def bpe_words() -> Counter:
     enc = bytes_to_unicode()
     return Counter(tuple(enc[b] for b in w.encode()) for w in PRETOK_TRAIN.findall(TRAIN_TEXT))
@@ -207,14 +171,18 @@ VOCABS = {
 USER_DEFINED = "<tool>"  # a USER_DEFINED token: split out of text even without parse_special
 
 
-def add_llama_header(w: gguf.GGUFWriter) -> None:
-    """The hyperparameters llama.cpp reads before the vocabulary (no tensors: vocab_only loads)."""
+def vocab_writer(path: Path, model: str) -> gguf.GGUFWriter:
+    """A llama file with the hyperparameters llama.cpp reads before the vocabulary (no tensors:
+    vocab_only loads) and tokenizer.ggml.model = model."""
+    w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(2048)
     w.add_embedding_length(64)
     w.add_block_count(1)
     w.add_feed_forward_length(128)
     w.add_head_count(4)
     w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model(model)
+    return w
 
 
 def write_bpe_vocab(pre: str, merges: list[tuple[str, str]], path: Path) -> None:
@@ -226,9 +194,7 @@ def write_bpe_vocab(pre: str, merges: list[tuple[str, str]], path: Path) -> None
     specials = set(spec["head"]) | set(spec["tail"])
     types = [gguf.TokenType.CONTROL if t in specials else gguf.TokenType.USER_DEFINED if t == USER_DEFINED
              else gguf.TokenType.NORMAL for t in tokens]
-    w = gguf.GGUFWriter(str(path), "llama")
-    add_llama_header(w)
-    w.add_tokenizer_model("gpt2")
+    w = vocab_writer(path, "gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([int(t) for t in types])
@@ -248,7 +214,7 @@ def write_spm_vocab(path: Path) -> None:
         text = "▁" + line.replace(" ", "▁")
         words[tuple(text)] += 1
     chars = sorted({c for w in words for c in w})
-    merges = learn_merges(words, 700)
+    merges = merge_words(words, 700)
     pieces = chars + [a + b for a, b in merges]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
@@ -259,9 +225,7 @@ def write_spm_vocab(path: Path) -> None:
         tokens.append(p)
         types.append(gguf.TokenType.NORMAL)
         scores.append(-1000.0 if i < len(chars) else -float(i - len(chars)))
-    w = gguf.GGUFWriter(str(path), "llama")
-    add_llama_header(w)
-    w.add_tokenizer_model("llama")
+    w = vocab_writer(path, "llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types([int(t) for t in types])
@@ -271,13 +235,6 @@ def write_spm_vocab(path: Path) -> None:
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     write_and_close(w)
-
-
-def write_and_close(w: gguf.GGUFWriter) -> None:
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 # --------------------------------------------------------------------------------------
@@ -564,7 +521,7 @@ def main() -> int:
     if "vocabs" in parts:
         texts = corpus()
         print(f"corpus: {len(texts)} strings")
-        merges = learn_merges(bpe_words(), N_MERGES)
+        merges = merge_words(bpe_words(), N_MERGES)
         for pre in VOCABS:
             path = OUT / f"vocab-{pre}.gguf"
             write_bpe_vocab(pre, merges, path)
