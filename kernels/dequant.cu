@@ -55,53 +55,28 @@ DEQUANT_QUANT(q5_K, TypeQ5_K)
 DEQUANT_QUANT(q6_K, TypeQ6_K)
 DEQUANT_QUANT(iq4_xs, TypeIQ4_XS)
 
-// (w: n_elements f32, out: n_elements f16, n_elements)
-extern "C" __global__ void tandem_dequant_f32_f16(const unsigned char* w, __half* out, long long n_elements) {
-    const float* src = reinterpret_cast<const float*>(w);
-    for (long long i = grid_start(); i < n_elements; i += grid_step()) {
-        out[i] = __float2half_rn(src[i]);
+// (w: n_elements of SRC, out: n_elements of OUT, n_elements): one conversion per element (a copy
+// where the types are the same, so every type has an entry point).
+#define DEQUANT_ELEMENTS(NAME, SRC, OUT, CONVERT)                                                     \
+    extern "C" __global__ void tandem_dequant_##NAME(const unsigned char* w, OUT* out,               \
+                                                     long long n_elements) {                         \
+        const SRC* src = reinterpret_cast<const SRC*>(w);                                             \
+        for (long long i = grid_start(); i < n_elements; i += grid_step()) {                          \
+            out[i] = CONVERT(src[i]);                                                                 \
+        }                                                                                             \
     }
-}
 
-// (w: n_elements f16, out: n_elements f16, n_elements) — a copy, so every type has an entry point.
-extern "C" __global__ void tandem_dequant_f16_f16(const unsigned char* w, __half* out, long long n_elements) {
-    const __half* src = reinterpret_cast<const __half*>(w);
-    for (long long i = grid_start(); i < n_elements; i += grid_step()) {
-        out[i] = src[i];
-    }
-}
+__device__ __forceinline__ __half same_half(__half x) { return x; }
+__device__ __forceinline__ float same_float(float x) { return x; }
+__device__ __forceinline__ float bf16_float(uint16_t x) { return __uint_as_float((uint32_t)x << 16); }
+__device__ __forceinline__ __half bf16_half(uint16_t x) { return __float2half_rn(bf16_float(x)); }
 
-// (w: n_elements bf16, out: n_elements f16, n_elements)
-extern "C" __global__ void tandem_dequant_bf16_f16(const unsigned char* w, __half* out, long long n_elements) {
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(w);
-    for (long long i = grid_start(); i < n_elements; i += grid_step()) {
-        out[i] = __float2half_rn(__uint_as_float((uint32_t)src[i] << 16));
-    }
-}
-
-// (w: n_elements f32, out: n_elements f32, n_elements) — a copy, so every type has an entry point.
-extern "C" __global__ void tandem_dequant_f32_f32(const unsigned char* w, float* out, long long n_elements) {
-    const float* src = reinterpret_cast<const float*>(w);
-    for (long long i = grid_start(); i < n_elements; i += grid_step()) {
-        out[i] = src[i];
-    }
-}
-
-// (w: n_elements f16, out: n_elements f32, n_elements)
-extern "C" __global__ void tandem_dequant_f16_f32(const unsigned char* w, float* out, long long n_elements) {
-    const __half* src = reinterpret_cast<const __half*>(w);
-    for (long long i = grid_start(); i < n_elements; i += grid_step()) {
-        out[i] = __half2float(src[i]);
-    }
-}
-
-// (w: n_elements bf16, out: n_elements f32, n_elements)
-extern "C" __global__ void tandem_dequant_bf16_f32(const unsigned char* w, float* out, long long n_elements) {
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(w);
-    for (long long i = grid_start(); i < n_elements; i += grid_step()) {
-        out[i] = __uint_as_float((uint32_t)src[i] << 16);
-    }
-}
+DEQUANT_ELEMENTS(f32_f16, float, __half, __float2half_rn)
+DEQUANT_ELEMENTS(f16_f16, __half, __half, same_half)
+DEQUANT_ELEMENTS(bf16_f16, uint16_t, __half, bf16_half)
+DEQUANT_ELEMENTS(f32_f32, float, float, same_float)
+DEQUANT_ELEMENTS(f16_f32, __half, float, __half2float)
+DEQUANT_ELEMENTS(bf16_f32, uint16_t, float, bf16_float)
 
 // Activations: (x: n f32, out: n f16, n)
 extern "C" __global__ void tandem_f32_to_f16(const float* x, __half* out, long long n) {

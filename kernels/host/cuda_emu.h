@@ -136,26 +136,10 @@ inline unsigned __ballot_sync(unsigned mask, int pred) {
 
 // ---- numbers ------------------------------------------------------------------------------------
 
-inline float __uint_as_float(unsigned u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-inline unsigned __float_as_uint(float f) {
-    unsigned u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-inline float __int_as_float(int i) {
-    float f;
-    memcpy(&f, &i, 4);
-    return f;
-}
-inline int __float_as_int(float f) {
-    int i;
-    memcpy(&i, &f, 4);
-    return i;
-}
+inline float __uint_as_float(unsigned u) { return tandem_emu::from_bits<float>(tandem_emu::to_bits(u)); }
+inline unsigned __float_as_uint(float f) { return tandem_emu::from_bits<unsigned>(tandem_emu::to_bits(f)); }
+inline float __int_as_float(int i) { return tandem_emu::from_bits<float>(tandem_emu::to_bits(i)); }
+inline int __float_as_int(float f) { return tandem_emu::from_bits<int>(tandem_emu::to_bits(f)); }
 // CUDA's integer min and max (the kernels use them without std::).
 inline int min(int a, int b) {
     return a < b ? a : b;
