@@ -13,6 +13,10 @@ use crate::{Error, Result};
 use std::any::Any;
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
+
+/// Values per part of a sum the CPU splits over its threads (a row of a small model's hidden state;
+/// a decode step's sums stay whole, a prefill's are split).
+const ADD_PART: usize = 4096;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tandem_cpu::{Attn, CpuBackend, KvType, RopeStyle, WeightRef};
@@ -234,9 +238,9 @@ impl Device for HostDevice {
         {
             return Err(Error::Model(format!("{}: RMS norm of {} values in rows of {}", w.name, x.len(), rows.stride)));
         }
-        for row in x.chunks_exact_mut(rows.stride) {
-            tandem_cpu::rmsnorm(&mut row[rows.off..rows.off + rows.dim], Some(&w.v), eps);
-        }
+        self.cpu.for_parts(x, rows.stride, |_, row| {
+            tandem_cpu::rmsnorm(&mut row[rows.off..rows.off + rows.dim], Some(&w.v), eps)
+        });
         Ok(())
     }
 
@@ -247,13 +251,13 @@ impl Device for HostDevice {
         if x.len() != n * h.row || h.off + (h.n_heads.max(1) - 1) * h.head + nr > h.row || ub.rope.len() != n * nr {
             return Err(Error::Model(format!("rope of {} values in {n} rows of {}", x.len(), h.row)));
         }
-        for t in 0..n {
+        self.cpu.for_parts(x, h.row, |t, row| {
             let cache = &ub.rope[t * nr..(t + 1) * nr];
             for i in 0..h.n_heads {
-                let s = t * h.row + h.off + i * h.head;
-                tandem_cpu::rope(&mut x[s..s + nr], cache, style);
+                let s = h.off + i * h.head;
+                tandem_cpu::rope(&mut row[s..s + nr], cache, style);
             }
-        }
+        });
         Ok(())
     }
 
@@ -264,7 +268,7 @@ impl Device for HostDevice {
         if x.len() != y.len() {
             return Err(Error::Model(format!("add of {} values to {}", y.len(), x.len())));
         }
-        tandem_cpu::add_assign(x, y);
+        self.cpu.for_parts(x, ADD_PART, |i, p| tandem_cpu::add_assign(p, &y[i * ADD_PART..]));
         Ok(())
     }
 
@@ -512,7 +516,9 @@ impl HostDevice {
         let cols = m.n_embd();
         let mut outs = self.cpu.ffn(h, cols, &jobs).map_err(named(&m.experts().gate.name))?;
         let sh = if shared.is_some() { outs.pop() } else { None };
-        Ok((m.combine(&plan, routes, &outs), sh))
+        let mut out = vec![0f32; routes.len() * cols];
+        self.cpu.for_parts(&mut out, cols, |t, o| m.combine_row(&plan, routes, &outs, t, o));
+        Ok((out, sh))
     }
 }
 

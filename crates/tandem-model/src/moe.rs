@@ -230,27 +230,21 @@ impl Moe {
         ExpertPlan { used, at }
     }
 
-    /// The experts' outputs (`outs[k]` for `plan.used[k]`, `[rows][n_embd]`) scaled by their
-    /// weights and summed per row in selection order, as llama.cpp adds the expert views.
-    pub fn combine(&self, plan: &ExpertPlan, routes: &[Route], outs: &[Vec<f32>]) -> Vec<f32> {
+    /// Row `t` of the experts' outputs (`outs[k]` for `plan.used[k]`, `[rows][n_embd]`) scaled by
+    /// their weights and summed in selection order into `o` (`n_embd` values), as llama.cpp adds
+    /// the expert views: the first one's output times its weight, then each other's product added
+    /// (`o + (s * w)`, two roundings, as ggml's scale then add).
+    pub fn combine_row(&self, plan: &ExpertPlan, routes: &[Route], outs: &[Vec<f32>], t: usize, o: &mut [f32]) {
         let (ne, n_used) = (self.n_embd, self.r.n_used);
-        let n = routes.len();
-        let mut out = vec![0f32; n * ne];
-        let mut scaled = vec![0f32; ne];
-        for t in 0..n {
-            let o = &mut out[t * ne..(t + 1) * ne];
-            for (slot, &(_, w)) in routes[t].iter().enumerate().take(n_used) {
-                let (k, i) = plan.at[t * n_used + slot];
-                let dst = if slot == 0 { &mut *o } else { &mut scaled[..] };
-                for (d, s) in dst.iter_mut().zip(&outs[k][i * ne..(i + 1) * ne]) {
-                    *d = s * w;
-                }
-                if slot > 0 {
-                    tandem_cpu::add_assign(o, &scaled);
-                }
+        for (slot, &(_, w)) in routes[t].iter().enumerate().take(n_used) {
+            let (k, i) = plan.at[t * n_used + slot];
+            let src = &outs[k][i * ne..(i + 1) * ne];
+            if slot == 0 {
+                o.iter_mut().zip(src).for_each(|(d, s)| *d = s * w);
+            } else {
+                o.iter_mut().zip(src).for_each(|(d, s)| *d += s * w);
             }
         }
-        out
     }
 }
 
