@@ -138,26 +138,16 @@ pub(super) unsafe fn group_scalar<const OFF: i32>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{random_rows, Rng};
-    use super::super::{group_bytes, pack};
+    use super::super::tests::each_packed_row;
     use super::*;
     use crate::packed::f16_at;
-    use tandem_quant::row_size;
 
     #[test]
     fn the_layout_keeps_every_level_and_factor() {
         // level - OFF times d, read back by the layout, is ggml's dequantized value exactly.
         for (ty, off) in [(GgmlType::Q8_0, 128i32), (GgmlType::Q5_0, 16), (GgmlType::Q5_1, 0)] {
-            let (rows, n) = (32, 128);
-            let mut rng = Rng(5);
-            let w = random_rows(ty, rows, n, &mut rng);
-            let p = pack(ty, rows, n, &w).unwrap();
-            let (rb, gb, nb) = (row_size(ty, n).unwrap(), group_bytes(ty, n), n / 32);
-            for row in 0..rows {
-                let mut want = vec![0f32; n];
-                tandem_quant::dequantize_row(ty, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
-                let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
-                let grp = &p.bytes()[g * gb..(g + 1) * gb];
+            let (n, nb) = (128, 4);
+            each_packed_row(ty, 5, n, |r, grp, want, at| {
                 for b in 0..nb {
                     let d = f16_at(grp, nb * LEVELS + b * 2 * PACK_ROWS + 2 * r);
                     // Q5_1: d * q + m, ggml's order.
@@ -168,10 +158,10 @@ mod tests {
                     };
                     for e in 0..32 {
                         let q = grp[b * LEVELS + level_at(r, e)] as i32 - off;
-                        assert_eq!(q as f32 * d + m, want[b * 32 + e], "{ty} row {row} block {b} element {e}");
+                        assert_eq!(q as f32 * d + m, want[b * 32 + e], "{at} block {b} element {e}");
                     }
                 }
-            }
+            });
         }
     }
 }

@@ -413,25 +413,33 @@ mod tests {
         w
     }
 
-    /// Packs 32 random rows of 512 elements of the k-quant `ty` (packed blocks of `block` bytes)
-    /// and calls `check(r, blk, want, at)` for every block of every row: `r` the row's lane in its
-    /// group, `blk` the packed block, `want` ggml's 256 dequantized values of the row's block, `at`
-    /// where it is, for messages.
-    pub(super) fn each_packed_block(ty: GgmlType, seed: u64, block: usize, check: impl Fn(usize, &[u8], &[f32], &str)) {
-        let (rows, n, qk) = (32, 512, tandem_quant::QK_K);
+    /// Packs 32 random rows of `n` elements of `ty` and calls `check(r, grp, want, at)` for every
+    /// row: `r` the row's lane in its group, `grp` the packed group, `want` ggml's dequantized row,
+    /// `at` which row, for messages.
+    pub(super) fn each_packed_row(ty: GgmlType, seed: u64, n: usize, check: impl Fn(usize, &[u8], &[f32], &str)) {
+        let rows = 32;
         let w = random_rows(ty, rows, n, &mut Rng(seed));
         let p = pack(ty, rows, n, &w).unwrap();
         let (rb, gb) = (row_size(ty, n).unwrap(), group_bytes(ty, n));
-        assert_eq!(gb, n / qk * block, "{ty}");
         for row in 0..rows {
             let mut want = vec![0f32; n];
             tandem_quant::dequantize_row(ty, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
             let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
-            for b in 0..n / qk {
-                let blk = &p.bytes()[g * gb + b * block..g * gb + (b + 1) * block];
-                check(r, blk, &want[b * qk..(b + 1) * qk], &format!("{ty} row {row} block {b}"));
-            }
+            check(r, &p.bytes()[g * gb..(g + 1) * gb], &want, &format!("{ty} row {row}"));
         }
+    }
+
+    /// [`each_packed_row`] over rows of 512 elements of the k-quant `ty` (packed blocks of `block`
+    /// bytes), block by block: `check(r, blk, want, at)` with `blk` the packed block and `want`
+    /// the row's 256 dequantized values of it.
+    pub(super) fn each_packed_block(ty: GgmlType, seed: u64, block: usize, check: impl Fn(usize, &[u8], &[f32], &str)) {
+        let qk = tandem_quant::QK_K;
+        each_packed_row(ty, seed, 2 * qk, |r, grp, want, at| {
+            assert_eq!(grp.len(), 2 * block, "{at}");
+            for (b, (blk, want)) in grp.chunks_exact(block).zip(want.chunks_exact(qk)).enumerate() {
+                check(r, blk, want, &format!("{at} block {b}"));
+            }
+        });
     }
 
     /// Where the blocks of `ty` keep their fp16 factors.

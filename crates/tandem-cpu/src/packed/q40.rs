@@ -139,8 +139,8 @@ pub(super) unsafe fn group_scalar<const NL: bool, const MIN: bool>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{random_rows, Rng};
-    use super::super::{group_bytes, pack};
+    use super::super::group_bytes;
+    use super::super::tests::each_packed_row;
     use super::*;
     use crate::packed::f16_at;
     use tandem_quant::{row_size, GgmlType};
@@ -150,17 +150,9 @@ mod tests {
         // Each code's level (q - 8 for Q4_0, KVALUES_IQ4NL[q] for IQ4_NL) times d, read back by
         // the layout, is ggml's dequantized value exactly.
         for (ty, nl) in [(GgmlType::Q4_0, false), (GgmlType::IQ4_NL, true), (GgmlType::Q4_1, false)] {
-            let (rows, n) = (32, 128);
-            let mut rng = Rng(23);
-            let w = random_rows(ty, rows, n, &mut rng);
-            let p = pack(ty, rows, n, &w).unwrap();
-            let (rb, gb, nb) = (row_size(ty, n).unwrap(), group_bytes(ty, n), n / 32);
-            assert_eq!(gb * (rows / PACK_ROWS), w.len(), "{ty}: as large as the original");
-            for row in 0..rows {
-                let mut want = vec![0f32; n];
-                tandem_quant::dequantize_row(ty, &w[row * rb..(row + 1) * rb], &mut want).unwrap();
-                let (g, r) = (row / PACK_ROWS, row % PACK_ROWS);
-                let grp = &p.bytes()[g * gb..(g + 1) * gb];
+            let (n, nb) = (128, 4);
+            assert_eq!(group_bytes(ty, n), PACK_ROWS * row_size(ty, n).unwrap(), "{ty}: as large as the original");
+            each_packed_row(ty, 23, n, |r, grp, want, at| {
                 for b in 0..nb {
                     let d = f16_at(grp, nb * CODES + b * 2 * PACK_ROWS + 2 * r);
                     let q41 = ty == GgmlType::Q4_1;
@@ -173,10 +165,10 @@ mod tests {
                             (false, true) => level::<false, true>(u).0,
                             (false, false) => level::<false, false>(u).0 - 8,
                         };
-                        assert_eq!(q as f32 * d + m, want[b * 32 + e], "{ty} row {row} block {b} element {e}");
+                        assert_eq!(q as f32 * d + m, want[b * 32 + e], "{at} block {b} element {e}");
                     }
                 }
-            }
+            });
         }
     }
 }
