@@ -317,7 +317,7 @@ fn rebuild(pool: &rayon::ThreadPool, latent: &[f32], w: &[f32], kl: usize, d: us
     const RB: usize = 192;
     let g = w.len() / (kl * d);
     let rows = latent.len() / kl;
-    let mut out = vec![0f32; rows * g * d];
+    let mut out = crate::pool::zeros(pool, rows * g * d);
     let level = Level::detected();
     // (block of rows, head, its output), block by block: a thread's run of tasks keeps one block
     // of the latent in its cache while the heads' matrices pass over it.

@@ -353,8 +353,17 @@ pub fn ffn_jobs(pool: &rayon::ThreadPool, x: &[f32], cols: usize, jobs: &[FfnJob
     } else {
         jobs.iter().map(gather).unzip()
     };
-    let mut gate: Vec<Vec<f32>> = jobs.iter().map(|j| vec![0f32; j.gate.rows * j.tokens.len()]).collect();
-    let mut up: Vec<Vec<f32>> = jobs.iter().map(|j| vec![0f32; j.up.rows * j.tokens.len()]).collect();
+    // The outputs: tens of MB a layer in a prefill, zeroed on the pool there (by job: each is
+    // a few hundred KB).
+    let zeroed = |rows: &(dyn Fn(&FfnJob) -> usize + Sync)| -> Vec<Vec<f32>> {
+        let out = |j: &FfnJob| vec![0f32; rows(j) * j.tokens.len()];
+        match many {
+            true => pool.install(|| jobs.par_iter().with_max_len(1).map(out).collect()),
+            false => jobs.iter().map(out).collect(),
+        }
+    };
+    let mut gate = zeroed(&|j| j.gate.rows);
+    let mut up = zeroed(&|j| j.up.rows);
     let mut step = Vec::new();
     for (((j, g), u), (ga, ua)) in jobs.iter().zip(&mut gate).zip(&mut up).zip(gate_acts.iter().zip(&up_acts)) {
         step.push(MatJob { w: j.gate, acts: ga, out: g });
@@ -393,7 +402,7 @@ pub fn ffn_jobs(pool: &rayon::ThreadPool, x: &[f32], cols: usize, jobs: &[FfnJob
     } else {
         jobs.iter().zip(gate.iter_mut()).zip(up.iter()).map(swiglu).collect()
     }?;
-    let mut down: Vec<Vec<f32>> = jobs.iter().map(|j| vec![0f32; j.down.rows * j.tokens.len()]).collect();
+    let mut down = zeroed(&|j| j.down.rows);
     let step: Vec<MatJob> =
         jobs.iter().zip(&down_acts).zip(&mut down).map(|((j, a), out)| MatJob { w: j.down, acts: a, out }).collect();
     matmul_jobs(pool, step)?;

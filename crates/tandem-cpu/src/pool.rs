@@ -474,6 +474,21 @@ pub(crate) fn announce(
     }
 }
 
+/// `n` zeros, written by the threads of `pool` when they are more than a few MB (the outputs of a
+/// prefill's products and rebuilt keys, tens of MB a layer: zeroed by one thread, the others
+/// waited).
+pub(crate) fn zeros(pool: &rayon::ThreadPool, n: usize) -> Vec<f32> {
+    use rayon::prelude::*;
+    // Below this, a hand-off costs more than the writes.
+    const PAR_ZEROS: usize = 1 << 18;
+    if n < PAR_ZEROS || pool.current_num_threads() < 2 {
+        return vec![0f32; n];
+    }
+    let mut v = Vec::new();
+    pool.install(|| (0..n).into_par_iter().with_min_len(PAR_ZEROS / 4).map(|_| 0f32).collect_into_vec(&mut v));
+    v
+}
+
 /// [`for_each_piece`] over owned items: `f(item)` for each of `items`, in parallel over `pool`.
 pub(crate) fn for_each_item<T: Send>(pool: &rayon::ThreadPool, items: Vec<T>, f: &(dyn Fn(T) + Sync)) {
     let cells: Vec<Mutex<Option<T>>> = items.into_iter().map(|t| Mutex::new(Some(t))).collect();
@@ -494,6 +509,16 @@ mod tests {
     use super::*;
     use rayon::prelude::*;
     use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn zeros_are_zeros_at_every_size() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for n in [0, 5, (1 << 18) - 1, 1 << 18, (1 << 20) + 3] {
+            let z = zeros(&pool, n);
+            assert_eq!(z.len(), n);
+            assert!(z.iter().all(|&v| v.to_bits() == 0), "{n}");
+        }
+    }
 
     #[test]
     fn a_step_runs_in_the_pool_with_every_thread_taking_work() {
