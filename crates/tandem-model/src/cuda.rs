@@ -7,7 +7,7 @@
 use crate::common::{Ffn, Ubatch};
 use crate::device::{AttnCall, Device, KvStore};
 use crate::exec::{Copy2d, DevId, Heads, Ledger, MlaShape, Pending, Rows, Tensor};
-use crate::kv_cache::KvLayout;
+use crate::kv_cache::{KvLayout, StoreLayers};
 use crate::moe::{Gating, Moe};
 use crate::weights::{Vector, Weight};
 use crate::{Error, Result};
@@ -527,7 +527,7 @@ impl Device for CudaDevice {
             .downcast_ref::<CudaKv>()
             .ok_or_else(|| Error::Model(format!("{}: a cache of another device", self.name)))?;
         let n = ub.len();
-        let li = store.at(il)?;
+        let li = store.layers.at(il)?;
         let (kr, vr) = (store.layout.k_row, store.layout.v_row);
         if k.len() != n * kr || v.is_some_and(|v| v.len() != n * vr) || v.is_some() != (vr > 0) {
             return Err(Error::Model(format!("cache rows of layer {il}: {} values for {n} rows of {kr}", k.len())));
@@ -548,7 +548,7 @@ impl Device for CudaDevice {
     fn attention(&self, kv: &dyn KvStore, q: &Tensor, c: &AttnCall) -> Result<Tensor> {
         let AttnCall { il, ub, tokens, s, separate_v } = *c;
         let store = self.kv(kv)?;
-        let li = store.at(il)?;
+        let li = store.layers.at(il)?;
         let n = tokens.len();
         if q.len() != n * s.n_head * s.dk {
             return Err(Error::Model(format!("attention of {n} tokens: {} query values", q.len())));
@@ -608,9 +608,7 @@ pub(crate) struct CudaKv {
     kind: CacheKind,
     k_bytes: usize,
     row_bytes: usize,
-    /// Global layer -> index among this store's layers.
-    local: Vec<Option<usize>>,
-    n_local: usize,
+    layers: StoreLayers,
     seqs: HashMap<usize, SeqRows>,
 }
 
@@ -633,25 +631,8 @@ impl CudaKv {
         let bad = || Error::Model(format!("KV cache rows of {} values are not whole {k} blocks", layout.k_row));
         let k_bytes = kind.bytes(layout.k_row).ok_or_else(bad)?;
         let v_bytes = if layout.v_row == 0 { 0 } else { kind.bytes(layout.v_row).ok_or_else(bad)? };
-        let mut local = vec![None; layout.n_layer];
-        for (i, &il) in layers.iter().enumerate() {
-            *local.get_mut(il).ok_or_else(|| Error::Model(format!("cache layer {il} of {}", layout.n_layer)))? =
-                Some(i);
-        }
-        Ok(CudaKv {
-            rt,
-            layout,
-            kind,
-            k_bytes,
-            row_bytes: k_bytes + v_bytes,
-            local,
-            n_local: layers.len(),
-            seqs: HashMap::new(),
-        })
-    }
-
-    fn at(&self, il: usize) -> Result<usize> {
-        self.local.get(il).copied().flatten().ok_or_else(|| Error::Model(format!("layer {il} is not cached here")))
+        let layers = StoreLayers::new(&layout, layers)?;
+        Ok(CudaKv { rt, layout, kind, k_bytes, row_bytes: k_bytes + v_bytes, layers, seqs: HashMap::new() })
     }
 
     /// Room for every position of the micro-batch (buffers grown on the device where needed).
@@ -679,10 +660,10 @@ impl CudaKv {
             return Ok(());
         }
         let new_cap = rows.max(2 * cap).max(KV_MIN_ROWS);
-        let buf = self.rt.alloc::<u8>(self.n_local * new_cap * self.row_bytes, "the KV cache").map_err(cuda)?;
+        let buf = self.rt.alloc::<u8>(self.layers.len() * new_cap * self.row_bytes, "the KV cache").map_err(cuda)?;
         let len = self.seqs.get(&s).map_or(0, |r| r.len);
         if let Some(old) = self.seqs.get(&s) {
-            for l in 0..self.n_local {
+            for l in 0..self.layers.len() {
                 let n = len * self.row_bytes;
                 self.rt
                     .copy(&buf, l * new_cap * self.row_bytes, &old.buf, l * old.cap * self.row_bytes, n)
@@ -714,8 +695,8 @@ impl KvStore for CudaKv {
         let Some(s) = self.seqs.get(&src) else { return Ok(()) };
         let n = n.min(s.len);
         let cap = n.max(KV_MIN_ROWS);
-        let buf = self.rt.alloc::<u8>(self.n_local * cap * self.row_bytes, "the KV cache").map_err(cuda)?;
-        for l in 0..self.n_local {
+        let buf = self.rt.alloc::<u8>(self.layers.len() * cap * self.row_bytes, "the KV cache").map_err(cuda)?;
+        for l in 0..self.layers.len() {
             self.rt
                 .copy(&buf, l * cap * self.row_bytes, &s.buf, l * s.cap * self.row_bytes, n * self.row_bytes)
                 .map_err(cuda)?;
@@ -725,7 +706,7 @@ impl KvStore for CudaKv {
     }
 
     fn used_bytes(&self) -> usize {
-        self.seqs.values().map(|r| r.len * self.row_bytes * self.n_local).sum()
+        self.seqs.values().map(|r| r.len * self.row_bytes * self.layers.len()).sum()
     }
 
     fn append_zeros(&mut self, seq: usize, len: usize, n: usize) -> Result<()> {
@@ -735,7 +716,7 @@ impl KvStore for CudaKv {
         self.grow(seq, len + n)?;
         let rb = self.row_bytes;
         let r = self.seqs.get_mut(&seq).ok_or_else(|| Error::Model(format!("sequence {seq} has no cache rows")))?;
-        for l in 0..self.n_local {
+        for l in 0..self.layers.len() {
             self.rt.fill_zero(&r.buf, (l * r.cap + len) * rb, n * rb).map_err(cuda)?;
         }
         r.len = len + n;

@@ -6,7 +6,7 @@
 use crate::common::{Ffn, Ubatch};
 use crate::device::{AttnCall, Device, KvStore, MlaCall};
 use crate::exec::{Copy2d, DevId, Heads, Ledger, MlaShape, Pending, Rows, Tensor, CPU, STEP_META_BYTES};
-use crate::kv_cache::KvLayout;
+use crate::kv_cache::{KvLayout, StoreLayers};
 use crate::moe::Moe;
 use crate::weights::{Vector, Weight};
 use crate::{Error, Result};
@@ -535,39 +535,28 @@ pub(crate) struct HostKv {
     v_type: GgmlType,
     k_row_bytes: usize,
     v_row_bytes: usize,
-    /// Global layer -> index into each sequence's rows (`None`: not held here).
-    local: Vec<Option<usize>>,
-    n_local: usize,
+    layers: StoreLayers,
     seqs: HashMap<usize, SeqRows>,
 }
 
 impl HostKv {
     fn new(layout: KvLayout, layers: &[usize], k_type: GgmlType, v_type: GgmlType) -> Result<HostKv> {
-        let mut local = vec![None; layout.n_layer];
-        for (i, &il) in layers.iter().enumerate() {
-            *local.get_mut(il).ok_or_else(|| Error::Model(format!("cache layer {il} of {}", layout.n_layer)))? =
-                Some(i);
-        }
+        let layers = StoreLayers::new(&layout, layers)?;
         Ok(HostKv {
             k_row_bytes: row_size(k_type, layout.k_row)?,
             v_row_bytes: if layout.v_row == 0 { 0 } else { row_size(v_type, layout.v_row)? },
             layout,
             k_type,
             v_type,
-            local,
-            n_local: layers.len(),
+            layers,
             seqs: HashMap::new(),
         })
     }
 
-    fn at(&self, il: usize) -> Result<usize> {
-        self.local.get(il).copied().flatten().ok_or_else(|| Error::Model(format!("layer {il} is not cached here")))
-    }
-
     /// Appends the K (and V) row of the next position of `seq` in layer `il`.
     fn push(&mut self, seq: usize, il: usize, k: &[f32], v: Option<&[f32]>) -> Result<()> {
-        let li = self.at(il)?;
-        let n = self.n_local;
+        let li = self.layers.at(il)?;
+        let n = self.layers.len();
         let s = self.seqs.entry(seq).or_insert_with(|| SeqRows { k: vec![Vec::new(); n], v: vec![Vec::new(); n] });
         let kbuf = &mut s.k[li];
         let at = kbuf.len();
@@ -584,7 +573,7 @@ impl HostKv {
 
     /// The K rows (and V rows, empty under MLA) of `seq` in layer `il`.
     pub fn rows(&self, seq: usize, il: usize) -> (&[u8], &[u8]) {
-        match (self.seqs.get(&seq), self.at(il)) {
+        match (self.seqs.get(&seq), self.layers.at(il)) {
             (Some(s), Ok(li)) => (&s.k[li], &s.v[li]),
             _ => (&[], &[]),
         }
@@ -623,7 +612,7 @@ impl KvStore for HostKv {
     }
 
     fn append_zeros(&mut self, seq: usize, len: usize, n: usize) -> Result<()> {
-        let nl = self.n_local;
+        let nl = self.layers.len();
         let (kb, vb) = (self.k_row_bytes, self.v_row_bytes);
         let s = self.seqs.entry(seq).or_insert_with(|| SeqRows { k: vec![Vec::new(); nl], v: vec![Vec::new(); nl] });
         for k in &mut s.k {

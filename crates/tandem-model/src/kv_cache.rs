@@ -50,6 +50,36 @@ pub struct KvLayout {
     pub v_head: usize,
 }
 
+/// The layers one [`KvStore`] holds, each with its index among them (the stores keep a
+/// sequence's rows layer by layer in that order).
+#[derive(Clone, Debug)]
+pub(crate) struct StoreLayers {
+    /// Global layer -> index among the store's layers (`None`: not held here).
+    local: Vec<Option<usize>>,
+    n: usize,
+}
+
+impl StoreLayers {
+    pub(crate) fn new(layout: &KvLayout, layers: &[usize]) -> Result<StoreLayers> {
+        let mut local = vec![None; layout.n_layer];
+        for (i, &il) in layers.iter().enumerate() {
+            *local.get_mut(il).ok_or_else(|| Error::Model(format!("cache layer {il} of {}", layout.n_layer)))? =
+                Some(i);
+        }
+        Ok(StoreLayers { local, n: layers.len() })
+    }
+
+    /// Layer `il`'s index among the store's layers.
+    pub(crate) fn at(&self, il: usize) -> Result<usize> {
+        self.local.get(il).copied().flatten().ok_or_else(|| Error::Model(format!("layer {il} is not cached here")))
+    }
+
+    /// How many layers the store holds.
+    pub(crate) fn len(&self) -> usize {
+        self.n
+    }
+}
+
 /// The cache of every sequence: lengths here, rows on the devices that hold the layers'
 /// attention ([`KvStore`]s; for the CPU, host memory).
 pub struct KvCache {
