@@ -111,12 +111,14 @@ fn json_rows_per_thread_count_and_depth() {
 
 #[test]
 fn sweep_rows_step_by_ubatch_until_the_context_is_full() {
+    // As llama-sweep-bench: each row decodes at N_KV, drops those tokens, then prefills -ub there,
+    // so the last row is the one whose micro-batch fills the context (16 + 4 = 20). Decoding
+    // after the prefill would need 16 + 4 + 2 positions.
     let (v, se) = json("deepseek2-mla-tiny.gguf", &["--sweep", "-c", "20", "-ub", "4", "-n", "2", "-t", "1"]);
     let n_kv: Vec<u64> = v["rows"].as_array().unwrap().iter().map(|r| r["n_kv"].as_u64().unwrap()).collect();
-    // 12 + 4 + 2 <= 20 < 16 + 4 + 2.
-    assert_eq!(n_kv, [0, 4, 8, 12]);
+    assert_eq!(n_kv, [0, 4, 8, 12, 16]);
     assert!(v["rows"].as_array().unwrap().iter().all(|r| r["pp"] == 4 && r["tg"] == 2));
-    assert_eq!(table_rows(&se).len(), 4, "{se}");
+    assert_eq!(table_rows(&se).len(), 5, "{se}");
     check_rows(&v);
 }
 
@@ -292,7 +294,7 @@ fn bad_flags_give_one_line_errors() {
         (&["-p", "8", "-c", "4"], "-c 4"),
         (&["--sweep", "-ub", "4"], "--sweep needs -c"),
         (&["--sweep", "-c", "8", "-ub", "16"], "-ub 16 is larger than -c 8"),
-        (&["--sweep", "-c", "8", "-ub", "4", "-n", "6"], "no sweep row"),
+        (&["--sweep", "-c", "8", "-ub", "4", "-n", "12"], "-n 12 decode steps do not fit in -c 8: no sweep row"),
         (&["--sweep", "-c", "64", "-p", "8"], "-p does not apply"),
         (&["-ctk", "q9_9"], "-ctk q9_9"),
         (&["--parallel", "0"], "--parallel 0"),

@@ -76,7 +76,7 @@ pub struct BenchArgs {
     /// `tandem run --help`).
     #[arg(long = "mla", value_name = "absorbed|auto|decompressed", default_value = "auto")]
     pub mla: String,
-    /// llama-sweep-bench's method: prefill -ub tokens, then decode -n, at N_KV = 0, UB, 2 UB, ... up to -c.
+    /// llama-sweep-bench's method: at N_KV = 0, UB, 2 UB, ... up to -c, decode -n tokens (dropped), then prefill -ub.
     #[arg(long)]
     pub sweep: bool,
     /// Print one JSON object to stdout (the table goes to stderr).
@@ -278,13 +278,8 @@ impl Plan {
             if self.ubatch > c {
                 bail!("-ub {} is larger than -c {c}", self.ubatch);
             }
-            if self.ubatch + self.tg > c {
-                bail!(
-                    "-ub {} + -n {} = {} tokens do not fit in -c {c}: no sweep row",
-                    self.ubatch,
-                    self.tg,
-                    self.ubatch + self.tg
-                );
+            if self.tg > c {
+                bail!("-n {} decode steps do not fit in -c {c}: no sweep row", self.tg);
             }
             return Ok(c);
         }
@@ -305,9 +300,10 @@ impl Plan {
         }
     }
 
-    /// The N_KV of each sweep row.
+    /// The N_KV of each sweep row: as llama-sweep-bench, every multiple of -ub whose decode
+    /// steps and micro-batch each fit the context from there (`-c 3584 -ub 512` ends at 3072).
     fn sweep_depths(&self, n_ctx: usize) -> Vec<usize> {
-        (0..).map(|i| i * self.ubatch).take_while(|&d| d + self.ubatch + self.tg <= n_ctx).collect()
+        (0..).map(|i| i * self.ubatch).take_while(|&d| d + self.ubatch.max(self.tg) <= n_ctx).collect()
     }
 }
 
@@ -620,26 +616,31 @@ fn run_threads(
         let (mut faults_pp, mut faults_tg) = (0u64, 0u64);
         for rep in 0..plan.reps {
             out.pb.set_message(format!("-t {t}: N_KV {d}, repetition {}/{}", rep + 1, plan.reps));
-            if plan.pp > 0 {
-                let f0 = major_faults();
-                t_pp.push(r.timed(|r| r.prefill(plan.pp))?);
-                faults_pp += major_faults() - f0;
-                if !plan.sweep {
-                    r.ctx.truncate(SEQ, d);
+            // llama-sweep-bench decodes at N_KV first, then prefills the row's micro-batch there
+            // (kept for the next row); llama-bench's tests each start at the depth.
+            let prefill_first = if plan.sweep { [false, true] } else { [true, false] };
+            for prefill in prefill_first {
+                if prefill && plan.pp > 0 {
+                    let f0 = major_faults();
+                    t_pp.push(r.timed(|r| r.prefill(plan.pp))?);
+                    faults_pp += major_faults() - f0;
+                    if !plan.sweep {
+                        r.ctx.truncate(SEQ, d);
+                    }
                 }
-            }
-            if plan.tg > 0 {
-                let base = r.ctx.seq_len(SEQ);
-                let before: Vec<_> = r.ctx.exec().ledgers().into_iter().map(|(_, c)| c).collect();
-                let f0 = major_faults();
-                t_tg.push(r.timed(|r| r.generate(plan.tg))?);
-                faults_tg += major_faults() - f0;
-                let after = r.ctx.exec().ledgers();
-                decode_ledger.resize(after.len(), tandem_model::Counts::default());
-                for ((sum, (_, a)), b) in decode_ledger.iter_mut().zip(&after).zip(&before) {
-                    *sum = *sum + (*a - *b);
+                if !prefill && plan.tg > 0 {
+                    let base = r.ctx.seq_len(SEQ);
+                    let before: Vec<_> = r.ctx.exec().ledgers().into_iter().map(|(_, c)| c).collect();
+                    let f0 = major_faults();
+                    t_tg.push(r.timed(|r| r.generate(plan.tg))?);
+                    faults_tg += major_faults() - f0;
+                    let after = r.ctx.exec().ledgers();
+                    decode_ledger.resize(after.len(), tandem_model::Counts::default());
+                    for ((sum, (_, a)), b) in decode_ledger.iter_mut().zip(&after).zip(&before) {
+                        *sum = *sum + (*a - *b);
+                    }
+                    r.ctx.truncate(SEQ, base);
                 }
-                r.ctx.truncate(SEQ, base);
             }
             // The sweep keeps the last repetition's prefill: the next row starts at N_KV + UB.
             if rep + 1 < plan.reps || !plan.sweep {
