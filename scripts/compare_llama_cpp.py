@@ -4,7 +4,7 @@
     /work/venv/bin/python scripts/compare_llama_cpp.py [--out results.json]
         [--models Q4_K_M,Q8_0] [--threads 1,2] [--depths 0,3072] [--tests tg32,pp256,pp512]
         [--rounds 5] [--pair] [--fa off,on] [--model-dir /work/bench-models] [--tandem target/release/tandem]
-        [--cache-type-k f16] [--cache-type-v f16] [--parallel N]
+        [--cache-type-k f16] [--cache-type-v f16] [--parallel N] [--ik IK_BUILD/bin]
 
 For every model x threads x depth x test, each round runs, as separate subprocesses and in an
 order that rotates from round to round:
@@ -13,6 +13,18 @@ order that rotates from round to round:
              -ctk K -ctv V [--tandem-args]
   llama.cpp  scripts/llama_cpp_bench.py --model F --threads T --pp P --tg N --depth D --reps 1
              --ubatch 512 --flash-attn off -ctk K -ctv V   (and again with --flash-attn on)
+
+With --ik DIR, ik_llama.cpp runs in the same rounds (DIR holds its llama-bench and
+llama-sweep-bench, built from a fetched snapshot; nothing of it is in this repository), with
+`-rtr 1` and its own defaults (`-mla 3`, flash attention and fused MoE on):
+
+  ik_llama.cpp  depth 0: DIR/llama-bench -m F -t T -p P -n N -r 1 -ub 512 -ctk K -ctv V -rtr 1 -o json
+                depth D: DIR/llama-sweep-bench -m F -t T -c D+max(P,N) -ub P -n N -rtr
+                         -ctk K -ctv V --output-format jsonl   (its row at N_KV = D; D a multiple of P)
+
+Its llama-bench has no -d; its sweep prefills P tokens at every multiple of P up to D, timing
+each, so a depth costs it more wall time than the others (not more measured time). The table
+gains its median and the paired ratio tandem / ik_llama.cpp.
 
 With --parallel N (depth 0 only) both measure N sequences batched together, as
 llama-batched-bench: tandem `bench --parallel N`, llama.cpp `llama_cpp_bench.py --parallel N`;
@@ -49,12 +61,14 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_BENCH = Path(__file__).resolve().parent / "llama_cpp_bench.py"
 TEST_RE = re.compile(r"^(pp|tg)(\d+)$")
+IK = "ik_llama.cpp"
 
 
 def log(msg: str) -> None:
@@ -105,10 +119,11 @@ def parse_json_stdout(text: str) -> dict:
     raise ValueError("no JSON object on stdout")
 
 
-def run_one(cmd: list[str], timeout: float) -> tuple[dict | None, float, str | None]:
+def run_one(cmd: list[str], timeout: float, cwd: Path = REPO, raw: bool = False) -> tuple[dict | None, float, str | None]:
+    """Runs `cmd`: the JSON object on its stdout, or with `raw` all it printed as {"text": ...}."""
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     except subprocess.TimeoutExpired:
         return None, time.perf_counter() - t0, f"timeout after {timeout:.0f} s"
     except OSError as e:
@@ -117,10 +132,35 @@ def run_one(cmd: list[str], timeout: float) -> tuple[dict | None, float, str | N
     if p.returncode != 0:
         tail = (p.stderr.strip().splitlines() or ["(no stderr)"])[-1]
         return None, wall, f"exit {p.returncode}: {tail}"
+    if raw:
+        return {"text": p.stdout + "\n" + p.stderr}, wall, None
     try:
         return parse_json_stdout(p.stdout), wall, None
     except ValueError as e:
         return None, wall, f"{e}: {p.stdout[-200:]!r}"
+
+
+def ik_result(res: dict | list, threads: int, depth: int) -> dict:
+    """ik_llama.cpp's output in the rows tandem's JSON has: llama-bench's `-o json` array (one
+    object per test, `n_prompt` / `n_gen`, `avg_ns`), or llama-sweep-bench's jsonl line at N_KV =
+    `depth` (it writes them to stderr, and rounds its context up, so rows past it may follow)."""
+    if isinstance(res, list):
+        row: dict = dict(threads=threads, n_kv=depth)
+        for x in res:
+            t_s = float(x["avg_ns"]) * 1e-9
+            if int(x["n_prompt"]) > 0 and int(x["n_gen"]) == 0:
+                row.update(pp=int(x["n_prompt"]), t_pp_s=t_s, s_pp_tps=float(x["avg_ts"]))
+            elif int(x["n_gen"]) > 0 and int(x["n_prompt"]) == 0:
+                row.update(tg=int(x["n_gen"]), t_tg_s=t_s, s_tg_tps=float(x["avg_ts"]))
+        return dict(rows=[row])
+    lines = [json.loads(x) for x in res["text"].splitlines() if x.startswith("{") and '"speed_pp"' in x]
+    at = [x for x in lines if int(x["n_kv"]) == depth]
+    if not at:
+        raise ValueError(f"its sweep has no row at N_KV {depth} ({len(lines)} rows)")
+    res = at[0]
+    return dict(rows=[dict(threads=threads, n_kv=depth, pp=int(res["pp"]), tg=int(res["tg"]),
+                           t_pp_s=float(res["t_pp"]), s_pp_tps=float(res["speed_pp"]),
+                           t_tg_s=float(res["t_tg"]), s_tg_tps=float(res["speed_tg"]))])
 
 
 def row_of(res: dict, threads: int, depth: int) -> dict:
@@ -153,6 +193,7 @@ def main() -> int:
     ap.add_argument("--cache-type-k", "-ctk", default="f16", help="KV cache type for K, for both engines (default f16)")
     ap.add_argument("--cache-type-v", "-ctv", default="f16", help="KV cache type for V, for both engines (default f16)")
     ap.add_argument("--parallel", type=int, default=1, help="sequences batched together (depth 0 only)")
+    ap.add_argument("--ik", type=Path, help="directory of ik_llama.cpp's llama-bench and llama-sweep-bench")
     ap.add_argument("--out", type=Path, help="JSON with every raw sample")
     ap.add_argument("--from", dest="from_file", type=Path, help="print the table of an earlier --out file and exit")
     args = ap.parse_args()
@@ -175,6 +216,13 @@ def main() -> int:
         if fa not in ("on", "off"):
             ap.error(f"--fa takes on/off, got {fa!r}")
 
+    if args.ik:
+        for b in ("llama-bench", "llama-sweep-bench"):
+            if not (args.ik / b).is_file():
+                ap.error(f"--ik {args.ik}: no {b} there (ik_llama.cpp's build/bin)")
+        if args.parallel > 1:
+            ap.error("--ik does not apply to --parallel")
+
     models = {m: args.model_dir / f"bench-{m}.gguf" for m in args.models}
     for m, p in models.items():
         if not p.is_file():
@@ -185,7 +233,8 @@ def main() -> int:
     if args.fa and subprocess.run([args.python, "-c", "import llama_cpp"], capture_output=True).returncode != 0:
         ap.error(f"{args.python} cannot import llama_cpp (pass --python /work/venv/bin/python)")
 
-    engines = ([] if args.no_tandem else ["tandem"]) + [f"llama.cpp fa={fa}" for fa in args.fa]
+    engines = ([] if args.no_tandem else ["tandem"]) + [f"llama.cpp fa={fa}" for fa in args.fa] + \
+        ([IK] if args.ik else [])
     calls = invocations(args.tests, args.pair)
 
     def command(engine: str, model: Path, t: int, d: int, pp: int, tg: int) -> list[str]:
@@ -194,6 +243,14 @@ def main() -> int:
                     "-d", str(d), "-r", "1", "--json", "--no-progress", "-ctk", args.cache_type_k,
                     "-ctv", args.cache_type_v] + (["--parallel", str(args.parallel)] if args.parallel > 1 else []) + \
                 shlex.split(args.tandem_args)
+        if engine == IK:
+            kv = ["-ctk", args.cache_type_k, "-ctv", args.cache_type_v]
+            if d == 0:
+                return [str(args.ik / "llama-bench"), "-m", str(model), "-t", str(t), "-p", str(pp), "-n", str(tg),
+                        "-r", "1", "-ub", str(args.ubatch), "-rtr", "1", "-o", "json"] + kv
+            ub = pp or args.ubatch
+            return [str(args.ik / "llama-sweep-bench"), "-m", str(model), "-t", str(t), "-c", str(d + max(ub, tg)),
+                    "-ub", str(ub), "-n", str(max(tg, 1)), "-rtr", "--output-format", "jsonl"] + kv
         fa = engine.split("=")[1]
         return [args.python, str(LLAMA_BENCH), "--model", str(model), "--threads", str(t), "--pp", str(pp),
                 "--tg", str(tg), "--depth", str(d), "--reps", "1", "--ubatch", str(args.ubatch), "--flash-attn", fa,
@@ -225,7 +282,17 @@ def main() -> int:
                         for engine in engines[shift:] + engines[:shift]:
                             k += 1
                             cmd = command(engine, mpath, t, d, pp, tg)
-                            res, wall, err = run_one(cmd, args.timeout)
+                            if engine == IK and d % (pp or args.ubatch):
+                                res, wall, err = None, 0.0, f"depth {d} is not a multiple of {pp or args.ubatch} (its sweep)"
+                            else:
+                                # ik_llama.cpp writes llama.log where it runs: not into the checkout
+                                cwd = Path(tempfile.gettempdir()) if engine == IK else REPO
+                                res, wall, err = run_one(cmd, args.timeout, cwd, raw=engine == IK and d > 0)
+                            if engine == IK and err is None:
+                                try:
+                                    res = ik_result(res, t, d)
+                                except (ValueError, KeyError, TypeError) as e:
+                                    err = f"bad JSON: {e}"
                             base = dict(round=rnd, model=mname, threads=t, depth=d, engine=engine,
                                         wall_s=round(wall, 3), cmd=shlex.join(cmd))
                             got = []
@@ -286,15 +353,19 @@ def summarize(samples: list[dict], models: list[str], tests: list[tuple[str, int
         best_e = max(llama, key=llama.get) if llama else None
         best = llama.get(best_e) if best_e else None
         tan = med.get("tandem")
-        pairs = []
+        pairs, ik_pairs = [], []
         for r in range(rounds):
             at = {s["engine"]: s["tps"] for s in mine if s["round"] == r}
             ll = [v for e, v in at.items() if e.startswith("llama.cpp")]
             if at.get("tandem") and ll and max(ll) > 0:
                 pairs.append(round(at["tandem"] / max(ll), 4))
+            if at.get("tandem") and at.get(IK):
+                ik_pairs.append(round(at["tandem"] / at[IK], 4))
         summary.append(dict(model=key[0], threads=key[1], depth=key[2], test=key[3], median_tps=med, n=nsamp,
                             llama_best=best_e, ratio=(tan / best) if tan and best else None,
-                            paired_ratios=pairs, paired_ratio=statistics.median(pairs) if pairs else None))
+                            paired_ratios=pairs, paired_ratio=statistics.median(pairs) if pairs else None,
+                            ik_paired_ratios=ik_pairs,
+                            ik_paired_ratio=statistics.median(ik_pairs) if ik_pairs else None))
     return summary
 
 
@@ -303,8 +374,10 @@ def print_report(summary: list[dict], engines: list[str], rounds: int) -> None:
         return "—" if v is None else f"{v:.2f}"
 
     fa_cols = [e for e in engines if e.startswith("llama.cpp")]
+    ik = IK in engines
     head = ["model", "threads", "depth", "test", "tandem t/s"] + [f"{e} t/s" for e in fa_cols] + \
-        ["llama.cpp best t/s", "ratio tandem/best", "paired ratio (rounds)"]
+        ["llama.cpp best t/s", "ratio tandem/best", "paired ratio (rounds)"] + \
+        ([f"{IK} t/s", f"paired tandem/{IK} (rounds)"] if ik else [])
     print(f"\nmedians of {rounds} round(s); t/s = tokens per second; the paired ratio is the median of each "
           "round's tandem / faster llama.cpp, the rounds' own in brackets\n")
     print("| " + " | ".join(head) + " |")
@@ -318,6 +391,10 @@ def print_report(summary: list[dict], engines: list[str], rounds: int) -> None:
             [f(m.get(e)) for e in fa_cols] + \
             [f"{f(best)} ({s['llama_best'].split('=')[1] if s['llama_best'] else '—'})",
              "—" if s["ratio"] is None else f"{s['ratio']:.3f}", paired]
+        if ik:
+            ikp = "—" if s.get("ik_paired_ratio") is None else \
+                f"{s['ik_paired_ratio']:.3f} ({' / '.join(f'{r:.2f}' for r in s['ik_paired_ratios'])})"
+            cells += [f(m.get(IK)), ikp]
         print("| " + " | ".join(cells) + " |")
 
 
