@@ -178,48 +178,6 @@ fn elementwise_ops_and_strided_copies_match_cpu() {
     }
 }
 
-/// tandem-model's `Moe::route` (crates/tandem-model/src/moe.rs), for one token.
-fn route_cpu(logits: &[f32], bias: Option<&[f32]>, p: &RouterParams) -> Vec<(usize, f32)> {
-    let top_k = |v: &[f32], k: usize| {
-        let mut idx: Vec<usize> = (0..v.len()).collect();
-        idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
-        idx.truncate(k);
-        idx
-    };
-    let probs: Vec<f32> = match p.gating {
-        Gating::Softmax => {
-            let mut v = logits.to_vec();
-            tandem_cpu::softmax_in_place(&mut v);
-            v
-        }
-        Gating::Sigmoid => logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect(),
-    };
-    let mut sel: Vec<f32> = match bias {
-        Some(b) => probs.iter().zip(b).map(|(p, b)| p + b).collect(),
-        None => probs.clone(),
-    };
-    if p.n_group > 1 {
-        let per = p.n_expert / p.n_group;
-        let scores: Vec<f32> = sel.chunks(per).map(|g| top_k(g, 2.min(per)).iter().map(|&i| g[i]).sum()).collect();
-        let keep = top_k(&scores, p.n_group_used);
-        for (g, chunk) in sel.chunks_mut(per).enumerate() {
-            if !keep.contains(&g) {
-                chunk.fill(f32::NEG_INFINITY);
-            }
-        }
-    }
-    let chosen = top_k(&sel, p.n_used);
-    let mut w: Vec<f32> = chosen.iter().map(|&e| probs[e]).collect();
-    if p.norm {
-        let sum = w.iter().sum::<f32>().max(6.103_515_6e-5);
-        w.iter_mut().for_each(|x| *x /= sum);
-    }
-    if p.scale != 0.0 && p.scale != 1.0 {
-        w.iter_mut().for_each(|x| *x *= p.scale);
-    }
-    chosen.into_iter().zip(w).collect()
-}
-
 #[test]
 fn router_and_packet_match_moe_route() {
     for rt in runtimes("router") {
@@ -281,7 +239,7 @@ fn router_and_packet_match_moe_route() {
             rt.moe_pack(&up(&rt, &h), &ids, &wb, &packet, shape).unwrap();
             let got = down(&rt, &packet, n_tokens * (n_embd + 2 * p.n_used));
             for (t, row) in got.chunks_exact(n_embd + 2 * p.n_used).enumerate() {
-                let want = route_cpu(&logits[t * p.n_expert..(t + 1) * p.n_expert], bias, p);
+                let want = tandem_model::route(&logits[t * p.n_expert..(t + 1) * p.n_expert], bias, p);
                 assert_eq!(&row[..n_embd], &h[t * n_embd..(t + 1) * n_embd], "{} case {i} token {t}: h", name(&rt));
                 let got_ids: Vec<usize> = row[n_embd..n_embd + p.n_used].iter().map(|&v| v as usize).collect();
                 let want_ids: Vec<usize> = want.iter().map(|&(e, _)| e).collect();

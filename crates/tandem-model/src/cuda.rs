@@ -8,7 +8,7 @@ use crate::common::{Ffn, Ubatch};
 use crate::device::{AttnCall, Device, KvStore};
 use crate::exec::{Copy2d, DevId, Heads, Ledger, MlaShape, Pending, Rows, Tensor};
 use crate::kv_cache::{KvLayout, StoreLayers};
-use crate::moe::{Gating, Moe};
+use crate::moe::Moe;
 use crate::weights::{Vector, Weight};
 use crate::{Error, Result};
 use std::any::Any;
@@ -387,19 +387,7 @@ impl Device for CudaDevice {
         let ids = self.rt.alloc::<i32>(n * r.n_used, "expert ids").map_err(cuda)?;
         let weights = self.out(n * r.n_used, "expert weights")?;
         let bias = m.bias().map(|b| self.vector(b)).transpose()?;
-        let p = tandem_cuda::RouterParams {
-            n_expert: r.n_expert,
-            n_used: r.n_used,
-            gating: match r.gating {
-                Gating::Softmax => tandem_cuda::Gating::Softmax,
-                Gating::Sigmoid => tandem_cuda::Gating::Sigmoid,
-            },
-            n_group: r.n_group,
-            n_group_used: r.n_group_used,
-            norm: r.norm_weights,
-            scale: r.scale,
-        };
-        self.rt.router(logits.buf()?, bias, n, &p, &ids, weights.buf()?).map_err(self.named(m.router_name()))?;
+        self.rt.router(logits.buf()?, bias, n, r, &ids, weights.buf()?).map_err(self.named(m.router_name()))?;
         let packet = self.out(n * m.packet_row(), "MoE packet")?;
         let shape = tandem_cuda::Packet { n_tokens: n, n_embd: ne, n_used: r.n_used };
         self.rt.moe_pack(self.mine(x)?, &ids, weights.buf()?, packet.buf()?, shape).map_err(cuda)?;

@@ -12,7 +12,7 @@ use crate::context::Layers;
 use crate::device::{AttnCall, MlaCall};
 use crate::exec::{Copy2d, DevId, Exec, Heads, MlaShape, Rows, Tensor};
 use crate::kv_cache::{KvCache, KvLayout};
-use crate::moe::{Gating, Moe, Routing};
+use crate::moe::{Moe, RouterParams};
 use crate::weights::{Vector, Weight, WeightLoader};
 use crate::{model_err, MlaMode, Result};
 use tandem_cpu::RopeStyle;
@@ -96,11 +96,11 @@ impl Deepseek2 {
         let n_dense = keys.opt_count("leading_dense_block_count", 0, n_layer)?.unwrap_or(0);
         let n_ff = keys.opt_count("feed_forward_length", 0, MAX_WIDTH)?.unwrap_or(0);
         let n_expert = keys.opt_count("expert_count", 0, MAX_EXPERTS)?.unwrap_or(0);
-        let routing = Routing {
+        let routing = RouterParams {
             n_expert,
             n_used: keys.opt_count("expert_used_count", 0, MAX_EXPERTS)?.unwrap_or(0),
-            gating: Gating::from_id(keys.opt_u32("expert_gating_func")?.unwrap_or(0))?,
-            norm_weights: keys.opt_bool("expert_weights_norm")?.unwrap_or(false),
+            gating: crate::moe::gating_from_id(keys.opt_u32("expert_gating_func")?.unwrap_or(0))?,
+            norm: keys.opt_bool("expert_weights_norm")?.unwrap_or(false),
             scale: keys.opt_f32("expert_weights_scale")?.unwrap_or(0.0),
             n_group: keys.opt_count("expert_group_count", 0, MAX_EXPERTS)?.unwrap_or(0),
             n_group_used: keys.opt_count("expert_group_used_count", 0, MAX_EXPERTS)?.unwrap_or(0),

@@ -72,6 +72,26 @@ fn head_rows(x: &[f32], n: usize, n_heads: usize, stride: usize, width: usize) -
 }
 
 impl HostDevice {
+    /// Each head's first `width` values of the `n` rows of `x` (`n_heads` heads `stride` apart)
+    /// times its own `out` rows of `w` (head `h` owns rows `h * out ..`): `[head][n * out]`.
+    fn per_head(
+        &self,
+        w: &Weight,
+        x: &[f32],
+        n: usize,
+        n_heads: usize,
+        (stride, width): (usize, usize),
+        out: usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        let m = self.matrix(w)?;
+        let rows = head_rows(x, n, n_heads, stride, width);
+        let xs: Vec<&[f32]> = rows.iter().map(|v| &v[..]).collect();
+        let groups: Vec<(usize, usize)> = (0..n_heads).map(|h| (h * out, out)).collect();
+        let mut ys = vec![vec![0f32; n * out]; n_heads];
+        self.cpu.matmul_groups(&m, &groups, &xs, &mut ys).map_err(named(&w.name))?;
+        Ok(ys)
+    }
+
     pub fn cpu(cpu: Arc<CpuBackend>) -> HostDevice {
         HostDevice {
             id: CPU,
@@ -342,13 +362,8 @@ impl Device for HostDevice {
         if q.len() != n * nh * dk {
             return Err(Error::Model(format!("{}: {} query values for heads of {dk}", k_b.name, q.len())));
         }
-        let m = self.matrix(k_b)?;
         // Each head's `q_nope` rows.
-        let q_nope = head_rows(q, n, nh, dk, nope);
-        let xs: Vec<&[f32]> = q_nope.iter().map(|v| &v[..]).collect();
-        let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * kl, kl)).collect();
-        let mut absorbed = vec![vec![0f32; n * kl]; nh];
-        self.cpu.matmul_groups(&m, &groups, &xs, &mut absorbed).map_err(named(&k_b.name))?;
+        let absorbed = self.per_head(k_b, q, n, nh, (dk, nope), kl)?;
         let mut qcur = vec![0f32; n * nh * dq];
         for (hd, absorbed) in absorbed.iter().enumerate() {
             for t in 0..n {
@@ -368,13 +383,8 @@ impl Device for HostDevice {
         if lat.len() != n * nh * kl {
             return Err(Error::Model(format!("{}: {} latent values for heads of {kl}", v_b.name, lat.len())));
         }
-        let m = self.matrix(v_b)?;
         // Each head's latent output.
-        let lat_h = head_rows(lat, n, nh, kl, kl);
-        let xs: Vec<&[f32]> = lat_h.iter().map(|v| &v[..]).collect();
-        let groups: Vec<(usize, usize)> = (0..nh).map(|hd| (hd * dv, dv)).collect();
-        let mut ys = vec![vec![0f32; n * dv]; nh];
-        self.cpu.matmul_groups(&m, &groups, &xs, &mut ys).map_err(named(&v_b.name))?;
+        let ys = self.per_head(v_b, lat, n, nh, (kl, kl), dv)?;
         let mut o = vec![0f32; n * nh * dv];
         for (hd, y) in ys.iter().enumerate() {
             for i in 0..n {

@@ -23,6 +23,7 @@ pub use config::{Arch, RopeConfig};
 pub use context::{Batch, Context, ContextParams, MlaMode, Model, PackReport, PackedSources};
 pub use exec::{Counts, DevId, Exec, Ledger, Tensor, CPU};
 pub use kv_cache::{CacheType, KvCache};
+pub use moe::route;
 /// What the engine and its tests name of the file layer: models open through these.
 pub use tandem_gguf::{guard, GgufModel, LoadOptions};
 pub use weights::{Vector, Weight, WeightLoader};

@@ -6,35 +6,16 @@ use crate::common::Ffn;
 use crate::weights::{Vector, Weight, WeightLoader};
 use crate::{model_err, Result};
 use tandem_cpu::{CpuBackend, WeightRef};
+pub use tandem_cuda::{Gating, RouterParams};
 
-/// `expert_gating_func` (llama.cpp `llama_expert_gating_func_type`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Gating {
-    Softmax,
-    Sigmoid,
-}
-
-impl Gating {
-    /// From the GGUF value: 0 (none: softmax, as llama.cpp defaults for deepseek2), 1 softmax, 2 sigmoid.
-    pub fn from_id(id: usize) -> Result<Gating> {
-        match id {
-            0 | 1 => Ok(Gating::Softmax),
-            2 => Ok(Gating::Sigmoid),
-            other => Err(model_err(format!("expert_gating_func {other} is not supported (1 softmax, 2 sigmoid)"))),
-        }
+/// The gating of the GGUF's `expert_gating_func` (llama.cpp `llama_expert_gating_func_type`): 0
+/// (none: softmax, as llama.cpp defaults for deepseek2), 1 softmax, 2 sigmoid.
+pub(crate) fn gating_from_id(id: usize) -> Result<Gating> {
+    match id {
+        0 | 1 => Ok(Gating::Softmax),
+        2 => Ok(Gating::Sigmoid),
+        other => Err(model_err(format!("expert_gating_func {other} is not supported (1 softmax, 2 sigmoid)"))),
     }
-}
-
-/// How tokens are routed.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Routing {
-    pub n_expert: usize,
-    pub n_used: usize,
-    pub gating: Gating,
-    pub norm_weights: bool,
-    pub scale: f32,
-    pub n_group: usize,
-    pub n_group_used: usize,
 }
 
 /// A token's experts and their weights, in selection order.
@@ -46,7 +27,7 @@ pub(crate) struct Moe {
     /// The stacked experts: per expert `[n_embd] -> [n_ff]` (gate, up) and `[n_ff] -> [n_embd]`.
     experts: Ffn,
     n_embd: usize,
-    r: Routing,
+    r: RouterParams,
 }
 
 /// Which experts run on which rows: `used[k] = (expert, rows)` in expert order, and for each
@@ -57,7 +38,7 @@ pub(crate) struct ExpertPlan {
 }
 
 impl Moe {
-    pub fn load(l: &WeightLoader, il: usize, n_embd: usize, n_ff: usize, r: Routing) -> Result<Moe> {
+    pub fn load(l: &WeightLoader, il: usize, n_embd: usize, n_ff: usize, r: RouterParams) -> Result<Moe> {
         if r.n_used == 0 || r.n_used > r.n_expert {
             return Err(model_err(format!(
                 "expert_used_count = {}: must be between 1 and expert_count ({})",
@@ -102,7 +83,7 @@ impl Moe {
         self.exp_probs_b.as_ref()
     }
 
-    pub fn routing(&self) -> &Routing {
+    pub fn routing(&self) -> &RouterParams {
         &self.r
     }
 
@@ -126,41 +107,7 @@ impl Moe {
 
     /// The experts chosen for one token's router logits and their weights, in selection order.
     pub fn route(&self, logits: &[f32]) -> Vec<(usize, f32)> {
-        let r = &self.r;
-        let probs: Vec<f32> = match r.gating {
-            Gating::Softmax => {
-                let mut p = logits.to_vec();
-                tandem_cpu::softmax_in_place(&mut p);
-                p
-            }
-            Gating::Sigmoid => logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect(),
-        };
-        let mut sel: Vec<f32> = match &self.exp_probs_b {
-            Some(b) => probs.iter().zip(&b.v).map(|(p, b)| p + b).collect(),
-            None => probs.clone(),
-        };
-        if r.n_group > 1 {
-            // A group's score is the sum of its two best experts; keep the best groups only.
-            let per = r.n_expert / r.n_group;
-            let scores: Vec<f32> = sel.chunks(per).map(|g| top_k(g, 2.min(per)).iter().map(|&i| g[i]).sum()).collect();
-            let keep = top_k(&scores, r.n_group_used);
-            for (g, chunk) in sel.chunks_mut(per).enumerate() {
-                if !keep.contains(&g) {
-                    chunk.fill(f32::NEG_INFINITY);
-                }
-            }
-        }
-        let chosen = top_k(&sel, r.n_used);
-        let mut w: Vec<f32> = chosen.iter().map(|&e| probs[e]).collect();
-        if r.norm_weights {
-            // Clamped to the smallest normal f16, as llama.cpp does.
-            let sum = w.iter().sum::<f32>().max(6.103_515_6e-5);
-            w.iter_mut().for_each(|x| *x /= sum);
-        }
-        if r.scale != 0.0 && r.scale != 1.0 {
-            w.iter_mut().for_each(|x| *x *= r.scale);
-        }
-        chosen.into_iter().zip(w).collect()
+        route(logits, self.exp_probs_b.as_ref().map(|b| &b.v[..]), &self.r)
     }
 
     /// The routes of the rows of `h` (`[n][n_embd]`) on the CPU, with `router` the router's matrix.
@@ -246,6 +193,46 @@ impl Moe {
             }
         }
     }
+}
+
+/// The experts chosen for one token's router logits and their weights, in selection order
+/// (llama.cpp `build_moe_ffn`); `bias` (`exp_probs_b`) shifts the selection only. The CUDA
+/// router kernel is checked against this.
+pub fn route(logits: &[f32], bias: Option<&[f32]>, r: &RouterParams) -> Vec<(usize, f32)> {
+    let probs: Vec<f32> = match r.gating {
+        Gating::Softmax => {
+            let mut p = logits.to_vec();
+            tandem_cpu::softmax_in_place(&mut p);
+            p
+        }
+        Gating::Sigmoid => logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect(),
+    };
+    let mut sel: Vec<f32> = match bias {
+        Some(b) => probs.iter().zip(b).map(|(p, b)| p + b).collect(),
+        None => probs.clone(),
+    };
+    if r.n_group > 1 {
+        // A group's score is the sum of its two best experts; keep the best groups only.
+        let per = r.n_expert / r.n_group;
+        let scores: Vec<f32> = sel.chunks(per).map(|g| top_k(g, 2.min(per)).iter().map(|&i| g[i]).sum()).collect();
+        let keep = top_k(&scores, r.n_group_used);
+        for (g, chunk) in sel.chunks_mut(per).enumerate() {
+            if !keep.contains(&g) {
+                chunk.fill(f32::NEG_INFINITY);
+            }
+        }
+    }
+    let chosen = top_k(&sel, r.n_used);
+    let mut w: Vec<f32> = chosen.iter().map(|&e| probs[e]).collect();
+    if r.norm {
+        // Clamped to the smallest normal f16, as llama.cpp does.
+        let sum = w.iter().sum::<f32>().max(6.103_515_6e-5);
+        w.iter_mut().for_each(|x| *x /= sum);
+    }
+    if r.scale != 0.0 && r.scale != 1.0 {
+        w.iter_mut().for_each(|x| *x *= r.scale);
+    }
+    chosen.into_iter().zip(w).collect()
 }
 
 /// Indices of the `k` largest values, largest first (ties: lower index first).

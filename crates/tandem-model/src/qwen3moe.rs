@@ -5,7 +5,7 @@
 use crate::common::AttnShape;
 use crate::config::{Arch, Keys, RopeConfig, MAX_CTX, MAX_EXPERTS, MAX_WIDTH};
 use crate::llama::{Gqa, GqaFfn, GqaLayer, GqaLayers, GqaWeights};
-use crate::moe::{Gating, Moe, Routing};
+use crate::moe::{Gating, Moe, RouterParams};
 use crate::weights::WeightLoader;
 use crate::Result;
 use tandem_cpu::RopeStyle;
@@ -20,11 +20,11 @@ impl Qwen3Moe {
         let n_ctx_train = keys.count("context_length", 1, MAX_CTX)?;
         let n_rot = keys.rope_dims(head_dim)?;
         let rope = RopeConfig::load(keys, Arch::Qwen3Moe, n_rot, RopeStyle::Neox, n_ctx_train)?;
-        let routing = Routing {
+        let routing = RouterParams {
             n_expert: keys.count("expert_count", 1, MAX_EXPERTS)?,
             n_used: keys.count("expert_used_count", 1, MAX_EXPERTS)?,
             gating: Gating::Softmax,
-            norm_weights: true,
+            norm: true,
             // llama.cpp's qwen3moe never reads expert_weights_scale: weights are not scaled.
             scale: 0.0,
             n_group: 0,

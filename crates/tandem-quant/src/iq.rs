@@ -42,6 +42,12 @@ fn sign_i(signs: u8, j: usize) -> i32 {
     }
 }
 
+/// A grid entry of eight levels against `q8[..8]`, each level's sign from bit `j` of `signs`
+/// (the IQ2 types).
+fn signed_grid(grid: u64, signs: u8, q8: &[i8]) -> i32 {
+    (0..8).map(|j| gb(grid, j) as i32 * q8[j] as i32 * sign_i(signs, j)).sum()
+}
+
 /// Two grid entries of four levels against `q8[..8]`, each level's sign from bit `j` of `signs`
 /// (the IQ3 types' pairs of grid indices).
 fn signed_grids(grid1: u64, grid2: u64, signs: u8, q8: &[i8]) -> i32 {
@@ -221,9 +227,7 @@ pub(crate) fn dot_iq2_xxs(x: &BlockIQ2XXS, y: &BlockQ8K) -> f32 {
         for l in 0..4 {
             let grid = IQ2XXS_GRID[((aux0 >> (8 * l)) & 0xFF) as usize];
             let signs = KSIGNS_IQ2XS[((aux1 >> (7 * l)) & 127) as usize];
-            for j in 0..8 {
-                sumi += gb(grid, j) as i32 * y.qs[32 * ib32 + 8 * l + j] as i32 * sign_i(signs, j);
-            }
+            sumi += signed_grid(grid, signs, &y.qs[32 * ib32 + 8 * l..]);
         }
         bsum += sumi * ls;
     }
@@ -243,9 +247,7 @@ pub(crate) fn dot_iq2_xs(x: &BlockIQ2XS, y: &BlockQ8K) -> f32 {
                 let q = x.qs[4 * ib32 + l];
                 let grid = IQ2XS_GRID[(q & 511) as usize];
                 let signs = KSIGNS_IQ2XS[(q >> 9) as usize];
-                for j in 0..8 {
-                    sumi += gb(grid, j) as i32 * y.qs[32 * ib32 + 8 * l + j] as i32 * sign_i(signs, j);
-                }
+                sumi += signed_grid(grid, signs, &y.qs[32 * ib32 + 8 * l..]);
             }
             bsum += ls * sumi;
         }
@@ -265,9 +267,7 @@ pub(crate) fn dot_iq2_s(x: &BlockIQ2S, y: &BlockQ8K) -> f32 {
         for l in 0..4 {
             let idx = qs[4 * ib32 + l] as usize | (((x.qh[ib32] as usize) << (8 - 2 * l)) & 0x300);
             let grid = IQ2S_GRID[idx];
-            for j in 0..8 {
-                sumi[l / 2] += y.qs[32 * ib32 + 8 * l + j] as i32 * gb(grid, j) as i32 * sign_i(signs[4 * ib32 + l], j);
-            }
+            sumi[l / 2] += signed_grid(grid, signs[4 * ib32 + l], &y.qs[32 * ib32 + 8 * l..]);
         }
         bsum += ls1 * sumi[0] + ls2 * sumi[1];
     }

@@ -80,39 +80,24 @@ fn smollm2_matches_llama_cpp() -> Result<()> {
     check("smollm2", &smollm2_path())
 }
 
-#[test]
-fn pre_default_matches_llama_cpp() -> Result<()> {
-    check_synthetic("default")
+/// One test per synthetic vocab (a pre-tokenizer of llama.cpp's), so that each reports alone.
+macro_rules! synthetic_vocab_tests {
+    ($($test:ident => $pre:literal),* $(,)?) => {$(
+        #[test]
+        fn $test() -> Result<()> {
+            check_synthetic($pre)
+        }
+    )*};
 }
 
-#[test]
-fn pre_llama_bpe_matches_llama_cpp() -> Result<()> {
-    check_synthetic("llama-bpe")
-}
-
-#[test]
-fn pre_deepseek_v3_matches_llama_cpp() -> Result<()> {
-    check_synthetic("deepseek-v3")
-}
-
-#[test]
-fn pre_kimi_k2_matches_llama_cpp() -> Result<()> {
-    check_synthetic("kimi-k2")
-}
-
-#[test]
-fn pre_qwen2_matches_llama_cpp() -> Result<()> {
-    check_synthetic("qwen2")
-}
-
-#[test]
-fn pre_smollm_matches_llama_cpp() -> Result<()> {
-    check_synthetic("smollm")
-}
-
-#[test]
-fn pre_gpt_4o_matches_llama_cpp() -> Result<()> {
-    check_synthetic("gpt-4o")
+synthetic_vocab_tests! {
+    pre_default_matches_llama_cpp => "default",
+    pre_llama_bpe_matches_llama_cpp => "llama-bpe",
+    pre_deepseek_v3_matches_llama_cpp => "deepseek-v3",
+    pre_kimi_k2_matches_llama_cpp => "kimi-k2",
+    pre_qwen2_matches_llama_cpp => "qwen2",
+    pre_smollm_matches_llama_cpp => "smollm",
+    pre_gpt_4o_matches_llama_cpp => "gpt-4o",
 }
 
 #[test]
