@@ -35,44 +35,24 @@ fn on_cuda0(gguf: &GgufModel, names: &[String]) -> Exec {
     Exec::with_cuda(threads(), vec![rt], gguf, &placement).unwrap()
 }
 
-#[test]
-fn hybrid_and_all_gpu_logits_match_the_cpu_on_every_fixture() {
-    if gpu("logits").is_some() {
-        cuda_logits_match_the_cpu(&on_cuda0);
-    }
+/// Tests that run `check` when the first GPU opens (else print why and pass, or fail under
+/// `TANDEM_REQUIRE_GPU=1`).
+macro_rules! on_the_gpu {
+    ($($test:ident ($label:literal): $check:expr;)*) => {$(
+        #[test]
+        fn $test() {
+            if gpu($label).is_some() {
+                $check;
+            }
+        }
+    )*};
 }
 
-#[test]
-fn gpu_prefill_matches_llama_cpp() {
-    if gpu("prefill").is_some() {
-        cuda_prefill_matches_llama_cpp(&on_cuda0);
-    }
-}
-
-#[test]
-fn a_gpu_decode_step_crosses_twice_per_moe_layer() {
-    if gpu("ledger").is_some() {
-        decode_step_crossings(&[("CUDA0", &on_cuda0)]);
-    }
-}
-
-#[test]
-fn gpu_zero_rows_read_as_the_cpu_reads_them() {
-    if gpu("zero rows").is_some() {
-        zero_rows_read_alike(&on_cuda0);
-    }
-}
-
-#[test]
-fn the_binary_uses_the_gpu_for_gpu_flags() {
-    if gpu("binary").is_some() {
-        binary_uses_the_device(&[]);
-    }
-}
-
-#[test]
-fn bench_reports_what_the_gpu_did_per_token() {
-    if gpu("bench").is_some() {
-        bench_reports_the_device(&[]);
-    }
+on_the_gpu! {
+    hybrid_and_all_gpu_logits_match_the_cpu_on_every_fixture("logits"): cuda_logits_match_the_cpu(&on_cuda0);
+    gpu_prefill_matches_llama_cpp("prefill"): cuda_prefill_matches_llama_cpp(&on_cuda0);
+    a_gpu_decode_step_crosses_twice_per_moe_layer("ledger"): decode_step_crossings(&[("CUDA0", &on_cuda0)]);
+    gpu_zero_rows_read_as_the_cpu_reads_them("zero rows"): zero_rows_read_alike(&on_cuda0);
+    the_binary_uses_the_gpu_for_gpu_flags("binary"): binary_uses_the_device(&[]);
+    bench_reports_what_the_gpu_did_per_token("bench"): bench_reports_the_device(&[]);
 }

@@ -55,6 +55,15 @@ async fn call(addr: SocketAddr, method: &str, path: &str, body: &str) -> (Status
     (status, String::from_utf8(bytes.to_vec()).unwrap())
 }
 
+/// A request streamed until its first frame arrives: the body holds the slot while it lives.
+async fn first_frame(addr: SocketAddr, path: &str, body: Value) -> hyper::body::Incoming {
+    let resp = send(addr, "POST", path, body.to_string().into_bytes()).await;
+    assert_eq!(resp.status(), StatusCode::OK, "{path}");
+    let mut body = resp.into_body();
+    body.frame().await.unwrap().unwrap();
+    body
+}
+
 async fn post_json(addr: SocketAddr, path: &str, body: Value) -> (StatusCode, Value) {
     let (status, text) = call(addr, "POST", path, &body.to_string()).await;
     let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"));
@@ -279,10 +288,7 @@ async fn a_full_queue_is_429_a_draining_server_503() {
     let config = EngineConfig { n_parallel: 1, queue_size: 0, ..EngineConfig::default() };
     let s = serve(4096, config).await;
     let endless = json!({"prompt": PROMPTS[1], "ignore_eos": true, "temperature": 0, "stream": true});
-    let resp = send(s.addr, "POST", "/completion", endless.to_string().into_bytes()).await;
-    assert_eq!(resp.status(), StatusCode::OK);
-    let mut body = resp.into_body();
-    body.frame().await.unwrap().unwrap();
+    let body = first_frame(s.addr, "/completion", endless).await;
     let (status, v) = post_json(s.addr, "/completion", json!({"prompt": "a", "n_predict": 1})).await;
     assert_error(status, &v, StatusCode::TOO_MANY_REQUESTS, "queue is full");
     drop(body);
@@ -300,9 +306,7 @@ async fn a_client_that_disconnects_mid_stream_frees_its_slot() {
     let s = serve(2048, config).await;
     let endless = json!({"messages": [{"role": "user", "content": PROMPTS[1]}], "ignore_eos": true,
                          "temperature": 0, "stream": true});
-    let resp = send(s.addr, "POST", "/v1/chat/completions", endless.to_string().into_bytes()).await;
-    let mut body = resp.into_body();
-    body.frame().await.unwrap().unwrap();
+    let mut body = first_frame(s.addr, "/v1/chat/completions", endless).await;
     body.frame().await.unwrap().unwrap();
     drop(body); // the client goes away mid-stream
     let (status, r) =

@@ -13,18 +13,28 @@ pub struct Metadata {
     index: HashMap<String, usize>,
 }
 
-macro_rules! int_getters {
-    ($get:ident, $opt:ident, $t:ty, $name:literal) => {
-        #[doc = concat!("The value of `key` as ", $name, "; any integer type that holds it losslessly is accepted.")]
+/// `$get` (the value of `key` as `$t`; absent is an error) and `$opt` (absent is `Ok(None)`):
+/// `$conv` gives `Some` for a value `$v` of the type, else the error names `$name`.
+macro_rules! getters {
+    ($get:ident, $opt:ident, $t:ty, $name:literal, $doc:literal, |$v:ident| $conv:expr) => {
+        #[doc = concat!("The value of `key` as ", $name, $doc)]
         pub fn $get(&self, key: &str) -> Result<$t> {
             self.$opt(key)?.ok_or_else(|| self.missing(key))
         }
 
-        #[doc = concat!("Like the getter for ", $name, ", but `Ok(None)` when the key is absent.")]
+        #[doc = concat!("Like [`Metadata::", stringify!($get), "`], but `Ok(None)` when the key is absent.")]
         pub fn $opt(&self, key: &str) -> Result<Option<$t>> {
-            let Some(v) = self.get(key) else { return Ok(None) };
-            v.as_i128().and_then(|i| <$t>::try_from(i).ok()).map(Some).ok_or_else(|| self.wrong_type(key, $name, v))
+            let Some($v) = self.get(key) else { return Ok(None) };
+            $conv.map(Some).ok_or_else(|| self.wrong_type(key, $name, $v))
         }
+    };
+}
+
+macro_rules! int_getters {
+    ($get:ident, $opt:ident, $t:ty, $name:literal) => {
+        getters!($get, $opt, $t, $name, "; any integer type that holds it losslessly is accepted.", |v| v
+            .as_i128()
+            .and_then(|i| <$t>::try_from(i).ok()));
     };
 }
 
@@ -90,43 +100,19 @@ impl Metadata {
     int_getters!(get_u64, opt_u64, u64, "u64");
     int_getters!(get_u16, opt_u16, u16, "u16");
 
-    /// The value of `key` as f32 (an f64 is narrowed).
-    pub fn get_f32(&self, key: &str) -> Result<f32> {
-        self.opt_f32(key)?.ok_or_else(|| self.missing(key))
-    }
-
-    pub fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(Value::F32(v)) => Ok(Some(*v)),
-            Some(Value::F64(v)) => Ok(Some(*v as f32)),
-            Some(v) => Err(self.wrong_type(key, "f32", v)),
-        }
-    }
-
-    pub fn get_bool(&self, key: &str) -> Result<bool> {
-        self.opt_bool(key)?.ok_or_else(|| self.missing(key))
-    }
-
-    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(Value::Bool(v)) => Ok(Some(*v)),
-            Some(v) => Err(self.wrong_type(key, "bool", v)),
-        }
-    }
-
-    pub fn get_str(&self, key: &str) -> Result<&str> {
-        self.opt_str(key)?.ok_or_else(|| self.missing(key))
-    }
-
-    pub fn opt_str(&self, key: &str) -> Result<Option<&str>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(Value::String(s)) => Ok(Some(s)),
-            Some(v) => Err(self.wrong_type(key, "string", v)),
-        }
-    }
+    getters!(get_f32, opt_f32, f32, "f32", " (an f64 is narrowed).", |v| match v {
+        Value::F32(x) => Some(*x),
+        Value::F64(x) => Some(*x as f32),
+        _ => None,
+    });
+    getters!(get_bool, opt_bool, bool, "bool", ".", |v| match v {
+        Value::Bool(x) => Some(*x),
+        _ => None,
+    });
+    getters!(get_str, opt_str, &str, "string", ".", |v| match v {
+        Value::String(x) => Some(x.as_str()),
+        _ => None,
+    });
 
     /// The value of `key`, which must be an array of any element type.
     pub fn get_array(&self, key: &str) -> Result<&Array> {
