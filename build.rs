@@ -269,39 +269,37 @@ fn lower_ptx_version(path: &Path, version: &str) -> Result<(), String> {
     std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))
 }
 
-/// One ptxas run: PTX to a cubin for `sm_<sm>`.
-fn assemble(ptxas: &Path, ptx: &Path, sm: u32, out: &Path) -> Result<(), String> {
-    let o = Command::new(ptxas)
-        .args(["-O3", &format!("-arch=sm_{sm}")])
-        .arg(ptx)
+/// Runs `tool` with `args` then `src -o out`; its stderr, on success (warnings), or in the
+/// error that names `what` and `src`.
+fn run_tool(tool: &Path, args: &[&str], src: &Path, out: &Path, what: &str) -> Result<String, String> {
+    let o = Command::new(tool)
+        .args(args)
+        .arg(src)
         .arg("-o")
         .arg(out)
         .output()
-        .map_err(|e| format!("running {}: {e}", ptxas.display()))?;
+        .map_err(|e| format!("running {}: {e}", tool.display()))?;
+    let stderr = String::from_utf8_lossy(&o.stderr).trim().to_string();
     if !o.status.success() {
-        return Err(format!("ptxas sm_{sm} {} failed:\n{}", ptx.display(), String::from_utf8_lossy(&o.stderr).trim()));
+        return Err(format!("{what} {} failed:\n{stderr}", src.display()));
     }
-    Ok(())
+    Ok(stderr)
+}
+
+/// One ptxas run: PTX to a cubin for `sm_<sm>`.
+fn assemble(ptxas: &Path, ptx: &Path, sm: u32, out: &Path) -> Result<(), String> {
+    run_tool(ptxas, &["-O3", &format!("-arch=sm_{sm}")], ptx, out, &format!("ptxas sm_{sm}")).map(drop)
 }
 
 /// One nvcc run with `mode` (`-ptx -arch=compute_XY` or `-cubin -arch=sm_XY`).
 fn compile(nvcc: &Path, include: &Path, src: &Path, mode: &[String], out_path: &Path) -> Result<(), String> {
-    let out = Command::new(nvcc)
-        .args(["-O3", "-std=c++17", "-Wno-deprecated-gpu-targets"])
-        .args(mode)
-        .arg("-I")
-        .arg(include)
-        .arg(src)
-        .arg("-o")
-        .arg(out_path)
-        .output()
-        .map_err(|e| format!("running {}: {e}", nvcc.display()))?;
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        return Err(format!("nvcc {} {} failed:\n{}", mode.join(" "), src.display(), stderr.trim()));
-    }
+    let include = include.to_str().ok_or_else(|| format!("{} is not UTF-8", include.display()))?;
+    let mut args = vec!["-O3", "-std=c++17", "-Wno-deprecated-gpu-targets"];
+    args.extend(mode.iter().map(String::as_str));
+    args.extend(["-I", include]);
+    let stderr = run_tool(nvcc, &args, src, out_path, &format!("nvcc {}", mode.join(" ")))?;
     // Warnings from a successful run are shown too: a kernel should compile cleanly.
-    for line in String::from_utf8_lossy(&out.stderr).lines().filter(|l| !l.trim().is_empty()).take(10) {
+    for line in stderr.lines().filter(|l| !l.trim().is_empty()).take(10) {
         println!("cargo:warning=nvcc {}: {line}", src.display());
     }
     Ok(())

@@ -46,43 +46,42 @@ fn opens_all_shards_from_any_shard() {
     }
 }
 
+/// The error of opening the first of `count` shards (as [`write_split`] writes them) once
+/// `change` has been made to their folder.
+fn first_shard_error(count: u16, per_shard: usize, total: Option<i32>, change: impl FnOnce(&Path)) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    write_split(dir.path(), "m", count, per_shard, total);
+    change(dir.path());
+    open(dir.path().join(format!("m-00001-of-{count:05}.gguf"))).unwrap_err()
+}
+
 #[test]
 fn missing_shard_is_named() {
-    let dir = tempfile::tempdir().unwrap();
-    write_split(dir.path(), "m", 3, 1, None);
-    std::fs::remove_file(dir.path().join("m-00002-of-00003.gguf")).unwrap();
-    let e = open(dir.path().join("m-00001-of-00003.gguf")).unwrap_err();
+    let e = first_shard_error(3, 1, None, |d| std::fs::remove_file(d.join("m-00002-of-00003.gguf")).unwrap());
     assert!(e.starts_with("missing shard ") && e.contains("m-00002-of-00003.gguf"), "{e}");
 }
 
 #[test]
 fn extra_shard_is_named() {
-    let dir = tempfile::tempdir().unwrap();
-    write_split(dir.path(), "m", 3, 1, None);
-    std::fs::write(dir.path().join("m-00004-of-00004.gguf"), b"junk").unwrap();
-    let e = open(dir.path().join("m-00001-of-00003.gguf")).unwrap_err();
+    let e = first_shard_error(3, 1, None, |d| std::fs::write(d.join("m-00004-of-00004.gguf"), b"junk").unwrap());
     assert!(e.starts_with("extra shard ") && e.contains("m-00004-of-00004.gguf"), "{e}");
 }
 
 #[test]
 fn shard_with_wrong_split_no_is_named() {
-    let dir = tempfile::tempdir().unwrap();
-    write_split(dir.path(), "m", 2, 1, None);
-    let (a, b) = (dir.path().join("m-00001-of-00002.gguf"), dir.path().join("m-00002-of-00002.gguf"));
     // Swap the two files: each now has the other's split.no.
-    let tmp = dir.path().join("swap");
-    std::fs::rename(&a, &tmp).unwrap();
-    std::fs::rename(&b, &a).unwrap();
-    std::fs::rename(&tmp, &b).unwrap();
-    let e = open(&a).unwrap_err();
+    let e = first_shard_error(2, 1, None, |d| {
+        let (a, b, tmp) = (d.join("m-00001-of-00002.gguf"), d.join("m-00002-of-00002.gguf"), d.join("swap"));
+        std::fs::rename(&a, &tmp).unwrap();
+        std::fs::rename(&b, &a).unwrap();
+        std::fs::rename(&tmp, &b).unwrap();
+    });
     assert!(e.contains("m-00001-of-00002.gguf: split.no = 1, split.count = 2; expected 0 and 2"), "{e}");
 }
 
 #[test]
 fn wrong_total_tensor_count() {
-    let dir = tempfile::tempdir().unwrap();
-    write_split(dir.path(), "m", 2, 2, Some(5));
-    let e = open(dir.path().join("m-00001-of-00002.gguf")).unwrap_err();
+    let e = first_shard_error(2, 2, Some(5), |_| {});
     assert!(e.contains("split.tensors.count = 5 but the 2 shards hold 4 tensors"), "{e}");
 }
 
