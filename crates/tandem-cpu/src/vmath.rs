@@ -92,11 +92,20 @@ mod tests {
     use super::*;
     use crate::uniform;
 
+    /// Whether this machine runs AVX-512; if not, says that `what` is not checked here.
+    #[cfg(target_arch = "x86_64")]
+    fn avx512_here(what: &str) -> bool {
+        let here = Isa::Avx512.supported();
+        if !here {
+            println!("AVX-512 not on this machine: {what} not checked");
+        }
+        here
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn vector_swiglu_is_close_to_libm_and_independent_of_position() {
-        if !Isa::Avx512.supported() {
-            println!("AVX-512 not on this machine: vector SwiGLU not checked");
+        if !avx512_here("vector SwiGLU") {
             return;
         }
         let x: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.037).chain([0.0, -90.0, 90.0, -0.0]).collect();
@@ -156,8 +165,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn vector_exp_matches_libm_to_a_few_ulp() {
-        if !Isa::Avx512.supported() {
-            println!("AVX-512 not on this machine: vector exp not checked");
+        if !avx512_here("vector exp") {
             return;
         }
         let xs: Vec<f32> =

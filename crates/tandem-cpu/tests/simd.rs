@@ -3,7 +3,7 @@
 //! output (`cargo test -p tandem-cpu --test simd -- --nocapture`).
 
 use tandem_cpu::testing::check_against_scalar;
-use tandem_cpu::{kernel, quantize_activations, Isa, MAX_NY};
+use tandem_cpu::{kernel, quantize_activations, Isa, Kernel, MAX_NY};
 use tandem_quant::{dequantize_row, quantize_row, row_size, vec_dot, vec_dot_type, GgmlType, VEC_DOT_TYPES};
 
 /// [`data`] with some rows scaled, so that blocks span very different magnitudes.
@@ -43,6 +43,13 @@ fn grid_row(ty: GgmlType, seed: u64, w: &mut [u8]) {
             block[..2].copy_from_slice(&d.to_le_bytes());
         }
     }
+}
+
+/// Every vec_dot type's kernel at every level this machine runs.
+fn runnable_kernels() -> impl Iterator<Item = (GgmlType, Isa, Kernel)> {
+    VEC_DOT_TYPES.iter().flat_map(|&ty| {
+        Isa::ALL.into_iter().filter(|i| i.supported()).map(move |isa| (ty, isa, kernel(ty, isa).unwrap()))
+    })
 }
 
 #[test]
@@ -123,24 +130,21 @@ fn a_kernel_refuses_mismatched_lengths() {
 #[test]
 fn results_do_not_depend_on_the_number_of_rows_per_call() {
     let mut bad = Vec::new();
-    for &ty in VEC_DOT_TYPES.iter() {
-        for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
-            let k = kernel(ty, isa).unwrap();
-            let n = 2048;
-            let w = weight_row(ty, n, 3);
-            let x = data(9, n * MAX_NY);
-            let acts = quantize_activations(ty, &x, n).unwrap();
-            let mut alone = [0f32; MAX_NY];
-            for j in 0..MAX_NY {
-                k.run(n, &w, acts.row(j), &mut alone[j..j + 1]);
-            }
-            for ny in 2..=MAX_NY {
-                for start in 0..=(MAX_NY - ny) {
-                    let mut out = vec![0f32; ny];
-                    k.run(n, &w, &acts.data[start * acts.row_bytes..(start + ny) * acts.row_bytes], &mut out);
-                    if out.iter().zip(&alone[start..start + ny]).any(|(a, b)| a.to_bits() != b.to_bits()) {
-                        bad.push(format!("{ty}/{} ny={ny}", k.isa));
-                    }
+    for (ty, isa, k) in runnable_kernels() {
+        let n = 2048;
+        let w = weight_row(ty, n, 3);
+        let x = data(9, n * MAX_NY);
+        let acts = quantize_activations(ty, &x, n).unwrap();
+        let mut alone = [0f32; MAX_NY];
+        for j in 0..MAX_NY {
+            k.run(n, &w, acts.row(j), &mut alone[j..j + 1]);
+        }
+        for ny in 2..=MAX_NY {
+            for start in 0..=(MAX_NY - ny) {
+                let mut out = vec![0f32; ny];
+                k.run(n, &w, &acts.data[start * acts.row_bytes..(start + ny) * acts.row_bytes], &mut out);
+                if out.iter().zip(&alone[start..start + ny]).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                    bad.push(format!("{ty}/{} ny={ny}", k.isa));
                 }
             }
         }
@@ -154,31 +158,28 @@ fn results_do_not_depend_on_the_number_of_rows_per_call() {
 #[test]
 fn kernels_never_read_past_their_rows() {
     let mut bad = Vec::new();
-    for &ty in VEC_DOT_TYPES.iter() {
-        for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
-            let k = kernel(ty, isa).unwrap();
-            for n in (1..=24).map(|i| i * 32).chain([1024, 2048]) {
-                let (Ok(wb), Ok(yb)) = (row_size(ty, n), row_size(vec_dot_type(ty), n)) else { continue };
-                let w = weight_row(ty, n, 5);
-                let x = data(11, n * 2);
-                let acts = quantize_activations(ty, &x, n).unwrap();
-                let mut clean = [0f32; 2];
-                k.run(n, &w, &acts.data, &mut clean);
-                // The same bytes followed by garbage.
-                let mut wg = w.clone();
-                wg.extend(std::iter::repeat_n(0x7Bu8, 256));
-                let mut yg = acts.data.clone();
-                yg.extend(std::iter::repeat_n(0x7Bu8, 256));
-                let mut dirty = [0f32; 2];
-                k.run(n, &wg[..wb], &yg[..2 * yb], &mut dirty);
-                if clean.iter().zip(&dirty).any(|(a, b)| a.to_bits() != b.to_bits()) {
-                    bad.push(format!("{ty}/{} n={n}", k.isa));
-                }
-                let want = vec_dot(ty, n, &w, acts.row(0)).unwrap();
-                let mag: f32 = want.abs().max(1.0);
-                if (clean[0] - want).abs() > 1e-3 * mag {
-                    bad.push(format!("{ty}/{} n={n}: {} vs scalar {want}", k.isa, clean[0]));
-                }
+    for (ty, isa, k) in runnable_kernels() {
+        for n in (1..=24).map(|i| i * 32).chain([1024, 2048]) {
+            let (Ok(wb), Ok(yb)) = (row_size(ty, n), row_size(vec_dot_type(ty), n)) else { continue };
+            let w = weight_row(ty, n, 5);
+            let x = data(11, n * 2);
+            let acts = quantize_activations(ty, &x, n).unwrap();
+            let mut clean = [0f32; 2];
+            k.run(n, &w, &acts.data, &mut clean);
+            // The same bytes followed by garbage.
+            let mut wg = w.clone();
+            wg.extend(std::iter::repeat_n(0x7Bu8, 256));
+            let mut yg = acts.data.clone();
+            yg.extend(std::iter::repeat_n(0x7Bu8, 256));
+            let mut dirty = [0f32; 2];
+            k.run(n, &wg[..wb], &yg[..2 * yb], &mut dirty);
+            if clean.iter().zip(&dirty).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                bad.push(format!("{ty}/{} n={n}", k.isa));
+            }
+            let want = vec_dot(ty, n, &w, acts.row(0)).unwrap();
+            let mag: f32 = want.abs().max(1.0);
+            if (clean[0] - want).abs() > 1e-3 * mag {
+                bad.push(format!("{ty}/{} n={n}: {} vs scalar {want}", k.isa, clean[0]));
             }
         }
     }
@@ -191,72 +192,69 @@ fn kernels_never_read_past_their_rows() {
 fn tile_kernels_equal_single_row_kernels_bit_for_bit() {
     let mut ran = Vec::new();
     let mut bad = Vec::new();
-    for &ty in VEC_DOT_TYPES.iter() {
-        for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
-            let k = kernel(ty, isa).unwrap();
-            // Levels without code of their own run the level below, checked there; kernels
-            // without a tile kernel check `run_tile`'s single-row fallback.
-            if k.isa != isa {
-                continue;
-            }
-            let has_tile = k.has_tile();
-            for (case, (n, nr)) in [256usize, 512, 2048, 7168]
-                .into_iter()
-                .flat_map(|n| tandem_cpu::kernels::TILE_ROWS.map(|nr| (n, nr)))
-                .enumerate()
-            {
-                let Ok(wb) = row_size(ty, n) else { continue };
-                let rows: Vec<Vec<u8>> = (0..nr).map(|r| weight_row(ty, n, 40 + (case * 8 + r) as u64)).collect();
-                let wfs: Vec<Vec<f32>> = rows
-                    .iter()
-                    .map(|row| {
-                        let mut f = vec![0f32; n];
-                        dequantize_row(ty, row, &mut f).unwrap();
-                        f
-                    })
-                    .collect();
-                let w: Vec<u8> = rows.concat();
-                let x = data(200 + case as u64, n * MAX_NY);
-                let acts = quantize_activations(ty, &x, n).unwrap();
-                let yb = acts.row_bytes;
-                for ny in 1..=MAX_NY {
-                    for start in [0, MAX_NY - ny] {
-                        let ys = &acts.data[start * yb..(start + ny) * yb];
-                        let mut tile = vec![f32::NAN; nr * ny];
-                        k.run_tile(n, &w, ys, &mut tile);
-                        for (r, row) in rows.iter().enumerate() {
-                            assert_eq!(&w[r * wb..(r + 1) * wb], &row[..]);
-                            let mut single = vec![f32::NAN; ny];
-                            k.run(n, row, ys, &mut single);
-                            for j in 0..ny {
-                                let got = tile[r * ny + j];
-                                let mut alone = [f32::NAN];
-                                k.run(n, row, acts.row(start + j), &mut alone);
-                                if got.to_bits() != single[j].to_bits() || got.to_bits() != alone[0].to_bits() {
-                                    bad.push(format!(
-                                        "{ty}/{} n={n} ny={ny} row {r} token {j}: tile {got} single {} alone {}",
-                                        k.isa, single[j], alone[0]
-                                    ));
-                                }
-                                let want = vec_dot(ty, n, row, acts.row(start + j)).unwrap();
-                                let wf = &wfs[r];
-                                let xj = &x[(start + j) * n..(start + j + 1) * n];
-                                let mag: f32 = wf.iter().zip(xj).map(|(a, b)| (a * b).abs()).sum();
-                                let tol = 2e-6 * mag + 1e-6;
-                                if (got - want).abs() > tol {
-                                    bad.push(format!(
+    for (ty, isa, k) in runnable_kernels() {
+        // Levels without code of their own run the level below, checked there; kernels
+        // without a tile kernel check `run_tile`'s single-row fallback.
+        if k.isa != isa {
+            continue;
+        }
+        let has_tile = k.has_tile();
+        for (case, (n, nr)) in [256usize, 512, 2048, 7168]
+            .into_iter()
+            .flat_map(|n| tandem_cpu::kernels::TILE_ROWS.map(|nr| (n, nr)))
+            .enumerate()
+        {
+            let Ok(wb) = row_size(ty, n) else { continue };
+            let rows: Vec<Vec<u8>> = (0..nr).map(|r| weight_row(ty, n, 40 + (case * 8 + r) as u64)).collect();
+            let wfs: Vec<Vec<f32>> = rows
+                .iter()
+                .map(|row| {
+                    let mut f = vec![0f32; n];
+                    dequantize_row(ty, row, &mut f).unwrap();
+                    f
+                })
+                .collect();
+            let w: Vec<u8> = rows.concat();
+            let x = data(200 + case as u64, n * MAX_NY);
+            let acts = quantize_activations(ty, &x, n).unwrap();
+            let yb = acts.row_bytes;
+            for ny in 1..=MAX_NY {
+                for start in [0, MAX_NY - ny] {
+                    let ys = &acts.data[start * yb..(start + ny) * yb];
+                    let mut tile = vec![f32::NAN; nr * ny];
+                    k.run_tile(n, &w, ys, &mut tile);
+                    for (r, row) in rows.iter().enumerate() {
+                        assert_eq!(&w[r * wb..(r + 1) * wb], &row[..]);
+                        let mut single = vec![f32::NAN; ny];
+                        k.run(n, row, ys, &mut single);
+                        for j in 0..ny {
+                            let got = tile[r * ny + j];
+                            let mut alone = [f32::NAN];
+                            k.run(n, row, acts.row(start + j), &mut alone);
+                            if got.to_bits() != single[j].to_bits() || got.to_bits() != alone[0].to_bits() {
+                                bad.push(format!(
+                                    "{ty}/{} n={n} ny={ny} row {r} token {j}: tile {got} single {} alone {}",
+                                    k.isa, single[j], alone[0]
+                                ));
+                            }
+                            let want = vec_dot(ty, n, row, acts.row(start + j)).unwrap();
+                            let wf = &wfs[r];
+                            let xj = &x[(start + j) * n..(start + j + 1) * n];
+                            let mag: f32 = wf.iter().zip(xj).map(|(a, b)| (a * b).abs()).sum();
+                            let tol = 2e-6 * mag + 1e-6;
+                            if (got - want).abs() > tol {
+                                bad.push(format!(
                                         "{ty}/{} n={n} ny={ny} row {r} token {j}: tile {got} scalar {want} (tolerance {tol})",
                                         k.isa
                                     ));
-                                }
                             }
                         }
                     }
                 }
             }
-            if has_tile {
-                ran.push(format!("{ty}/{}", k.isa));
-            }
+        }
+        if has_tile {
+            ran.push(format!("{ty}/{}", k.isa));
         }
     }
     println!("tile kernels checked on this machine: {}", ran.join(" "));
