@@ -474,10 +474,7 @@ impl Device for CudaDevice {
     fn mla_q(&self, k_b: &Weight, q: &Tensor, s: MlaShape) -> Result<Tensor> {
         let (nh, kl, nr, nope) = (s.n_head, s.kv_lora, s.n_rot, s.nope);
         let (dk, dq) = (nope + nr, kl + nr);
-        let n = q.len() / (nh * dk).max(1);
-        if q.len() != n * nh * dk {
-            return Err(Error::Model(format!("{}: {} query values for heads of {dk}", k_b.name, q.len())));
-        }
+        let n = s.query_tokens(k_b, q.len())?;
         let w = self.weight(k_b)?;
         let qb = self.mine(q)?;
         let qr = self.rounded(w.ty, qb, n * nh, nope, dk, true)?;
@@ -492,10 +489,7 @@ impl Device for CudaDevice {
 
     fn mla_out(&self, v_b: &Weight, lat: &Tensor, s: MlaShape) -> Result<Tensor> {
         let (nh, kl, dv) = (s.n_head, s.kv_lora, s.dv);
-        let n = lat.len() / (nh * kl).max(1);
-        if lat.len() != n * nh * kl {
-            return Err(Error::Model(format!("{}: {} latent values for heads of {kl}", v_b.name, lat.len())));
-        }
+        let n = s.latent_tokens(v_b, lat.len())?;
         let w = self.weight(v_b)?;
         let out = self.out(n * nh * dv, "attention values")?;
         let b = Batched::per_head(1, nh, kl, dv, tandem_cuda::weight_bytes(w.ty, dv, kl).map_err(cuda)?);

@@ -195,6 +195,26 @@ pub(crate) struct MlaShape {
     pub dv: usize,
 }
 
+impl MlaShape {
+    /// Tokens of a query of `len` values (`n_head` heads of `nope + n_rot`), for `k_b`.
+    pub fn query_tokens(&self, k_b: &Weight, len: usize) -> Result<usize> {
+        self.tokens(k_b, len, self.nope + self.n_rot, "query")
+    }
+
+    /// Tokens of a latent attention output of `len` values (`n_head` heads of `kv_lora`), for `v_b`.
+    pub fn latent_tokens(&self, v_b: &Weight, len: usize) -> Result<usize> {
+        self.tokens(v_b, len, self.kv_lora, "latent")
+    }
+
+    fn tokens(&self, w: &Weight, len: usize, head: usize, what: &str) -> Result<usize> {
+        let n = len / (self.n_head * head).max(1);
+        if len != n * self.n_head * head {
+            return Err(Error::Model(format!("{}: {len} {what} values for heads of {head}", w.name)));
+        }
+        Ok(n)
+    }
+}
+
 /// A cache store, its device and the layers it holds.
 pub(crate) type KvStoreOn = (DevId, Vec<usize>, Box<dyn KvStore>);
 

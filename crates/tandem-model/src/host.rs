@@ -358,10 +358,7 @@ impl Device for HostDevice {
         let q = self.mine(q)?;
         let (nh, kl, nr, nope) = (s.n_head, s.kv_lora, s.n_rot, s.nope);
         let (dk, dq) = (nope + nr, kl + nr);
-        let n = q.len() / (nh * dk).max(1);
-        if q.len() != n * nh * dk {
-            return Err(Error::Model(format!("{}: {} query values for heads of {dk}", k_b.name, q.len())));
-        }
+        let n = s.query_tokens(k_b, q.len())?;
         // Each head's `q_nope` rows.
         let absorbed = self.per_head(k_b, q, n, nh, (dk, nope), kl)?;
         let mut qcur = vec![0f32; n * nh * dq];
@@ -379,10 +376,7 @@ impl Device for HostDevice {
         let _busy = self.op();
         let lat = self.mine(lat)?;
         let (nh, kl, dv) = (s.n_head, s.kv_lora, s.dv);
-        let n = lat.len() / (nh * kl).max(1);
-        if lat.len() != n * nh * kl {
-            return Err(Error::Model(format!("{}: {} latent values for heads of {kl}", v_b.name, lat.len())));
-        }
+        let n = s.latent_tokens(v_b, lat.len())?;
         // Each head's latent output.
         let ys = self.per_head(v_b, lat, n, nh, (kl, kl), dv)?;
         let mut o = vec![0f32; n * nh * dv];
