@@ -84,7 +84,7 @@ fn rmsnorm_of_strided_rows_matches_cpu() {
             let mut want = x.clone();
             want.chunks_exact_mut(stride).for_each(|r| tandem_cpu::rmsnorm(&mut r[off..off + dim], Some(&w), 1e-6));
             let (xb, wb) = (up(&rt, &x), up(&rt, &w));
-            rt.rmsnorm(&xb, off, rows, stride, dim, Some(&wb), 1e-6).unwrap();
+            rt.rmsnorm(xb.span(off), rows, stride, dim, Some(&wb), 1e-6).unwrap();
             check(
                 &format!("{} rmsnorm {rows} rows of {dim} in {stride}", name(&rt)),
                 &down(&rt, &xb, x.len()),
@@ -125,8 +125,17 @@ fn rope_matches_cpu_in_both_styles() {
                     }
                 }
                 let (xb, cb) = (up(&rt, &x), up(&rt, &cs));
-                rt.rope(&xb, off, &cb, 0, rows, heads, head_stride, row_stride, n_dims, style == RopeStyle::Neox)
-                    .unwrap();
+                rt.rope(
+                    xb.span(off),
+                    cb.span(0),
+                    rows,
+                    heads,
+                    head_stride,
+                    row_stride,
+                    n_dims,
+                    style == RopeStyle::Neox,
+                )
+                .unwrap();
                 check(
                     &format!("{} rope {style:?} {heads}x{head_stride}", name(&rt)),
                     &down(&rt, &xb, x.len()),
@@ -166,7 +175,7 @@ fn elementwise_ops_and_strided_copies_match_cpu() {
         let src = random(tokens * 576, 6);
         let dst = rt.zeros::<f32>(tokens * heads * row, "dst").unwrap();
         let c = CopyRows { rows: tokens * heads, width, src_stride: 576, src_rep: heads, dst_stride: row };
-        rt.copy_rows(&dst, 128, &up(&rt, &src), 512, c).unwrap();
+        rt.copy_rows(dst.span(128), up(&rt, &src).span(512), c).unwrap();
         let mut want = vec![0f32; tokens * heads * row];
         for r in 0..tokens * heads {
             let s = (r / heads) * 576 + 512;
@@ -174,7 +183,7 @@ fn elementwise_ops_and_strided_copies_match_cpu() {
         }
         check(&format!("{} copy_rows", name(&rt)), &down(&rt, &dst, want.len()), &want, 0.0);
         // Out of bounds is refused before the launch.
-        assert!(rt.copy_rows(&dst, 129, &up(&rt, &src), 512, c).is_err());
+        assert!(rt.copy_rows(dst.span(129), up(&rt, &src).span(512), c).is_err());
     }
 }
 
@@ -310,7 +319,7 @@ fn matvec_and_prefill_gemm_match_the_dequantized_reference_for_every_type() {
                     (0..n).flat_map(|t| dot_rows(&deq[5 * cols..], &x[t * cols..(t + 1) * cols], rows, cols)).collect();
                 let xb = up(&rt, &x);
                 let yb = rt.alloc::<f32>(n * rows, "y").unwrap();
-                rt.matmul(ty, &wb, offset, &xb, &yb, rows, cols, n).unwrap();
+                rt.matmul(ty, wb.span(offset), &xb, &yb, rows, cols, n).unwrap();
                 // The f16 gemm rounds weights and inputs to 11 bits (2-4e-4 here); the rest sums
                 // exact products in f32 (1e-7 to 1e-6).
                 let tol = if n > 8 && precision == GemmPrecision::F16 && ty != GgmlType::F32 { 1e-3 } else { 5e-6 };
@@ -332,7 +341,7 @@ fn batched_matvec_runs_per_head_and_per_expert() {
         let w = rt.upload(&q8, "k_b").unwrap();
         let y = rt.zeros::<f32>(n * nh * dq, "qcur").unwrap();
         let b = Batched::per_head(n, nh, dk, dq, kl * tandem_quant::row_size(GgmlType::Q8_0, nope).unwrap());
-        rt.matvec(GgmlType::Q8_0, &w, 0, &up(&rt, &q), 0, &y, 0, kl, nope, &b).unwrap();
+        rt.matvec(GgmlType::Q8_0, w.span(0), up(&rt, &q).span(0), y.span(0), kl, nope, &b).unwrap();
         let got = down(&rt, &y, n * nh * dq);
         let mut want = vec![0f32; n * nh * dq];
         for t in 0..n {
@@ -370,9 +379,9 @@ fn batched_matvec_runs_per_head_and_per_expert() {
             y_grp: rows,
             w_grp_bytes: rows * tandem_quant::row_size(GgmlType::Q4_K, cols).unwrap(),
             n_mats: ne,
-            ids: Some((&pb, cols, nu, row)),
+            ids: Some((pb.span(cols), nu, row)),
         };
-        rt.matvec(GgmlType::Q4_K, &wb, 0, &pb, 0, &y, 0, rows, cols, &b).unwrap();
+        rt.matvec(GgmlType::Q4_K, wb.span(0), pb.span(0), y.span(0), rows, cols, &b).unwrap();
         let got = down(&rt, &y, nt * nu * rows);
         let mut want = vec![0f32; nt * nu * rows];
         for p in 0..nt * nu {
@@ -395,7 +404,7 @@ fn batched_matvec_runs_per_head_and_per_expert() {
             let (qk, deq) = weights(GgmlType::Q4_K, rows, cols, 11);
             let x = random(cols, 12);
             let y = rt.alloc::<f32>(rows, "y").unwrap();
-            rt.matmul(GgmlType::Q4_K, &rt.upload(&qk, "w").unwrap(), 0, &up(&rt, &x), &y, rows, cols, 1).unwrap();
+            rt.matmul(GgmlType::Q4_K, rt.upload(&qk, "w").unwrap().span(0), &up(&rt, &x), &y, rows, cols, 1).unwrap();
             check(
                 &format!("{} q4_K {rows} x {cols}", name(&rt)),
                 &down(&rt, &y, rows),
@@ -445,8 +454,8 @@ fn kv_store_writes_what_the_cpu_cache_holds() {
             let mb = rt.upload(&meta, "meta").unwrap();
             let k: Vec<f32> = random(3 * k_w, 20).iter().map(|v| v * 3.0).collect();
             let v = random(3 * v_w, 21);
-            rt.kv_store(kind, &up(&rt, &k), 0, k_w, &mb, 0, 3, 1, row, 0, k_w).unwrap();
-            rt.kv_store(kind, &up(&rt, &v), 0, v_w, &mb, 0, 3, 1, row, kb, v_w).unwrap();
+            rt.kv_store(kind, up(&rt, &k).span(0), k_w, mb.span(0), 3, 1, row, 0, k_w).unwrap();
+            rt.kv_store(kind, up(&rt, &v).span(0), v_w, mb.span(0), 3, 1, row, kb, v_w).unwrap();
             let mut got = [vec![0u8; layers * cap * row], vec![0u8; layers * cap * row]];
             for (s, g) in got.iter_mut().enumerate() {
                 rt.read(&seqs[s], 0, g).unwrap();
@@ -543,8 +552,19 @@ fn attention_case(rt: &Runtime, kind: CacheKind, c: &Case, tol: f32) {
     let out = rt.alloc::<f32>(n * nh * dv, "out").unwrap();
     let max_pos = c.tokens.iter().map(|t| t.1).max().unwrap();
     let v_off = c.separate_v.then_some(kb);
-    rt.attention(kind, &up(rt, &q), &rt.upload(&meta, "meta").unwrap(), 0, max_pos, layer, row, v_off, &s, &part, &out)
-        .unwrap();
+    rt.attention(
+        kind,
+        &up(rt, &q),
+        rt.upload(&meta, "meta").unwrap().span(0),
+        max_pos,
+        layer,
+        row,
+        v_off,
+        &s,
+        &part,
+        &out,
+    )
+    .unwrap();
     let got = down(rt, &out, n * nh * dv);
     let cpu = tandem_cpu::CpuBackend::new(tandem_cpu::Threads::new(2, 2).unwrap());
     let items: Vec<Attn> = c
@@ -651,9 +671,9 @@ fn rounded_matvec_at_kimi_attention_output_shape() {
         }
         let (wb, xb) = (rt.upload(&q, "weights").unwrap(), up(&rt, &x));
         let xr = rt.alloc::<f32>(n * cols, "rounded").unwrap();
-        assert!(rt.round_acts(ty, &xb, 0, &xr, 0, n, cols, cols, cols).unwrap());
+        assert!(rt.round_acts(ty, xb.span(0), xr.span(0), n, cols, cols, cols).unwrap());
         let yb = rt.alloc::<f32>(n * rows, "y").unwrap();
-        rt.matmul(ty, &wb, 0, &xr, &yb, rows, cols, n).unwrap();
+        rt.matmul(ty, wb.span(0), &xr, &yb, rows, cols, n).unwrap();
         check(&format!("{} rounded Q8_0 matvec 8192 -> 7168 x {n}", name(&rt)), &down(&rt, &yb, n * rows), &want, 1e-5);
     }
 }

@@ -618,8 +618,8 @@ fn run_threads(
             out.pb.set_message(format!("-t {t}: N_KV {d}, repetition {}/{}", rep + 1, plan.reps));
             // llama-sweep-bench decodes at N_KV first, then prefills the row's micro-batch there
             // (kept for the next row); llama-bench's tests each start at the depth.
-            let prefill_first = if plan.sweep { [false, true] } else { [true, false] };
-            for prefill in prefill_first {
+            let order = if plan.sweep { [false, true] } else { [true, false] };
+            for prefill in order {
                 if prefill && plan.pp > 0 {
                     let f0 = major_faults();
                     t_pp.push(r.timed(|r| r.prefill(plan.pp))?);

@@ -130,7 +130,7 @@ fn a_kernel_refuses_mismatched_lengths() {
 #[test]
 fn results_do_not_depend_on_the_number_of_rows_per_call() {
     let mut bad = Vec::new();
-    for (ty, isa, k) in runnable_kernels() {
+    for (ty, _, k) in runnable_kernels() {
         let n = 2048;
         let w = weight_row(ty, n, 3);
         let x = data(9, n * MAX_NY);
@@ -158,7 +158,7 @@ fn results_do_not_depend_on_the_number_of_rows_per_call() {
 #[test]
 fn kernels_never_read_past_their_rows() {
     let mut bad = Vec::new();
-    for (ty, isa, k) in runnable_kernels() {
+    for (ty, _, k) in runnable_kernels() {
         for n in (1..=24).map(|i| i * 32).chain([1024, 2048]) {
             let (Ok(wb), Ok(yb)) = (row_size(ty, n), row_size(vec_dot_type(ty), n)) else { continue };
             let w = weight_row(ty, n, 5);

@@ -31,7 +31,7 @@ pub use error::{Error, Result};
 pub use half::f16;
 pub use image::{Image, ImageKind};
 pub use ledger::{Counts, Ledger};
-pub use memory::DeviceBuffer;
+pub use memory::{DeviceBuffer, Span};
 pub use runtime::{DequantOut, GemmPrecision, Packet, Reading, Runtime};
 pub use tandem_quant::GgmlType;
 
@@ -263,9 +263,9 @@ pub struct Batched<'a> {
     pub y_grp: usize,
     pub w_grp_bytes: usize,
     pub n_mats: usize,
-    /// Expert ids (f32) and where: `(buffer, offset, ids per row, row stride)`; group `g` takes id
+    /// Expert ids (f32) and where: `(values, ids per row, row stride)`; group `g` takes id
     /// `[(g / per) * row + g % per]`.
-    pub ids: Option<(&'a DeviceBuffer<f32>, usize, usize, usize)>,
+    pub ids: Option<(Span<'a, f32>, usize, usize)>,
 }
 
 impl Batched<'_> {

@@ -137,6 +137,48 @@ impl<T: Elem> DeviceBuffer<T> {
     pub fn device_ptr(&self) -> u64 {
         self.ptr
     }
+
+    /// The values from `offset` on, as a kernel takes them (the bounds are checked there).
+    pub fn span(&self, offset: usize) -> Span<'_, T> {
+        Span { buf: self, offset }
+    }
+}
+
+/// The values of a [`DeviceBuffer`] from an offset on: where a kernel reads or writes.
+pub struct Span<'a, T: Elem> {
+    buf: &'a DeviceBuffer<T>,
+    offset: usize,
+}
+
+impl<T: Elem> Clone for Span<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T: Elem> Copy for Span<'_, T> {}
+
+impl<T: Elem> std::fmt::Debug for Span<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "values {}.. of a buffer of {}", self.offset, self.buf.len)
+    }
+}
+
+impl<'a, T: Elem> Span<'a, T> {
+    /// The values `n` further on.
+    pub fn skip(self, n: usize) -> Span<'a, T> {
+        Span { buf: self.buf, offset: self.offset.saturating_add(n) }
+    }
+
+    /// The offset in the buffer, in values.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The device address of the first value (checked: `need` values from it are in the buffer).
+    pub(crate) fn ptr(&self, need: usize, what: &str) -> Result<u64> {
+        self.buf.at(self.offset, need, what)
+    }
 }
 
 impl<T: Elem> Drop for DeviceBuffer<T> {

@@ -131,7 +131,7 @@ impl CudaDevice {
         let f32_gemm = self.rt.gemm_precision() == GemmPrecision::F32;
         let xr = self.rounded(dw.ty, x, n, w.cols(), w.cols(), n <= MAX_MATVEC_TOKENS || f32_gemm)?;
         let x = xr.as_ref().unwrap_or(x);
-        self.rt.matmul(dw.ty, &dw.buf, 0, x, y, w.rows(), w.cols(), n).map_err(self.named(&w.name))
+        self.rt.matmul(dw.ty, dw.buf.span(0), x, y, w.rows(), w.cols(), n).map_err(self.named(&w.name))
     }
 
     /// The first `cols` values of `n_rows` rows of `x` (`stride` apart) as ggml's CPU backend
@@ -158,7 +158,7 @@ impl CudaDevice {
             return Ok(None);
         }
         let y = self.rt.alloc::<f32>(n_rows * stride, "rounded activations").map_err(cuda)?;
-        self.rt.round_acts(ty, x, 0, &y, 0, n_rows, cols, stride, stride).map_err(cuda)?;
+        self.rt.round_acts(ty, x.span(0), y.span(0), n_rows, cols, stride, stride).map_err(cuda)?;
         Ok(Some(y))
     }
 
@@ -180,7 +180,7 @@ impl CudaDevice {
             let nt = (n - t0).min(MAX_MATVEC_TOKENS);
             let bt = Batched { n_tokens: nt, ..b.clone() };
             self.rt
-                .matvec(w.ty, &w.buf, 0, x, t0 * b.x_tok, y, t0 * b.y_tok, rows, cols, &bt)
+                .matvec(w.ty, w.buf.span(0), x.span(t0 * b.x_tok), y.span(t0 * b.y_tok), rows, cols, &bt)
                 .map_err(self.named(what))?;
         }
         Ok(())
@@ -205,7 +205,7 @@ impl CudaDevice {
         }
         let m = self.rt.alloc::<f32>(4 * tokens.len(), "cache addressing").map_err(cuda)?;
         for (i, &t) in tokens.iter().enumerate() {
-            self.rt.copy(&m, 4 * i, &s.blob, 4 * t, 4).map_err(cuda)?;
+            self.rt.copy(m.span(4 * i), s.blob.span(4 * t), 4).map_err(cuda)?;
         }
         Ok((Some(m), 0))
     }
@@ -251,7 +251,7 @@ impl Device for CudaDevice {
 
     fn duplicate(&self, t: &Tensor) -> Result<Tensor> {
         let out = self.out(t.len(), "activations")?;
-        self.rt.copy(out.buf()?, 0, self.mine(t)?, 0, t.len()).map_err(cuda)?;
+        self.rt.copy(out.buf()?.span(0), self.mine(t)?.span(0), t.len()).map_err(cuda)?;
         Ok(out)
     }
 
@@ -283,7 +283,7 @@ impl Device for CudaDevice {
         let out = match x {
             Some(x) => {
                 let t = self.out(x.len(), "hidden state")?;
-                self.rt.copy(t.buf()?, 0, &dev, x_off, x.len()).map_err(cuda)?;
+                self.rt.copy(t.buf()?.span(0), dev.span(x_off), x.len()).map_err(cuda)?;
                 Some(t)
             }
             None => None,
@@ -317,7 +317,9 @@ impl Device for CudaDevice {
         }
         let n = x.len() / rows.stride;
         let wb = self.vector(w)?;
-        self.rt.rmsnorm(self.mine(x)?, rows.off, n, rows.stride, rows.dim, Some(wb), eps).map_err(self.named(&w.name))
+        self.rt
+            .rmsnorm(self.mine(x)?.span(rows.off), n, rows.stride, rows.dim, Some(wb), eps)
+            .map_err(self.named(&w.name))
     }
 
     fn rope(&self, x: &mut Tensor, ub: &Ubatch, h: Heads, style: RopeStyle) -> Result<()> {
@@ -328,10 +330,8 @@ impl Device for CudaDevice {
         self.with_step(|s| {
             self.rt
                 .rope(
-                    self.mine(x)?,
-                    h.off,
-                    &s.blob,
-                    s.rope_off,
+                    self.mine(x)?.span(h.off),
+                    s.blob.span(s.rope_off),
                     n,
                     h.n_heads,
                     h.head,
@@ -358,7 +358,7 @@ impl Device for CudaDevice {
             src_rep: c.src_rep.max(1),
             dst_stride: c.dst_stride,
         };
-        self.rt.copy_rows(self.mine(dst)?, c.dst_off, self.mine(src)?, c.src_off, cr).map_err(cuda)
+        self.rt.copy_rows(self.mine(dst)?.span(c.dst_off), self.mine(src)?.span(c.src_off), cr).map_err(cuda)
     }
 
     fn ffn(&self, f: &Ffn, x: &Tensor) -> Result<Tensor> {
@@ -420,7 +420,7 @@ impl Device for CudaDevice {
         for p0 in (0..pairs).step_by(65535 / nu * nu) {
             let np = (pairs - p0).min(65535 / nu * nu);
             let t0 = p0 / nu;
-            let ids = Some((pb, t0 * row + ne, nu, row));
+            let ids = Some((pb.span(t0 * row + ne), nu, row));
             let b = |w_grp, x_grp, x_div, y_grp| Batched {
                 n_tokens: 1,
                 n_groups: np,
@@ -437,10 +437,18 @@ impl Device for CudaDevice {
             let xg = hr.as_ref().unwrap_or(pb);
             let xu = hr_up.as_ref().or(hr.as_ref()).unwrap_or(pb);
             self.rt
-                .matvec(gate.ty, &gate.buf, 0, xg, t0 * row, gb, p0 * nf, nf, ne, &b(in_bytes, row, nu, nf))
+                .matvec(
+                    gate.ty,
+                    gate.buf.span(0),
+                    xg.span(t0 * row),
+                    gb.span(p0 * nf),
+                    nf,
+                    ne,
+                    &b(in_bytes, row, nu, nf),
+                )
                 .map_err(self.named(&e.gate.name))?;
             self.rt
-                .matvec(up.ty, &up.buf, 0, xu, t0 * row, ub_, p0 * nf, nf, ne, &b(up_bytes, row, nu, nf))
+                .matvec(up.ty, up.buf.span(0), xu.span(t0 * row), ub_.span(p0 * nf), nf, ne, &b(up_bytes, row, nu, nf))
                 .map_err(self.named(&e.up.name))?;
         }
         self.rt.swiglu(g.buf()?, u.buf()?, pairs * nf).map_err(cuda)?;
@@ -459,10 +467,10 @@ impl Device for CudaDevice {
                 y_grp: ne,
                 w_grp_bytes: down_bytes,
                 n_mats: r.n_expert,
-                ids: Some((pb, t0 * row + ne, nu, row)),
+                ids: Some((pb.span(t0 * row + ne), nu, row)),
             };
             self.rt
-                .matvec(down.ty, &down.buf, 0, gx, p0 * nf, y.buf()?, p0 * ne, ne, nf, &b)
+                .matvec(down.ty, down.buf.span(0), gx.span(p0 * nf), y.buf()?.span(p0 * ne), ne, nf, &b)
                 .map_err(self.named(&e.down.name))?;
         }
         let out = self.out(n * ne, "experts' sum")?;
@@ -483,7 +491,7 @@ impl Device for CudaDevice {
         self.matvec_tokens(w, qr.as_ref().unwrap_or(qb), out.buf()?, kl, nope, n, &b, &k_b.name)?;
         // Each head's q_pe after its absorbed part.
         let c = CopyRows { rows: n * nh, width: nr, src_stride: dk, src_rep: 1, dst_stride: dq };
-        self.rt.copy_rows(out.buf()?, kl, qb, nope, c).map_err(cuda)?;
+        self.rt.copy_rows(out.buf()?.span(kl), qb.span(nope), c).map_err(cuda)?;
         Ok(out)
     }
 
@@ -516,11 +524,21 @@ impl Device for CudaDevice {
         }
         self.with_step(|s| {
             self.rt
-                .kv_store(store.kind, self.mine(k)?, 0, kr, &s.blob, 0, n, li, store.row_bytes, 0, kr)
+                .kv_store(store.kind, self.mine(k)?.span(0), kr, s.blob.span(0), n, li, store.row_bytes, 0, kr)
                 .map_err(self.named("the cache"))?;
             if let Some(v) = v {
                 self.rt
-                    .kv_store(store.kind, self.mine(v)?, 0, vr, &s.blob, 0, n, li, store.row_bytes, store.k_bytes, vr)
+                    .kv_store(
+                        store.kind,
+                        self.mine(v)?.span(0),
+                        vr,
+                        s.blob.span(0),
+                        n,
+                        li,
+                        store.row_bytes,
+                        store.k_bytes,
+                        vr,
+                    )
                     .map_err(self.named("the cache"))?;
             }
             Ok(())
@@ -563,7 +581,18 @@ impl Device for CudaDevice {
         let qb = qr.as_ref().unwrap_or(self.mine(q)?);
         let run = |meta: &DeviceBuffer<f32>| {
             self.rt
-                .attention(store.kind, qb, meta, off, max_pos, li, store.row_bytes, v_off, &shape, &part, out.buf()?)
+                .attention(
+                    store.kind,
+                    qb,
+                    meta.span(off),
+                    max_pos,
+                    li,
+                    store.row_bytes,
+                    v_off,
+                    &shape,
+                    &part,
+                    out.buf()?,
+                )
                 .map_err(self.named("attention"))
         };
         match own {
@@ -648,7 +677,7 @@ impl CudaKv {
             for l in 0..self.layers.len() {
                 let n = len * self.row_bytes;
                 self.rt
-                    .copy(&buf, l * new_cap * self.row_bytes, &old.buf, l * old.cap * self.row_bytes, n)
+                    .copy(buf.span(l * new_cap * self.row_bytes), old.buf.span(l * old.cap * self.row_bytes), n)
                     .map_err(cuda)?;
             }
         }
@@ -680,7 +709,7 @@ impl KvStore for CudaKv {
         let buf = self.rt.alloc::<u8>(self.layers.len() * cap * self.row_bytes, "the KV cache").map_err(cuda)?;
         for l in 0..self.layers.len() {
             self.rt
-                .copy(&buf, l * cap * self.row_bytes, &s.buf, l * s.cap * self.row_bytes, n * self.row_bytes)
+                .copy(buf.span(l * cap * self.row_bytes), s.buf.span(l * s.cap * self.row_bytes), n * self.row_bytes)
                 .map_err(cuda)?;
         }
         self.seqs.insert(dst, SeqRows { buf, cap, len: n });

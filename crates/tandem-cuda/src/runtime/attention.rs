@@ -2,7 +2,7 @@
 //! [`crate::KvMeta`], and attention over them, split over the rows and combined.
 
 use super::{grid, grid_yz, int, long, Runtime};
-use crate::memory::DeviceBuffer;
+use crate::memory::{DeviceBuffer, Span};
 use crate::{AttnShape, CacheKind, Error, Result, ATTN_MAX_HEAD_DIM, MLA_HEADS, MLA_MAX_DK, MLA_MAX_DV};
 
 /// Block of tandem_attn_* and tandem_attn_combine, and of tandem_attn_mla_*.
@@ -11,15 +11,15 @@ const MLA_THREADS: u32 = 256;
 
 /// The address of the [`crate::KvMeta`]s of `n` tokens at value `off` of an f32 buffer (4 values
 /// per token, 8-byte aligned for their u64).
-fn meta_ptr(meta: &DeviceBuffer<f32>, off: usize, n: usize, what: &str) -> Result<u64> {
-    if !off.is_multiple_of(2) {
-        return Err(Error::Shape(format!("{what}: metadata at an odd offset {off}")));
+fn meta_ptr(meta: Span<f32>, n: usize, what: &str) -> Result<u64> {
+    if !meta.offset().is_multiple_of(2) {
+        return Err(Error::Shape(format!("{what}: metadata at an odd offset {}", meta.offset())));
     }
-    meta.at(off, n * crate::KV_META_BYTES / 4, what)
+    meta.ptr(n * crate::KV_META_BYTES / 4, what)
 }
 
 impl Runtime {
-    /// Writes each token's row (`width` values at `src[src_off + t * src_stride ..]`) into the
+    /// Writes each token's row (`width` values at `src[t * src_stride ..]`) into the
     /// cache at its `meta` entry (a [`crate::KvMeta`] per token): layer `layer`, rows of
     /// `row_bytes`, at byte `byte_off` of the row.
     ///
@@ -29,11 +29,9 @@ impl Runtime {
     pub fn kv_store(
         &self,
         kind: CacheKind,
-        src: &DeviceBuffer<f32>,
-        src_off: usize,
+        src: Span<f32>,
         src_stride: usize,
-        meta: &DeviceBuffer<f32>,
-        meta_off: usize,
+        meta: Span<f32>,
         n_tokens: usize,
         layer: usize,
         row_bytes: usize,
@@ -47,8 +45,8 @@ impl Runtime {
         if byte_off + bytes > row_bytes || width > src_stride {
             return Err(Error::Shape(format!("kv_store: {bytes} bytes at {byte_off} of rows of {row_bytes}")));
         }
-        let sp = src.at(src_off, (n_tokens - 1) * src_stride + width, "kv_store source")?;
-        let mp = meta_ptr(meta, meta_off, n_tokens, "kv_store meta")?;
+        let sp = src.ptr((n_tokens - 1) * src_stride + width, "kv_store source")?;
+        let mp = meta_ptr(meta, n_tokens, "kv_store meta")?;
         let (ss, l, rb, bo, wd) = (
             long(src_stride, "kv")?,
             int(layer, "kv")?,
@@ -71,8 +69,7 @@ impl Runtime {
         &self,
         kind: CacheKind,
         q: &DeviceBuffer<f32>,
-        meta: &DeviceBuffer<f32>,
-        meta_off: usize,
+        meta: Span<f32>,
         max_pos: usize,
         layer: usize,
         row_bytes: usize,
@@ -113,7 +110,7 @@ impl Runtime {
         let rows = max_pos + 1;
         let chunk = rows.div_ceil(s.n_split);
         let qp = q.at(0, s.n_tokens * s.n_head * s.dk, "attention q")?;
-        let mp = meta_ptr(meta, meta_off, s.n_tokens, "attention meta")?;
+        let mp = meta_ptr(meta, s.n_tokens, "attention meta")?;
         let pp = part.at(0, s.n_tokens * s.n_head * s.n_split * (s.dv + 2), "attention parts")?;
         let op = out.at(0, s.n_tokens * s.n_head * s.dv, "attention out")?;
         let (l, rb) = (int(layer, "attention")?, long(row_bytes, "attention")?);

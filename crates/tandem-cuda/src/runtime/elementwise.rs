@@ -2,16 +2,14 @@
 //! scalings, strided row copies.
 
 use super::{grid, grid_yz, int, long, Runtime};
-use crate::memory::DeviceBuffer;
+use crate::memory::{DeviceBuffer, Span};
 use crate::{CopyRows, Error, Result};
 
 impl Runtime {
-    /// RMS norm of `n_rows` rows of `dim` values at `x[off + r * row_stride ..]`, times `w`.
-    #[allow(clippy::too_many_arguments)]
+    /// RMS norm of `n_rows` rows of `dim` values at `x[r * row_stride ..]`, times `w`.
     pub fn rmsnorm(
         &self,
-        x: &DeviceBuffer<f32>,
-        off: usize,
+        x: Span<f32>,
         n_rows: usize,
         row_stride: usize,
         dim: usize,
@@ -24,7 +22,7 @@ impl Runtime {
         if dim == 0 || dim > row_stride {
             return Err(Error::Shape(format!("rmsnorm: {dim} values in rows of {row_stride}")));
         }
-        let xp = x.at(off, (n_rows - 1) * row_stride + dim, "rmsnorm x")?;
+        let xp = x.ptr((n_rows - 1) * row_stride + dim, "rmsnorm x")?;
         let wp = match w {
             Some(w) => w.at(0, dim, "rmsnorm weight")?,
             None => 0,
@@ -33,16 +31,13 @@ impl Runtime {
         self.launch_rows("tandem_rmsnorm_f32", n_rows, &mut args![xp, wp, yp, d, rs, eps])
     }
 
-    /// Rotary embedding of `n_rows` rows of `n_heads` heads at `x[off + t * row_stride + h *
-    /// head_stride ..]`; the first `n_dims` values of each head rotate with `cs[cs_off + t * n_dims
-    /// ..]`.
+    /// Rotary embedding of `n_rows` rows of `n_heads` heads at `x[t * row_stride + h *
+    /// head_stride ..]`; the first `n_dims` values of each head rotate with `cs[t * n_dims ..]`.
     #[allow(clippy::too_many_arguments)]
     pub fn rope(
         &self,
-        x: &DeviceBuffer<f32>,
-        off: usize,
-        cs: &DeviceBuffer<f32>,
-        cs_off: usize,
+        x: Span<f32>,
+        cs: Span<f32>,
         n_rows: usize,
         n_heads: usize,
         head_stride: usize,
@@ -56,8 +51,8 @@ impl Runtime {
         if n_rows == 0 || n_heads == 0 {
             return Ok(());
         }
-        let xp = x.at(off, (n_rows - 1) * row_stride + (n_heads - 1) * head_stride + n_dims, "rope x")?;
-        let cp = cs.at(cs_off, n_rows * n_dims, "rope cos/sin")?;
+        let xp = x.ptr((n_rows - 1) * row_stride + (n_heads - 1) * head_stride + n_dims, "rope x")?;
+        let cp = cs.ptr(n_rows * n_dims, "rope cos/sin")?;
         let (nh, hs, rs, nd) = (
             grid_yz(n_heads, "rope heads")? as i32,
             int(head_stride, "rope")?,
@@ -107,21 +102,14 @@ impl Runtime {
         self.launch_1d("tandem_scale_rows_f32", n, &mut args![yp, sp, r64, n64])
     }
 
-    /// The strided copy `c` from `src[src_off ..]` to `dst[dst_off ..]`.
-    pub fn copy_rows(
-        &self,
-        dst: &DeviceBuffer<f32>,
-        dst_off: usize,
-        src: &DeviceBuffer<f32>,
-        src_off: usize,
-        c: CopyRows,
-    ) -> Result<()> {
+    /// The strided copy `c` from `src` to `dst`.
+    pub fn copy_rows(&self, dst: Span<f32>, src: Span<f32>, c: CopyRows) -> Result<()> {
         if c.rows == 0 || c.width == 0 {
             return Ok(());
         }
         let rep = c.src_rep.max(1);
-        let sp = src.at(src_off, ((c.rows - 1) / rep) * c.src_stride + c.width, "copy_rows source")?;
-        let dp = dst.at(dst_off, (c.rows - 1) * c.dst_stride + c.width, "copy_rows destination")?;
+        let sp = src.ptr(((c.rows - 1) / rep) * c.src_stride + c.width, "copy_rows source")?;
+        let dp = dst.ptr((c.rows - 1) * c.dst_stride + c.width, "copy_rows destination")?;
         let (rows, width, ss, sr, ds) = (
             int(c.rows, "copy_rows")?,
             int(c.width, "copy_rows")?,

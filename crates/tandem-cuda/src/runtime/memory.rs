@@ -2,7 +2,7 @@
 //! host and device and on the device, and the waits for them.
 
 use super::Runtime;
-use crate::memory::DeviceBuffer;
+use crate::memory::{DeviceBuffer, Span};
 use crate::{Elem, Error, Result};
 
 /// A copy to the host in flight ([`Runtime::read_begin`]).
@@ -97,15 +97,8 @@ impl Runtime {
     }
 
     /// Queues a device-to-device copy of `n` values.
-    pub fn copy<T: Elem>(
-        &self,
-        dst: &DeviceBuffer<T>,
-        dst_off: usize,
-        src: &DeviceBuffer<T>,
-        src_off: usize,
-        n: usize,
-    ) -> Result<()> {
-        let (d, s) = (dst.at(dst_off, n, "copy destination")?, src.at(src_off, n, "copy source")?);
+    pub fn copy<T: Elem>(&self, dst: Span<T>, src: Span<T>, n: usize) -> Result<()> {
+        let (d, s) = (dst.ptr(n, "copy destination")?, src.ptr(n, "copy source")?);
         if n == 0 {
             return Ok(());
         }

@@ -4,7 +4,7 @@
 
 use super::{grid, grid_yz, int, long, Runtime};
 use crate::driver::Gemm;
-use crate::memory::DeviceBuffer;
+use crate::memory::{DeviceBuffer, Span};
 use crate::{dequant_name, matvec_name, weight_bytes, Batched, Elem, Error, Result, MATVEC_TYPES, MAX_MATVEC_TOKENS};
 use tandem_quant::GgmlType;
 
@@ -58,18 +58,15 @@ impl DequantOut for u16 {
 }
 
 impl Runtime {
-    /// Batched matvec with the kernel of `ty` (see [`Batched`]): the matrices at byte `w_off` of
-    /// `w`, the input at value `x_off` of `x`, the output at `y_off` of `y`; `rows x cols` each.
+    /// Batched matvec with the kernel of `ty` (see [`Batched`]): the matrices at `w` (bytes), the
+    /// input at `x`, the output at `y`; `rows x cols` each.
     #[allow(clippy::too_many_arguments)]
     pub fn matvec(
         &self,
         ty: GgmlType,
-        w: &DeviceBuffer<u8>,
-        w_off: usize,
-        x: &DeviceBuffer<f32>,
-        x_off: usize,
-        y: &DeviceBuffer<f32>,
-        y_off: usize,
+        w: Span<u8>,
+        x: Span<f32>,
+        y: Span<f32>,
         rows: usize,
         cols: usize,
         b: &Batched,
@@ -90,20 +87,16 @@ impl Runtime {
         if b.w_grp_bytes < mat && b.n_mats > 1 {
             return Err(Error::Shape(format!("matvec: matrices {} bytes apart, each {mat}", b.w_grp_bytes)));
         }
-        let wp = w.at(w_off, (b.n_mats - 1) * b.w_grp_bytes + mat, "matvec weight")?;
+        let wp = w.ptr((b.n_mats - 1) * b.w_grp_bytes + mat, "matvec weight")?;
         let (nt, ng) = (b.n_tokens - 1, b.n_groups - 1);
-        let xp = x.at(x_off, nt * b.x_tok + (ng / b.x_grp_div) * b.x_grp + cols, "matvec x")?;
-        let yp = y.at(y_off, nt * b.y_tok + ng * b.y_grp + rows, "matvec y")?;
+        let xp = x.ptr(nt * b.x_tok + (ng / b.x_grp_div) * b.x_grp + cols, "matvec x")?;
+        let yp = y.ptr(nt * b.y_tok + ng * b.y_grp + rows, "matvec y")?;
         let (idp, ids_per, ids_row) = match &b.ids {
-            Some((ids, off, per, row)) => {
+            Some((ids, per, row)) => {
                 if *per == 0 {
                     return Err(Error::Shape("matvec: 0 ids per row".into()));
                 }
-                (
-                    ids.at(*off, (ng / per) * row + per, "matvec ids")?,
-                    int(*per, "matvec ids")?,
-                    long(*row, "matvec ids")?,
-                )
+                (ids.ptr((ng / per) * row + per, "matvec ids")?, int(*per, "matvec ids")?, long(*row, "matvec ids")?)
             }
             None => {
                 if b.n_mats < b.n_groups {
@@ -137,8 +130,7 @@ impl Runtime {
     pub fn matmul(
         &self,
         ty: GgmlType,
-        w: &DeviceBuffer<u8>,
-        w_off: usize,
+        w: Span<u8>,
         x: &DeviceBuffer<f32>,
         y: &DeviceBuffer<f32>,
         rows: usize,
@@ -155,14 +147,14 @@ impl Runtime {
             for t0 in (0..n_tokens).step_by(MAX_MATVEC_TOKENS) {
                 let n = (n_tokens - t0).min(MAX_MATVEC_TOKENS);
                 let b = Batched::plain(n, rows, cols);
-                self.matvec(ty, w, w_off, x, t0 * cols, y, t0 * rows, rows, cols, &b)?;
+                self.matvec(ty, w, x.span(t0 * cols), y.span(t0 * rows), rows, cols, &b)?;
             }
             return Ok(());
         }
         if !MATVEC_TYPES.contains(&ty) {
             return Err(Error::UnsupportedType(ty));
         }
-        let wp = w.at(w_off, weight_bytes(ty, rows, cols)?, "gemm weight")?;
+        let wp = w.ptr(weight_bytes(ty, rows, cols)?, "gemm weight")?;
         let xp = x.at(0, n_tokens * cols, "gemm x")?;
         let yp = y.at(0, n_tokens * rows, "gemm y")?;
         let (m, k, n) = (int(rows, "gemm rows")?, int(cols, "gemm cols")?, int(n_tokens, "gemm tokens")?);
@@ -178,7 +170,7 @@ impl Runtime {
             let wf = self.scratch(w32, chunk_rows * cols, "a dequantized weight chunk (f32)")?;
             for r0 in (0..rows).step_by(chunk_rows) {
                 let nr = (rows - r0).min(chunk_rows);
-                self.dequant(ty, w, w_off + r0 * row_bytes, wf, nr * cols)?;
+                self.dequant(ty, w.skip(r0 * row_bytes), wf, nr * cols)?;
                 let yp_r = y.at(r0, (n_tokens - 1) * rows + nr, "gemm y")?;
                 self.ledger.launch(1);
                 let a = wf.at(0, nr * cols, "gemm")?;
@@ -196,7 +188,7 @@ impl Runtime {
         let wh = self.scratch(ws, chunk_rows * cols, "a dequantized weight chunk (f16)")?;
         for r0 in (0..rows).step_by(chunk_rows) {
             let nr = (rows - r0).min(chunk_rows);
-            self.dequant(ty, w, w_off + r0 * row_bytes, wh, nr * cols)?;
+            self.dequant(ty, w.skip(r0 * row_bytes), wh, nr * cols)?;
             let yp_r = y.at(r0, (n_tokens - 1) * rows + nr, "gemm y")?;
             self.ledger.launch(1);
             self.drv.gemm(&Gemm {
@@ -227,20 +219,19 @@ impl Runtime {
         slot.as_ref().ok_or_else(|| Error::Shape(format!("{what}: no scratch buffer")))
     }
 
-    /// `out[..n] = W` for the `n` values of a weight of type `ty` at byte `w_off`, as f32 or as f16
+    /// `out[..n] = W` for the `n` values of a weight of type `ty` at `w` (bytes), as f32 or as f16
     /// bits (rounded to nearest), by the type of `out`.
     pub fn dequant<T: Elem + DequantOut>(
         &self,
         ty: GgmlType,
-        w: &DeviceBuffer<u8>,
-        w_off: usize,
+        w: Span<u8>,
         out: &DeviceBuffer<T>,
         n: usize,
     ) -> Result<()> {
         if !MATVEC_TYPES.contains(&ty) {
             return Err(Error::UnsupportedType(ty));
         }
-        let wp = w.at(w_off, weight_bytes(ty, 1, n)?, "dequant weight")?;
+        let wp = w.ptr(weight_bytes(ty, 1, n)?, "dequant weight")?;
         let (op, n64) = (out.at(0, n, "dequant out")?, n as i64);
         self.launch_1d(&dequant_name(ty, T::F32), n, &mut args![wp, op, n64])
     }
@@ -253,10 +244,8 @@ impl Runtime {
     pub fn round_acts(
         &self,
         weight_ty: GgmlType,
-        x: &DeviceBuffer<f32>,
-        x_off: usize,
-        y: &DeviceBuffer<f32>,
-        y_off: usize,
+        x: Span<f32>,
+        y: Span<f32>,
         n_rows: usize,
         cols: usize,
         x_stride: usize,
@@ -277,8 +266,8 @@ impl Runtime {
         if n_rows == 0 || cols == 0 {
             return Ok(true);
         }
-        let xp = x.at(x_off, (n_rows - 1) * x_stride + cols, "round x")?;
-        let yp = y.at(y_off, (n_rows - 1) * y_stride + cols, "round y")?;
+        let xp = x.ptr((n_rows - 1) * x_stride + cols, "round x")?;
+        let yp = y.ptr((n_rows - 1) * y_stride + cols, "round y")?;
         let (c, xs, ys) = (int(cols, "round")?, long(x_stride, "round")?, long(y_stride, "round")?);
         self.launch_rows(name, n_rows, &mut args![xp, yp, c, xs, ys])?;
         Ok(true)
