@@ -29,23 +29,19 @@ const IQ4XS_QS: usize = std::mem::offset_of!(BlockIQ4XS, qs);
 
 /// One group: 16 rows of `nb` IQ4_XS blocks (`rb` bytes each) into `dst` (zeroed).
 pub(super) fn pack_group(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
-    for b in 0..nb {
-        let out = &mut dst[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
-        for r in 0..PACK_ROWS {
-            let blk = &src[r * rb + b * IQ4XS_BYTES..r * rb + (b + 1) * IQ4XS_BYTES];
-            out[D + 2 * r..D + 2 * r + 2].copy_from_slice(&blk[0..2]);
-            let scales_h = u16::from_le_bytes([blk[2], blk[3]]);
-            for j in 0..SUBS {
-                let low = (blk[4 + j / 2] >> (4 * (j % 2))) & 0x0F;
-                out[LS + PACK_ROWS * j + r] = low | ((((scales_h >> (2 * j)) & 3) as u8) << 4);
-                for v in 0..4 {
-                    let at = QS + 256 * j + 64 * v + 4 * r;
-                    let from = IQ4XS_QS + 16 * j + 4 * v;
-                    out[at..at + 4].copy_from_slice(&blk[from..from + 4]);
-                }
+    super::pack_blocks(src, rb, nb, dst, (IQ4XS_BYTES, GROUP_BLOCK), |out, r, blk| {
+        out[D + 2 * r..D + 2 * r + 2].copy_from_slice(&blk[0..2]);
+        let scales_h = u16::from_le_bytes([blk[2], blk[3]]);
+        for j in 0..SUBS {
+            let low = (blk[4 + j / 2] >> (4 * (j % 2))) & 0x0F;
+            out[LS + PACK_ROWS * j + r] = low | ((((scales_h >> (2 * j)) & 3) as u8) << 4);
+            for v in 0..4 {
+                let at = QS + 256 * j + 64 * v + 4 * r;
+                let from = IQ4XS_QS + 16 * j + 4 * v;
+                out[at..at + 4].copy_from_slice(&blk[from..from + 4]);
             }
         }
-    }
+    });
 }
 
 /// The level index (0..16) of element `e` of group `j` of row `r` in a packed block.

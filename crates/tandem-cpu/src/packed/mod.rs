@@ -45,6 +45,25 @@ use tandem_quant::{row_size, GgmlType};
 /// Rows per packed group.
 pub const PACK_ROWS: usize = 16;
 
+/// The packing loop of the k-quant and IQ4_XS layouts: `f(out, r, blk)` for each of the `nb`
+/// blocks of a group and each of its rows, `out` the group's packed block (`out_bytes`, zeroed),
+/// `blk` row `r`'s block (`in_bytes`; rows `rb` bytes apart in `src`).
+fn pack_blocks(
+    src: &[u8],
+    rb: usize,
+    nb: usize,
+    dst: &mut [u8],
+    (in_bytes, out_bytes): (usize, usize),
+    mut f: impl FnMut(&mut [u8], usize, &[u8]),
+) {
+    for b in 0..nb {
+        let out = &mut dst[b * out_bytes..(b + 1) * out_bytes];
+        for r in 0..PACK_ROWS {
+            f(out, r, &src[r * rb + b * in_bytes..r * rb + (b + 1) * in_bytes]);
+        }
+    }
+}
+
 /// A weight tensor in the packed layout, in anonymous memory (page-aligned, advised for
 /// transparent huge pages: decode streams it once per token).
 pub struct Packed {

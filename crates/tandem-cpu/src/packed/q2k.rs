@@ -26,23 +26,19 @@ const Q2K_D: usize = std::mem::offset_of!(BlockQ2K, d);
 
 /// One group: 16 rows of `nb` Q2_K blocks (`rb` bytes each) into `dst` (zeroed).
 pub(super) fn pack_group(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
-    for b in 0..nb {
-        let out = &mut dst[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
-        for r in 0..PACK_ROWS {
-            let blk = &src[r * rb + b * Q2K_BYTES..r * rb + (b + 1) * Q2K_BYTES];
-            out[D + 2 * r..D + 2 * r + 2].copy_from_slice(&blk[Q2K_D..Q2K_D + 2]);
-            out[DMIN + 2 * r..DMIN + 2 * r + 2].copy_from_slice(&blk[Q2K_D + 2..Q2K_D + 4]);
-            for s in 0..SUBS {
-                out[SM + PACK_ROWS * s + r] = blk[s];
-                // ggml: group s = 8n + 2j + h reads bits 2j of qs[32n + 16h + l], l = 0..16.
-                let (n, j, h) = (s / 8, (s % 8) / 2, s % 2);
-                for l in 0..16 {
-                    let q = (blk[Q2K_QS + 32 * n + 16 * h + l] >> (2 * j)) & 3;
-                    out[QS + 64 * s + 4 * r + l % 4] |= q << (2 * (l / 4));
-                }
+    super::pack_blocks(src, rb, nb, dst, (Q2K_BYTES, GROUP_BLOCK), |out, r, blk| {
+        out[D + 2 * r..D + 2 * r + 2].copy_from_slice(&blk[Q2K_D..Q2K_D + 2]);
+        out[DMIN + 2 * r..DMIN + 2 * r + 2].copy_from_slice(&blk[Q2K_D + 2..Q2K_D + 4]);
+        for s in 0..SUBS {
+            out[SM + PACK_ROWS * s + r] = blk[s];
+            // ggml: group s = 8n + 2j + h reads bits 2j of qs[32n + 16h + l], l = 0..16.
+            let (n, j, h) = (s / 8, (s % 8) / 2, s % 2);
+            for l in 0..16 {
+                let q = (blk[Q2K_QS + 32 * n + 16 * h + l] >> (2 * j)) & 3;
+                out[QS + 64 * s + 4 * r + l % 4] |= q << (2 * (l / 4));
             }
         }
-    }
+    });
 }
 
 /// Level `e` (0..16) of group `s` of row `r` in a packed block.

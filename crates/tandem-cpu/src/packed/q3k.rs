@@ -31,26 +31,22 @@ const Q3K_D: usize = std::mem::offset_of!(BlockQ3K, d);
 
 /// One group: 16 rows of `nb` Q3_K blocks (`rb` bytes each) into `dst` (zeroed).
 pub(super) fn pack_group(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
-    for b in 0..nb {
-        let out = &mut dst[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
-        for r in 0..PACK_ROWS {
-            let blk = &src[r * rb + b * Q3K_BYTES..r * rb + (b + 1) * Q3K_BYTES];
-            out[D + 2 * r..D + 2 * r + 2].copy_from_slice(&blk[Q3K_D..Q3K_D + 2]);
-            let scales = unpack_q3k_scales(blk[Q3K_SCALES..Q3K_SCALES + 12].try_into().expect("12 bytes"));
-            for s in 0..SUBS {
-                out[SC + PACK_ROWS * s + r] = scales[s] as u8;
-                // ggml: group s = 8n + 2j + h reads bits 2j of qs[32n + 16h + l] and bit 4n + j of
-                // hmask[16h + l], l = 0..16.
-                let (n, j, h) = (s / 8, (s % 8) / 2, s % 2);
-                for l in 0..16 {
-                    let q = (blk[Q3K_QS + 32 * n + 16 * h + l] >> (2 * j)) & 3;
-                    let hb = (blk[Q3K_HMASK + 16 * h + l] >> (4 * n + j)) & 1;
-                    out[QS + 64 * s + 4 * r + l % 4] |= q << (2 * (l / 4));
-                    out[QH + 64 * (s / 2) + 4 * r + l % 4] |= hb << (4 * (s % 2) + l / 4);
-                }
+    super::pack_blocks(src, rb, nb, dst, (Q3K_BYTES, GROUP_BLOCK), |out, r, blk| {
+        out[D + 2 * r..D + 2 * r + 2].copy_from_slice(&blk[Q3K_D..Q3K_D + 2]);
+        let scales = unpack_q3k_scales(blk[Q3K_SCALES..Q3K_SCALES + 12].try_into().expect("12 bytes"));
+        for s in 0..SUBS {
+            out[SC + PACK_ROWS * s + r] = scales[s] as u8;
+            // ggml: group s = 8n + 2j + h reads bits 2j of qs[32n + 16h + l] and bit 4n + j of
+            // hmask[16h + l], l = 0..16.
+            let (n, j, h) = (s / 8, (s % 8) / 2, s % 2);
+            for l in 0..16 {
+                let q = (blk[Q3K_QS + 32 * n + 16 * h + l] >> (2 * j)) & 3;
+                let hb = (blk[Q3K_HMASK + 16 * h + l] >> (4 * n + j)) & 1;
+                out[QS + 64 * s + 4 * r + l % 4] |= q << (2 * (l / 4));
+                out[QH + 64 * (s / 2) + 4 * r + l % 4] |= hb << (4 * (s % 2) + l / 4);
             }
         }
-    }
+    });
 }
 
 /// Level `e` (0..16) of group `s` of row `r` in a packed block, as `u = q + 4`.

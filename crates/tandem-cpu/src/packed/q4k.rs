@@ -55,39 +55,35 @@ const Q5K_QS: usize = std::mem::offset_of!(BlockQ5K, qs);
 pub(super) fn pack_group<const HIGH: bool>(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
     let l = layout(HIGH);
     let (bs, qs_at_src) = if HIGH { (Q5K_BYTES, Q5K_QS) } else { (Q4K_BYTES, 16) };
-    for b in 0..nb {
-        let out = &mut dst[b * l.size..(b + 1) * l.size];
-        for r in 0..PACK_ROWS {
-            let blk = &src[r * rb + b * bs..r * rb + (b + 1) * bs];
-            out[l.d + 2 * r..l.d + 2 * r + 2].copy_from_slice(&blk[0..2]);
-            out[l.dmin + 2 * r..l.dmin + 2 * r + 2].copy_from_slice(&blk[2..4]);
-            let scales: &[u8; 12] = blk[4..16].try_into().expect("12 bytes");
-            let qs = &blk[qs_at_src..bs];
-            for j in 0..SUBS {
-                let (sc, m) = get_scale_min_k4(j, scales);
-                out[l.sc + PACK_ROWS * j + r] = sc;
-                out[l.mn + mn_at(j, r)] = m;
-                for ld in 0..4 {
-                    // Elements 8ld..8ld + 8 of the group, one nibble per byte: the four bytes of
-                    // the load take the first four in their low nibbles, the next four in the high.
-                    let at = 32 * (j / 2) + 8 * ld;
-                    let x = u64::from_le_bytes(qs[at..at + 8].try_into().expect("8 bytes"));
-                    let n = (x >> (4 * (j % 2))) & 0x0F0F_0F0F_0F0F_0F0F;
-                    let word = n as u32 | ((n >> 32) as u32) << 4;
-                    let to = qs_at(j, r, 8 * ld);
-                    out[to..to + 4].copy_from_slice(&word.to_le_bytes());
-                }
-                if HIGH {
-                    for e in 0..32 {
-                        if (blk[Q5K_QH + e] >> j) & 1 == 1 {
-                            let (byte, bit) = qh_at(j, r, e);
-                            out[l.qh + byte] |= 1 << bit;
-                        }
+    super::pack_blocks(src, rb, nb, dst, (bs, l.size), |out, r, blk| {
+        out[l.d + 2 * r..l.d + 2 * r + 2].copy_from_slice(&blk[0..2]);
+        out[l.dmin + 2 * r..l.dmin + 2 * r + 2].copy_from_slice(&blk[2..4]);
+        let scales: &[u8; 12] = blk[4..16].try_into().expect("12 bytes");
+        let qs = &blk[qs_at_src..bs];
+        for j in 0..SUBS {
+            let (sc, m) = get_scale_min_k4(j, scales);
+            out[l.sc + PACK_ROWS * j + r] = sc;
+            out[l.mn + mn_at(j, r)] = m;
+            for ld in 0..4 {
+                // Elements 8ld..8ld + 8 of the group, one nibble per byte: the four bytes of
+                // the load take the first four in their low nibbles, the next four in the high.
+                let at = 32 * (j / 2) + 8 * ld;
+                let x = u64::from_le_bytes(qs[at..at + 8].try_into().expect("8 bytes"));
+                let n = (x >> (4 * (j % 2))) & 0x0F0F_0F0F_0F0F_0F0F;
+                let word = n as u32 | ((n >> 32) as u32) << 4;
+                let to = qs_at(j, r, 8 * ld);
+                out[to..to + 4].copy_from_slice(&word.to_le_bytes());
+            }
+            if HIGH {
+                for e in 0..32 {
+                    if (blk[Q5K_QH + e] >> j) & 1 == 1 {
+                        let (byte, bit) = qh_at(j, r, e);
+                        out[l.qh + byte] |= 1 << bit;
                     }
                 }
             }
         }
-    }
+    });
 }
 
 /// The byte of a packed block holding element `e` of group `j` of row `r` (nibble `(e % 8) / 4`).

@@ -61,32 +61,28 @@ fn codes(blk: &[u8]) -> [u8; QK_K] {
 
 /// One group: 16 rows of `nb` Q6_K blocks (`rb` bytes each) into `dst` (zeroed).
 pub(super) fn pack_group(src: &[u8], rb: usize, nb: usize, dst: &mut [u8]) {
-    for b in 0..nb {
-        let out = &mut dst[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
-        for r in 0..PACK_ROWS {
-            let blk = &src[r * rb + b * Q6K_BYTES..r * rb + (b + 1) * Q6K_BYTES];
-            out[D + 2 * r..D + 2 * r + 2].copy_from_slice(&blk[Q6K_D..Q6K_D + 2]);
-            let u = codes(blk);
-            for j in 0..SUBS {
-                out[SC + 32 * j + 2 * r] = blk[Q6K_SC + 2 * j];
-                out[SC + 32 * j + 2 * r + 1] = blk[Q6K_SC + 2 * j + 1];
-                let u = &u[32 * j..32 * j + 32];
-                for l in 0..4 {
-                    for k in 0..4 {
-                        // Low nibbles: elements 8l + k and 8l + 4 + k share byte k of load l.
-                        out[QL + 256 * j + 64 * l + 4 * r + k] = (u[8 * l + k] & 0x0F) | (u[8 * l + 4 + k] & 0x0F) << 4;
-                    }
+    super::pack_blocks(src, rb, nb, dst, (Q6K_BYTES, GROUP_BLOCK), |out, r, blk| {
+        out[D + 2 * r..D + 2 * r + 2].copy_from_slice(&blk[Q6K_D..Q6K_D + 2]);
+        let u = codes(blk);
+        for j in 0..SUBS {
+            out[SC + 32 * j + 2 * r] = blk[Q6K_SC + 2 * j];
+            out[SC + 32 * j + 2 * r + 1] = blk[Q6K_SC + 2 * j + 1];
+            let u = &u[32 * j..32 * j + 32];
+            for l in 0..4 {
+                for k in 0..4 {
+                    // Low nibbles: elements 8l + k and 8l + 4 + k share byte k of load l.
+                    out[QL + 256 * j + 64 * l + 4 * r + k] = (u[8 * l + k] & 0x0F) | (u[8 * l + 4 + k] & 0x0F) << 4;
                 }
-                for h in 0..2 {
-                    for k in 0..4 {
-                        // High bits: element 8l + 4h + k in bits 2l..2l + 2 of byte k of load h.
-                        out[QH + 128 * j + 64 * h + 4 * r + k] =
-                            (0..4).fold(0, |b, l| b | (u[8 * l + 4 * h + k] >> 4) << (2 * l));
-                    }
+            }
+            for h in 0..2 {
+                for k in 0..4 {
+                    // High bits: element 8l + 4h + k in bits 2l..2l + 2 of byte k of load h.
+                    out[QH + 128 * j + 64 * h + 4 * r + k] =
+                        (0..4).fold(0, |b, l| b | (u[8 * l + 4 * h + k] >> 4) << (2 * l));
                 }
             }
         }
-    }
+    });
 }
 
 /// Where element `e` of group `j` of row `r` lives: (byte, shift) of its low four bits and of its
