@@ -48,6 +48,9 @@ pub struct LoadSpec {
     pub cache_type_k: CacheType,
     pub cache_type_v: CacheType,
     pub mla: MlaMode,
+    /// Bytes for the rebuilt MLA keys and values kept between runs (`--mla-cache`); `None`:
+    /// sized from the memory the plan leaves free.
+    pub mla_cache: Option<u64>,
     /// The planner's request (placement, budgets, cache); its GPU part is used only when
     /// `wants_gpu`.
     pub plan: PlanRequest,
@@ -82,6 +85,10 @@ impl LoadSpec {
             cache_type_k: CacheType::from_name(&rt.cache_type_k)?,
             cache_type_v: CacheType::from_name(&rt.cache_type_v)?,
             mla: MlaMode::from_name(&rt.mla)?,
+            mla_cache: match rt.mla_cache.trim() {
+                "auto" => None,
+                size => Some(parse_size(size).map_err(|e| anyhow::anyhow!("--mla-cache: {e}"))?),
+            },
             plan,
             wants_gpu: wants_gpu(placement),
             progress: false,
@@ -186,12 +193,29 @@ impl Opened {
         if let Some(line) = read_ahead(spec.read_ahead, gguf, &mut exec) {
             notes.push(line);
         }
+        let mla_cache = match spec.mla_cache {
+            Some(b) => b,
+            None => {
+                let cpu = plan.as_ref().ok().and_then(|p| p.device(Device::Cpu));
+                let left = cpu.and_then(|c| Some(c.budget_bytes?.saturating_sub(c.total_bytes)));
+                let free = [left, available_memory()].into_iter().flatten().min();
+                free.map_or(tandem_model::DEFAULT_MLA_CACHE_BYTES as u64, |f| f / 2)
+            }
+        };
+        if spec.mla != MlaMode::Absorbed && self.model.is_mla() {
+            notes.push(format!(
+                "MLA: up to {} of rebuilt keys and values kept between prompt runs (--mla-cache {})",
+                tandem_plan::human(mla_cache),
+                spec.mla_cache.map_or("auto: half the free memory".to_string(), |_| "as given".to_string())
+            ));
+        }
         let params = ContextParams {
             n_ctx,
             n_ubatch: spec.n_ubatch,
             cache_type_k: spec.cache_type_k,
             cache_type_v: spec.cache_type_v,
             mla: spec.mla,
+            mla_cache_bytes: usize::try_from(mla_cache).unwrap_or(usize::MAX),
         };
         let ctx = Context::new(self.model.clone(), exec, params)?;
         let (plan, plan_error) = match plan {

@@ -30,6 +30,7 @@ fn context_mla(model: &Arc<Model>, threads: usize, ubatch: usize, ctk: &str, ctv
         cache_type_k: CacheType::from_name(ctk).unwrap(),
         cache_type_v: CacheType::from_name(ctv).unwrap(),
         mla,
+        mla_cache_bytes: tandem_model::DEFAULT_MLA_CACHE_BYTES,
     };
     let threads = tandem_cpu::Threads::new(threads, threads).unwrap();
     Context::new(model.clone(), Exec::cpu(threads), params).unwrap()
@@ -304,6 +305,49 @@ fn threads_ubatch_and_token_by_token_give_the_same_logits() {
     }
     let f = fixtures().into_iter().find(|f| f.name == "deepseek2-mla-q4_k_m.gguf").unwrap();
     assert_invariant(&load(&f.model), &f, "--mla decompressed", &[(2, 64), (1, 1), (2, 7)], MlaMode::Decompressed);
+}
+
+/// `--mla-cache`: the decompressed form keeping rebuilt keys and values between runs (all of
+/// them, a budget that ends part way, none) gives the bits of rebuilding every row each run, for
+/// a prompt in micro-batches, a second turn, and a turn after the cache forgot positions; what is
+/// kept goes with the forgotten positions.
+#[test]
+fn kept_mla_rows_give_the_same_logits() {
+    let f = fixtures().into_iter().find(|f| f.name == "deepseek2-mla-q4_k_m.gguf").unwrap();
+    let model = load(&f.model);
+    let toks = &f.tokens[..70];
+    let turns = |budget: usize| {
+        let params = ContextParams {
+            n_ctx: 512,
+            n_ubatch: 16,
+            cache_type_k: CacheType::F16,
+            cache_type_v: CacheType::F16,
+            mla: MlaMode::Decompressed,
+            mla_cache_bytes: budget,
+        };
+        let threads = tandem_cpu::Threads::new(2, 2).unwrap();
+        let mut c = Context::new(model.clone(), Exec::cpu(threads), params).unwrap();
+        let mut out = c.decode(&Batch::sequence(&toks[..40], 0, 0, true)).unwrap();
+        out.extend(c.decode(&Batch::sequence(&toks[40..], 40, 0, true)).unwrap());
+        let kept = c.cache().rebuilt_bytes();
+        // Other tokens where the forgotten ones were.
+        c.truncate(0, 25);
+        out.extend(c.decode(&Batch::sequence(&toks[45..], 25, 0, true)).unwrap());
+        c.truncate(0, 0);
+        assert_eq!(c.cache().rebuilt_bytes(), 0, "budget {budget}: a cleared sequence keeps rebuilt rows");
+        (out, kept)
+    };
+    let (base, none) = turns(0);
+    assert_eq!(none, 0);
+    let (all, full) = turns(tandem_model::DEFAULT_MLA_CACHE_BYTES);
+    assert!(full > 0, "nothing kept");
+    assert_eq!(compare(&all, &base, f.n_vocab).0, 0.0, "keeping every row: logits differ from keeping none");
+    // Budgets that end part way: fewer rows kept, in some layers none.
+    for budget in [full / 3, full / 2 + 1] {
+        let (got, kept) = turns(budget);
+        assert!(kept > 0 && kept <= budget && kept < full, "budget {budget}: {kept} of {full} bytes kept");
+        assert_eq!(compare(&got, &base, f.n_vocab).0, 0.0, "budget {budget}: logits differ from keeping none");
+    }
 }
 
 /// `--repack` (every type `tandem_cpu::packed` has a layout for, in 16-row groups): the logits stay within the

@@ -76,6 +76,10 @@ pub struct BenchArgs {
     /// `tandem run --help`).
     #[arg(long = "mla", value_name = "absorbed|auto|decompressed", default_value = "auto")]
     pub mla: String,
+    /// Memory for rebuilt MLA keys and values kept between prompt runs: auto or a size, 0 keeps
+    /// none (see `tandem run --help`).
+    #[arg(long = "mla-cache", value_name = "auto|SIZE", default_value = "auto")]
+    pub mla_cache: String,
     /// llama-sweep-bench's method: at N_KV = 0, UB, 2 UB, ... up to -c, decode -n tokens (dropped), then prefill -ub.
     #[arg(long)]
     pub sweep: bool,
@@ -567,6 +571,7 @@ fn load_runtime(a: &BenchArgs, plan: &Plan) -> RuntimeArgs {
         cache_type_v: a.cache_type_v.clone(),
         parallel: 1,
         mla: a.mla.clone(),
+        mla_cache: a.mla_cache.clone(),
     }
 }
 

@@ -163,7 +163,7 @@ pub fn within_tolerance(got: &[f32], want: &[f32], n_vocab: usize) -> Result<Str
 }
 
 pub fn params(mla: MlaMode, ubatch: usize) -> ContextParams {
-    ContextParams { n_ctx: 256, n_ubatch: ubatch, cache_type_k: CacheType::F16, cache_type_v: CacheType::F16, mla }
+    ContextParams { n_ctx: 256, n_ubatch: ubatch, mla, ..ContextParams::default() }
 }
 
 pub fn threads() -> tandem_cpu::Threads {
@@ -275,6 +275,7 @@ pub fn cuda_prefill_matches_llama_cpp(make: &Maker) {
             cache_type_k: cache("cache_type_k"),
             cache_type_v: cache("cache_type_v"),
             mla: MlaMode::Absorbed,
+            ..ContextParams::default()
         };
         let Ok(mut ctx) = Context::new(model.clone(), exec, params) else {
             println!("{}: skipped, its cache types are not the device's", model_path.display());

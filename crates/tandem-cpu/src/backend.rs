@@ -166,7 +166,15 @@ impl CpuBackend {
 
     /// MLA attention in the decompressed form; `out` is `[n][n_head][dv]`. `Ok(false)` (and `out`
     /// untouched) where the shapes do not allow it (a latent that is not whole Q8_0 blocks).
-    pub fn mla_decompressed(&self, a: &MlaDecompressed, out: &mut [f32]) -> Result<bool> {
+    /// `keep`: the sequence's rebuilt rows of this layer kept from earlier runs, and the most rows
+    /// it may hold: its rows are not made again, and it takes this run's new rows up to that
+    /// many. The result is the same with or without it.
+    pub fn mla_decompressed(
+        &self,
+        a: &MlaDecompressed,
+        keep: Option<(&mut RebuiltRows, usize)>,
+        out: &mut [f32],
+    ) -> Result<bool> {
         let row = a.heads.kv_lora + a.heads.n_rot;
         if !row.is_multiple_of(a.kv_type.block()) {
             return Ok(false);
@@ -210,17 +218,65 @@ impl CpuBackend {
                 Ok(())
             })
         })?;
-        // Heads in groups whose rebuilt keys and values take at most MLA_VALUE_BYTES (one head per
-        // thread at least): at Kimi's 64 heads and 128K rows all values would be 4 GiB per layer.
+        // Keys and values: every cached latent times attn_k_b and attn_v_b as f32 (exact
+        // products of the weights' own values, as llama.cpp's absorbed form multiplies them).
+        // Rows `0..kept` come from `keep` (made by earlier runs or now, up to its most rows),
+        // the rest are made for this run only. Each element is one chain of products over the
+        // latent, so a row's key and value have the same bits whichever run made them.
+        let mut none = RebuiltRows::default();
+        let (kept, most) = match keep {
+            Some((r, most)) => (r, most),
+            None => (&mut none, 0),
+        };
+        kept.fit(a.heads, rows);
+        let have = kept.rows;
+        let upto = rows.min(most).max(have);
+        if upto > have {
+            let new = &latent[have * kl..upto * kl];
+            let k = rebuild(pool, new, &w.k, kl, nope);
+            let v = rebuild(pool, new, &w.v, kl, dv);
+            let (kn, vn) = ((upto - have) * nope, (upto - have) * dv);
+            for (h, (hk, hv)) in kept.k.iter_mut().zip(kept.v.iter_mut()).enumerate() {
+                // Exactly: the holder counts what these take against its budget.
+                hk.reserve_exact(kn);
+                hv.reserve_exact(vn);
+                hk.extend_from_slice(&k[h * kn..(h + 1) * kn]);
+                hv.extend_from_slice(&v[h * vn..(h + 1) * vn]);
+            }
+            kept.rows = upto;
+        }
+        let fresh = rows - upto;
+        // Heads in groups whose keys and values made for this run take at most MLA_VALUE_BYTES
+        // (one head per thread at least): at Kimi's 64 heads and 128K rows all values would be
+        // 4 GiB per layer.
         let per_head = rows * (nope + dv) * std::mem::size_of::<f32>();
-        let hg = (MLA_VALUE_BYTES / per_head.max(1)).max(pool.current_num_threads()).clamp(1, nh);
+        let hg = if fresh == 0 { nh } else { (MLA_VALUE_BYTES / per_head.max(1)).max(pool.current_num_threads()) };
+        let hg = hg.clamp(1, nh);
         for h0 in (0..nh).step_by(hg) {
             let h1 = (h0 + hg).min(nh);
             let g = h1 - h0;
-            // Keys and values: every cached latent times attn_k_b and attn_v_b as f32 (exact
-            // products of the weights' own values, as llama.cpp's absorbed form multiplies them).
-            let k = rebuild(pool, &latent, &w.k[h0 * kl * nope..h1 * kl * nope], kl, nope);
-            let v = rebuild(pool, &latent, &w.v[h0 * kl * dv..h1 * kl * dv], kl, dv);
+            // Each head's rows: the kept ones, then (where the kept ones stop short) a copy of
+            // them followed by the rows made now.
+            let (mut ks, mut vs) = (Vec::new(), Vec::new());
+            if fresh > 0 {
+                let new = &latent[upto * kl..rows * kl];
+                let k = rebuild(pool, new, &w.k[h0 * kl * nope..h1 * kl * nope], kl, nope);
+                let v = rebuild(pool, new, &w.v[h0 * kl * dv..h1 * kl * dv], kl, dv);
+                for (j, h) in (h0..h1).enumerate() {
+                    ks.push([&kept.k[h][..], &k[j * fresh * nope..(j + 1) * fresh * nope]].concat());
+                    vs.push([&kept.v[h][..], &v[j * fresh * dv..(j + 1) * fresh * dv]].concat());
+                }
+            }
+            let kh: Vec<&[f32]> = if fresh > 0 {
+                ks.iter().map(Vec::as_slice).collect()
+            } else {
+                kept.k[h0..h1].iter().map(Vec::as_slice).collect()
+            };
+            let vh: Vec<&[f32]> = if fresh > 0 {
+                vs.iter().map(Vec::as_slice).collect()
+            } else {
+                kept.v[h0..h1].iter().map(Vec::as_slice).collect()
+            };
             let qg: Vec<f32> = if g == nh {
                 std::mem::take(&mut q)
             } else {
@@ -230,8 +286,8 @@ impl CpuBackend {
                 q: &qg,
                 heads: MlaHeads { n_head: g, ..a.heads },
                 kv: &kv,
-                k: &k,
-                v: &v,
+                k: &kh,
+                v: &vh,
                 n_kv: a.n_kv,
                 scale: a.scale,
             };
@@ -269,6 +325,65 @@ impl CpuBackend {
         let w = Arc::new(MlaWeights { k, v });
         all.insert(a.k_b_key.to_string(), w.clone());
         Ok(w)
+    }
+}
+
+/// The keys and values the decompressed MLA attention rebuilt from rows `0..rows` of one
+/// sequence's cached latent in one layer, kept for its next runs so that a prompt at depth (the
+/// next turn of a conversation, the next micro-batch of a long prompt) rebuilds only its own rows:
+/// at depth 3072 and 256 new tokens the rebuild is 13 times this run's keys and values. The
+/// holder keeps them in step with the cache: [`RebuiltRows::truncate`] where the cache forgets
+/// positions.
+#[derive(Default)]
+pub struct RebuiltRows {
+    /// Per head, `[rows][nope]`.
+    k: Vec<Vec<f32>>,
+    /// Per head, `[rows][dv]`.
+    v: Vec<Vec<f32>>,
+    rows: usize,
+    heads: Option<MlaHeads>,
+}
+
+impl RebuiltRows {
+    /// Rows held (positions `0..rows` of the sequence).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Forgets rows `n..`.
+    pub fn truncate(&mut self, n: usize) {
+        if n >= self.rows {
+            return;
+        }
+        if let Some(h) = self.heads {
+            self.k.iter_mut().for_each(|k| k.truncate(n * h.nope));
+            self.v.iter_mut().for_each(|v| v.truncate(n * h.dv));
+        }
+        self.rows = n;
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.k.iter().chain(&self.v).map(|x| x.capacity()).sum::<usize>() * std::mem::size_of::<f32>()
+    }
+
+    /// Bytes a row takes in every head of `heads`.
+    pub fn row_bytes(heads: MlaHeads) -> usize {
+        heads.n_head * (heads.nope + heads.dv) * std::mem::size_of::<f32>()
+    }
+
+    /// Ready for a run over `rows` rows of attention of `heads`: emptied if it held another
+    /// shape, cut to `rows`.
+    fn fit(&mut self, heads: MlaHeads, rows: usize) {
+        if self.heads != Some(heads) {
+            *self = RebuiltRows {
+                k: vec![Vec::new(); heads.n_head],
+                v: vec![Vec::new(); heads.n_head],
+                rows: 0,
+                heads: Some(heads),
+            };
+        }
+        self.truncate(rows);
     }
 }
 
@@ -358,6 +473,56 @@ mod tests {
         let mut out = vec![0u8; row_size(ty, x.len()).unwrap()];
         quantize_row(ty, x, &mut out).unwrap();
         out
+    }
+
+    /// The decompressed MLA attention keeping its rebuilt rows between runs gives the bits of
+    /// the one that rebuilds every row each run: a prompt in three runs, all rows kept, some (the
+    /// budget ends inside a run), none, and after the holder forgets rows.
+    #[test]
+    fn kept_rebuilt_rows_give_the_same_bits() {
+        let heads = MlaHeads { n_head: 4, nope: 32, n_rot: 16, kv_lora: 64, dv: 32 };
+        let (nh, kl, row, dk) = (heads.n_head, heads.kv_lora, heads.kv_lora + heads.n_rot, heads.nope + heads.n_rot);
+        let rows = 150;
+        let kv: Vec<u8> =
+            rand(21, rows * row, 1.0).iter().flat_map(|&x| half::f16::from_f32(x).to_bits().to_le_bytes()).collect();
+        let k_b = bytes(GgmlType::Q8_0, &rand(22, nh * kl * heads.nope, 0.2));
+        let v_b = bytes(GgmlType::Q8_0, &rand(23, nh * heads.dv * kl, 0.2));
+        let q = rand(24, rows * nh * dk, 1.0);
+        let b = CpuBackend::new(Threads::new(2, 2).unwrap());
+        // Positions p0..p1 attending rows up to their own.
+        let run = |p0: usize, p1: usize, keep: Option<(&mut RebuiltRows, usize)>| {
+            let n_kv: Vec<usize> = (p0 + 1..=p1).collect();
+            let a = MlaDecompressed {
+                q: &q[p0 * nh * dk..p1 * nh * dk],
+                heads,
+                kv: &kv[..p1 * row * 2],
+                kv_type: KvType::F16,
+                n_kv: &n_kv,
+                k_b: WeightRef::new(GgmlType::Q8_0, nh * kl, heads.nope, &k_b).unwrap(),
+                k_b_key: "blk.0.attn_k_b.weight",
+                v_b: WeightRef::new(GgmlType::Q8_0, nh * heads.dv, kl, &v_b).unwrap(),
+                scale: 0.2,
+            };
+            let mut out = vec![0f32; (p1 - p0) * nh * heads.dv];
+            assert!(b.mla_decompressed(&a, keep, &mut out).unwrap());
+            out
+        };
+        let runs = [(0, 40), (40, 41), (41, 150)];
+        let want: Vec<Vec<f32>> = runs.iter().map(|&(p0, p1)| run(p0, p1, None)).collect();
+        for most in [usize::MAX, 60, 40, 0] {
+            let mut kept = RebuiltRows::default();
+            for (&(p0, p1), w) in runs.iter().zip(&want) {
+                let got = run(p0, p1, Some((&mut kept, most)));
+                assert!(got == *w, "keeping at most {most} rows: positions {p0}..{p1} differ");
+                assert_eq!(kept.rows(), p1.min(most));
+            }
+            assert_eq!(kept.bytes(), kept.rows() * RebuiltRows::row_bytes(heads), "most {most}");
+            // The holder forgets positions 30..: a run from 30 on attends rebuilt rows again.
+            kept.truncate(30);
+            assert_eq!(kept.rows(), 30.min(most));
+            let again = run(30, 150, Some((&mut kept, most)));
+            assert!(again == run(30, 150, None), "keeping at most {most} rows: after truncating");
+        }
     }
 
     /// Products of several weights on one input in one parallel step: the same bits as each

@@ -106,7 +106,7 @@ pub(crate) fn uniform(mut seed: u64) -> impl FnMut() -> f32 {
 pub(crate) use testing::data as test_data;
 
 pub use attention::{attention, attention_many, Attn, KvType, FLASH_MIN};
-pub use backend::{CpuBackend, MlaDecompressed};
+pub use backend::{CpuBackend, MlaDecompressed, RebuiltRows};
 pub use jobs::{ffn_jobs, matmul_jobs, FfnJob, MatJob};
 pub use kernels::{best_kernel, kernel, Isa, Kernel, MAX_NY, MAX_WIDE};
 pub use matmul::{matmul, matmul_quantized, quantize_activations, QuantizedActs, WeightRef};

@@ -38,12 +38,12 @@ pub struct MlaPrefill<'a> {
     /// The cached rows as f32, `[rows][kv_lora + n_rot]`: the latent, then the rotary key
     /// ([`cache_rows_f32`]).
     pub kv: &'a [f32],
-    /// The keys rebuilt from the latent (`attn_k_b` transposed times each cached latent),
-    /// `[n_head][rows][nope]`: each head's as consecutive rows, as the products read them.
-    pub k: &'a [f32],
-    /// The values rebuilt from the latent (`attn_v_b` times each cached latent),
-    /// `[n_head][rows][dv]`.
-    pub v: &'a [f32],
+    /// The keys rebuilt from the latent (`attn_k_b` transposed times each cached latent), per
+    /// head `[rows][nope]` (at least `rows` rows): consecutive rows, as the products read them.
+    pub k: &'a [&'a [f32]],
+    /// The values rebuilt from the latent (`attn_v_b` times each cached latent), per head
+    /// `[rows][dv]`.
+    pub v: &'a [&'a [f32]],
     /// Rows each token attends (its position + 1), each in `1..=rows`.
     pub n_kv: &'a [usize],
     pub scale: f32,
@@ -64,8 +64,10 @@ impl MlaPrefill<'_> {
             && self.heads.dv > 0
             && Some(self.q.len()) == n.checked_mul(heads * self.dk())
             && Some(out.len()) == n.checked_mul(heads * self.heads.dv)
-            && rows.checked_mul(heads * self.heads.nope).is_some_and(|need| self.k.len() >= need)
-            && rows.checked_mul(heads * self.heads.dv).is_some_and(|need| self.v.len() >= need)
+            && self.k.len() == heads
+            && self.v.len() == heads
+            && rows.checked_mul(self.heads.nope).is_some_and(|need| self.k.iter().all(|k| k.len() >= need))
+            && rows.checked_mul(self.heads.dv).is_some_and(|need| self.v.iter().all(|v| v.len() >= need))
             && self.n_kv.iter().all(|&k| (1..=rows).contains(&k));
         if !ok {
             return Err(crate::Error::Shape(format!(
@@ -145,11 +147,10 @@ fn one_head(a: &MlaPrefill, h: usize, cols: usize, level: Level) -> Vec<f32> {
     let (n, nh, nope, nr, kl, dv, dk) =
         (a.n_kv.len(), a.heads.n_head, a.heads.nope, a.heads.n_rot, a.heads.kv_lora, a.heads.dv, a.dk());
     let row = kl + nr;
-    let rows = a.kv.len() / row;
     // This head's keys `[rows][nope]` and values `[rows][dv]`, consecutive rows (the products
     // read rows `nh * dv` apart 30% slower).
-    let (kb, ldk) = (&a.k[h * rows * nope..(h + 1) * rows * nope], nope);
-    let (vb, ldv) = (&a.v[h * rows * dv..(h + 1) * rows * dv], dv);
+    let (kb, ldk) = (a.k[h], nope);
+    let (vb, ldv) = (a.v[h], dv);
     let mut o = vec![0f32; n * dv];
     let mut qt = vec![0f32; dk * TB];
     let mut st = vec![0f32; cols * TB.min(n)];
@@ -239,6 +240,9 @@ mod tests {
         k: Vec<f32>,
         v: Vec<f32>,
         n_kv: Vec<usize>,
+        /// Each head's part of `k` and `v`.
+        k_heads: Vec<std::ops::Range<usize>>,
+        v_heads: Vec<std::ops::Range<usize>>,
     }
 
     const NH: usize = 3;
@@ -265,16 +269,23 @@ mod tests {
             x
         };
         let (k, v) = (rebuilt(&rand(3, NH * NOPE * KL, 0.3), NOPE), rebuilt(&rand(5, NH * DV * KL, 0.3), DV));
-        Case { q: rand(1, n_kv.len() * NH * (NOPE + NR), 1.0), kv, k, v, n_kv }
+        let heads = |d: usize| (0..NH).map(|h| h * rows * d..(h + 1) * rows * d).collect();
+        let (k_heads, v_heads) = (heads(NOPE), heads(DV));
+        Case { q: rand(1, n_kv.len() * NH * (NOPE + NR), 1.0), kv, k, v, n_kv, k_heads, v_heads }
     }
 
-    fn input(c: &Case) -> MlaPrefill<'_> {
+    /// Each head's keys and values as slices of the case's.
+    fn heads(c: &Case) -> (Vec<&[f32]>, Vec<&[f32]>) {
+        (c.k_heads.iter().map(|r| &c.k[r.clone()]).collect(), c.v_heads.iter().map(|r| &c.v[r.clone()]).collect())
+    }
+
+    fn input<'a>(c: &'a Case, kh: &'a [&'a [f32]], vh: &'a [&'a [f32]]) -> MlaPrefill<'a> {
         MlaPrefill {
             q: &c.q,
             heads: MlaHeads { n_head: NH, nope: NOPE, n_rot: NR, kv_lora: KL, dv: DV },
             kv: &c.kv,
-            k: &c.k,
-            v: &c.v,
+            k: kh,
+            v: vh,
             n_kv: &c.n_kv,
             scale: 0.3,
         }
@@ -335,16 +346,17 @@ mod tests {
         // A prefill at depth 100 (positions 100..230), and a run whose positions are not in order.
         for n_kv in [(101..231).collect::<Vec<_>>(), vec![5, 1, 77, 3, 64, 65]] {
             let c = case(n_kv);
+            let (kh, vh) = heads(&c);
             let want = reference(&c);
             let mut base = Vec::new();
             for level in levels() {
                 let mut got = vec![0f32; want.len()];
-                mla_prefill_at(&one, &input(&c), &mut got, level).unwrap();
+                mla_prefill_at(&one, &input(&c, &kh, &vh), &mut got, level).unwrap();
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert!((*g as f64 - w).abs() < 2e-5, "{level:?} [{i}]: {g} vs {w}");
                 }
                 let mut par = vec![0f32; want.len()];
-                mla_prefill_at(&two, &input(&c), &mut par, level).unwrap();
+                mla_prefill_at(&two, &input(&c, &kh, &vh), &mut par, level).unwrap();
                 assert!(par == got, "{level:?}: two threads differ from one");
                 if level != Level::Scalar {
                     if base.is_empty() {
@@ -358,11 +370,11 @@ mod tests {
                 let dk = NOPE + NR;
                 let q1 = c.q[t * NH * dk..(t + 1) * NH * dk].to_vec();
                 let n1 = [c.n_kv[t]];
-                let single = MlaPrefill { q: &q1, n_kv: &n1, ..input(&c) };
+                let single = MlaPrefill { q: &q1, n_kv: &n1, ..input(&c, &kh, &vh) };
                 let mut alone = vec![0f32; NH * DV];
                 mla_prefill_at(&one, &single, &mut alone, level).unwrap();
                 let mut run = vec![0f32; want.len()];
-                mla_prefill_at(&one, &input(&c), &mut run, level).unwrap();
+                mla_prefill_at(&one, &input(&c, &kh, &vh), &mut run, level).unwrap();
                 assert!(
                     alone[..] == run[t * NH * DV..(t + 1) * NH * DV],
                     "{level:?}: token alone differs from the run"
@@ -374,15 +386,19 @@ mod tests {
     #[test]
     fn bad_shapes_are_refused() {
         let c = case(vec![3, 4]);
+        let (kh, vh) = heads(&c);
         let mut out = vec![0f32; 2 * NH * DV];
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         for n_kv in [vec![0usize, 4], vec![3, 5]] {
-            let a = MlaPrefill { n_kv: &n_kv, ..input(&c) };
+            let a = MlaPrefill { n_kv: &n_kv, ..input(&c, &kh, &vh) };
             assert!(mla_prefill(&pool, &a, &mut out).is_err(), "{n_kv:?}");
         }
-        let k = vec![0f32; 7];
-        assert!(mla_prefill(&pool, &MlaPrefill { k: &k, ..input(&c) }, &mut out).is_err());
-        assert!(mla_prefill(&pool, &input(&c), &mut out[1..]).is_err());
+        // A head's keys too short, and a head missing.
+        let short = [0f32; 7];
+        let k = [kh[0], &short[..], kh[2]];
+        assert!(mla_prefill(&pool, &MlaPrefill { k: &k, ..input(&c, &kh, &vh) }, &mut out).is_err());
+        assert!(mla_prefill(&pool, &MlaPrefill { v: &vh[1..], ..input(&c, &kh, &vh) }, &mut out).is_err());
+        assert!(mla_prefill(&pool, &input(&c, &kh, &vh), &mut out[1..]).is_err());
         assert!(cache_rows_f32(&pool, &[0u8; 10], KvType::F16, 3, 2).is_err());
         assert!(cache_rows_f32(&pool, &[0u8; 34], KvType::Q8_0, 1, 16).is_err());
         assert_eq!(cache_rows_f32(&pool, &[0u8, 0x3c, 0, 0xc0], KvType::F16, 2, 1).unwrap(), vec![1.0, -2.0]);

@@ -199,6 +199,12 @@ impl Model {
     pub fn n_ctx_train(&self) -> usize {
         self.n_ctx_train
     }
+
+    /// Whether the model attends with multi-head latent attention that has a decompressed form
+    /// (`attn_k_b` / `attn_v_b`), which `--mla` and `--mla-cache` concern.
+    pub fn is_mla(&self) -> bool {
+        self.gguf.tensors().any(|t| t.info.name.ends_with(".attn_k_b.weight"))
+    }
 }
 
 /// Tokens to decode: token `i` is at position `pos[i]` of sequence `seq[i]`; `logits[i]` asks for
@@ -243,7 +249,15 @@ pub struct ContextParams {
     pub cache_type_v: CacheType,
     /// How MLA models attend (`--mla`).
     pub mla: MlaMode,
+    /// The most bytes of keys and values the decompressed MLA attention rebuilds from the cached
+    /// latent and keeps for the next runs of the sequence (`--mla-cache`; 0: none kept, every run
+    /// rebuilds every row). The logits are the same either way.
+    pub mla_cache_bytes: usize,
 }
+
+/// [`ContextParams::mla_cache_bytes`] by default: 1 GiB (the command line sizes it from the
+/// memory left free, `--mla-cache auto`).
+pub const DEFAULT_MLA_CACHE_BYTES: usize = 1 << 30;
 
 impl Default for ContextParams {
     fn default() -> Self {
@@ -253,6 +267,7 @@ impl Default for ContextParams {
             cache_type_k: CacheType::F16,
             cache_type_v: CacheType::F16,
             mla: MlaMode::Auto,
+            mla_cache_bytes: DEFAULT_MLA_CACHE_BYTES,
         }
     }
 }
@@ -315,7 +330,9 @@ impl Context {
         params.n_ubatch = params.n_ubatch.max(1);
         let layout = model.layers.layout();
         let layer_dev: Vec<DevId> = (0..layout.n_layer).map(|il| model.layers.kv_device(il, &exec)).collect();
-        let cache = KvCache::new(layout, params.cache_type_k, params.cache_type_v, params.n_ctx, &exec, &layer_dev)?;
+        let mut cache =
+            KvCache::new(layout, params.cache_type_k, params.cache_type_v, params.n_ctx, &exec, &layer_dev)?;
+        cache.set_rebuilt_budget(params.mla_cache_bytes);
         let ahead = if exec.reads_ahead() { ahead_lists(&model.gguf, &exec, layout.n_layer) } else { Vec::new() };
         Ok(Context { model, exec, cache, params, ahead })
     }

@@ -211,7 +211,7 @@ impl Deepseek2 {
                 let mut absorbed: Vec<usize> = Vec::new();
                 for (seq, tokens) in runs {
                     let n_kv: Vec<usize> = tokens.iter().map(|&t| ub.pos[t] as usize + 1).collect();
-                    if self.decompress(ub.mla, &n_kv) {
+                    if self.decompress(ub.mla, &n_kv, cache.rebuilt_rows(il, seq)) {
                         let qs = ex.gather_rows(&q, nh * dk, &tokens)?;
                         let c = MlaCall { il, seq, n_kv: &n_kv, k_b, v_b, s: shape, scale: self.kq_scale };
                         if let Some(out) = ex.mla_decompressed(cache, &qs, &c)? {
@@ -291,27 +291,38 @@ impl Deepseek2 {
     /// or under `Auto` when it costs fewer multiply-adds per head than the absorbed form, products
     /// of quantized weights (int8) counted at a third of an f32 one. Absorbed: `2 kv_lora +
     /// n_rot` per token and row, plus `W_kb` on each query and `W_vb` on each output (quantized).
-    /// Decompressed: `nope + n_rot + dv` per token and row, plus rebuilding every row's key and
-    /// value (f32 products since `CpuBackend` rebuilds them exactly). So the model switches at
-    /// about 180 tokens at depth 3072; on the bench model with 2 threads (Zen 4, 2026-12-05) the
-    /// forms measured alike at 192 tokens (94.7 against 93.4 t/s), absorbed 1.3x faster at 128
-    /// and decompressed 1.13x at 256, 1.54x at 512.
-    fn decompress(&self, mode: MlaMode, n_kv: &[usize]) -> bool {
+    /// Decompressed: `nope + n_rot + dv` per token and row, plus rebuilding the key and value of
+    /// every row but the `kept` ones (f32 products since `CpuBackend` rebuilds them exactly),
+    /// plus reading the kept ones from memory once per 64 tokens, counted at
+    /// [`KEPT_READ_COST`] a value. So without kept rows the model switches at about 180 tokens
+    /// at depth 3072 (on the bench model with 2 threads, Zen 4, 2026-12-05: the forms measured
+    /// alike at 192 tokens, absorbed 1.3x faster at 128 and decompressed 1.13x at 256, 1.54x at
+    /// 512), and with the rows of that depth kept at about 12 tokens (Zen 3, 2026-12-07:
+    /// absorbed 38.8 t/s against 24.7 at 8 tokens, 29.6 against 44.8 at 16, 32.7 against 57.2
+    /// at 32).
+    fn decompress(&self, mode: MlaMode, n_kv: &[usize], kept: usize) -> bool {
         match mode {
             MlaMode::Absorbed => false,
             MlaMode::Decompressed => true,
-            MlaMode::Auto => decompress_pays(self.kv_lora, self.n_rot, self.dk - self.n_rot, self.dv, n_kv),
+            MlaMode::Auto => decompress_pays(self.kv_lora, self.n_rot, self.dk - self.n_rot, self.dv, n_kv, kept),
         }
     }
 }
 
+/// What reading a kept rebuilt value (f32, from memory: 50 MB a layer for the bench model at
+/// depth 3072) costs the decompressed form in multiply-adds, for [`decompress_pays`]: fitted to
+/// the crossing measured at depth 3072 (see [`Deepseek2::decompress`]).
+const KEPT_READ_COST: f64 = 32.0;
+
 /// The cost model of [`Deepseek2::decompress`] under `Auto`.
-fn decompress_pays(kv_lora: usize, n_rot: usize, nope: usize, dv: usize, n_kv: &[usize]) -> bool {
+fn decompress_pays(kv_lora: usize, n_rot: usize, nope: usize, dv: usize, n_kv: &[usize], kept: usize) -> bool {
     let (kl, nr, nope, dv) = (kv_lora as f64, n_rot as f64, nope as f64, dv as f64);
     let pairs: f64 = n_kv.iter().map(|&k| k as f64).sum();
-    let (n, rows) = (n_kv.len() as f64, n_kv.iter().copied().max().unwrap_or(0) as f64);
+    let n_rows = n_kv.iter().copied().max().unwrap_or(0);
+    let (n, rows, kept) = (n_kv.len() as f64, n_rows as f64, kept.min(n_rows) as f64);
     let absorbed = pairs * (2.0 * kl + nr) + n * (nope * kl + kl * dv) / 3.0;
-    let decompressed = pairs * (nope + nr + dv) + rows * (nope * kl + kl * dv);
+    let reads = (n / 64.0).ceil() * kept * (nope + dv) * KEPT_READ_COST;
+    let decompressed = pairs * (nope + nr + dv) + (rows - kept) * (nope * kl + kl * dv) + reads;
     decompressed < absorbed
 }
 
@@ -384,16 +395,24 @@ mod tests {
     /// Kimi's shapes (latent 512, rope 64, nope 128, dv 128), as measured with `tandem bench
     /// --mla` on the bench model: decoding and short runs stay absorbed; prompt runs of 256 and
     /// 512 tokens at depth 0 and 3072 are decompressed; 64 and 128 tokens at depth 3072 stay
-    /// absorbed (decompressed was 1.3x slower at 128).
+    /// absorbed (decompressed was 1.3x slower at 128) unless the rows of that depth are kept,
+    /// when 16 tokens are decompressed and 8 are not.
     #[test]
     fn auto_decompresses_long_runs_only() {
         let run = |depth: usize, n: usize| (depth + 1..=depth + n).collect::<Vec<_>>();
-        let pays = |depth, n| decompress_pays(512, 64, 128, 128, &run(depth, n));
+        let pays = |depth, n| decompress_pays(512, 64, 128, 128, &run(depth, n), 0);
         for depth in [0, 100, 3072, 100_000] {
             assert!(!pays(depth, 1), "decode at {depth}");
         }
         assert!(!pays(3072, 64) && !pays(3072, 128) && !pays(0, 16) && !pays(0, 64));
         assert!(pays(0, 256) && pays(0, 512) && pays(3072, 256) && pays(3072, 512));
-        assert!(!decompress_pays(512, 64, 128, 128, &[]));
+        assert!(!decompress_pays(512, 64, 128, 128, &[], 0));
+        // The depth's rows kept (more than the rows attended counts as all of them).
+        let kept = |depth, n, kept| decompress_pays(512, 64, 128, 128, &run(depth, n), kept);
+        for depth in [3072, 100_000] {
+            assert!(!kept(depth, 1, depth) && !kept(depth, 8, depth), "decode at {depth}");
+            assert!(kept(depth, 16, depth) && kept(depth, 64, depth) && kept(depth, 128, usize::MAX), "{depth}");
+        }
+        assert!(!kept(3072, 16, 0) && !kept(3072, 64, 1000));
     }
 }

@@ -25,6 +25,17 @@ pub(crate) trait KvStore: Send + Sync {
     fn used_bytes(&self) -> usize;
     /// Appends `n` rows of zeros to `seq` (which has `len` positions) in every layer.
     fn append_zeros(&mut self, seq: usize, len: usize, n: usize) -> Result<()>;
+    /// The most bytes the decompressed MLA attention may keep of rebuilt keys and values
+    /// between runs (a store whose device keeps none ignores it).
+    fn set_rebuilt_budget(&mut self, _bytes: usize) {}
+    /// Rows of `seq` in layer `il` whose rebuilt keys and values are kept.
+    fn rebuilt_rows(&self, _seq: usize, _il: usize) -> usize {
+        0
+    }
+    /// Bytes of rebuilt keys and values kept.
+    fn rebuilt_bytes(&self) -> usize {
+        0
+    }
     fn as_any(&self) -> &dyn Any;
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }

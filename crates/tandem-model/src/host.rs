@@ -18,8 +18,8 @@ use std::collections::{HashMap, HashSet};
 /// a decode step's sums stay whole, a prefill's are split).
 const ADD_PART: usize = 4096;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use tandem_cpu::{Attn, CpuBackend, KvType, RopeStyle, WeightRef};
+use std::sync::{Arc, Mutex};
+use tandem_cpu::{Attn, CpuBackend, KvType, RebuiltRows, RopeStyle, WeightRef};
 use tandem_gguf::GgmlType;
 use tandem_quant::{quantize_row, row_size};
 
@@ -400,15 +400,11 @@ impl Device for HostDevice {
         // attn_k_b and attn_v_b as stored (never a packed copy): made f32 once from these bytes.
         let k_plain = WeightRef::new(k_b.ty, k_b.rows(), k_b.cols(), k_b.bytes())?;
         let v_plain = WeightRef::new(v_b.ty, v_b.rows(), v_b.cols(), v_b.bytes())?;
+        let heads =
+            tandem_cpu::MlaHeads { n_head: s.n_head, nope: s.nope, n_rot: s.n_rot, kv_lora: s.kv_lora, dv: s.dv };
         let input = tandem_cpu::MlaDecompressed {
             q,
-            heads: tandem_cpu::MlaHeads {
-                n_head: s.n_head,
-                nope: s.nope,
-                n_rot: s.n_rot,
-                kv_lora: s.kv_lora,
-                dv: s.dv,
-            },
+            heads,
             kv: store.rows(seq, il).0,
             kv_type,
             n_kv,
@@ -418,7 +414,8 @@ impl Device for HostDevice {
             scale,
         };
         let mut out = vec![0f32; n_kv.len() * s.n_head * s.dv];
-        match self.cpu.mla_decompressed(&input, &mut out).map_err(named(&k_b.name))? {
+        let done = store.with_rebuilt(seq, il, heads, |keep| self.cpu.mla_decompressed(&input, keep, &mut out));
+        match done.map_err(named(&k_b.name))? {
             true => Ok(Some(self.out(out))),
             false => Ok(None),
         }
@@ -541,6 +538,11 @@ pub(crate) struct HostKv {
     v_row_bytes: usize,
     layers: StoreLayers,
     seqs: HashMap<usize, SeqRows>,
+    /// The decompressed MLA attention's rebuilt keys and values per (sequence, layer index),
+    /// kept in step with the rows ([`tandem_cpu::RebuiltRows`]), and the most bytes they may
+    /// take together.
+    rebuilt: Mutex<HashMap<(usize, usize), RebuiltRows>>,
+    rebuilt_budget: usize,
 }
 
 impl HostKv {
@@ -554,7 +556,31 @@ impl HostKv {
             v_type,
             layers,
             seqs: HashMap::new(),
+            rebuilt: Mutex::new(HashMap::new()),
+            rebuilt_budget: 0,
         })
+    }
+
+    /// Runs `f` with the kept rebuilt rows of `seq` in layer `il` and the most rows they may
+    /// hold: all they hold, and as many more as fit in what the budget leaves (`heads` gives a
+    /// row's bytes). `None` to `f` where the budget is 0 or `il` is not a layer of this store.
+    fn with_rebuilt<R>(
+        &self,
+        seq: usize,
+        il: usize,
+        heads: tandem_cpu::MlaHeads,
+        f: impl FnOnce(Option<(&mut RebuiltRows, usize)>) -> R,
+    ) -> R {
+        let Ok(li) = self.layers.at(il) else { return f(None) };
+        if self.rebuilt_budget == 0 {
+            return f(None);
+        }
+        let mut all = self.rebuilt.lock().unwrap_or_else(|e| e.into_inner());
+        let used: usize = all.values().map(RebuiltRows::bytes).sum();
+        let r = all.entry((seq, li)).or_default();
+        let room = self.rebuilt_budget.saturating_sub(used) / RebuiltRows::row_bytes(heads).max(1);
+        let most = r.rows().saturating_add(room);
+        f(Some((r, most)))
     }
 
     /// Appends the K (and V) row of the next position of `seq` in layer `il`.
@@ -586,6 +612,13 @@ impl HostKv {
 
 impl KvStore for HostKv {
     fn truncate(&mut self, seq: usize, n: usize) {
+        let rebuilt = self.rebuilt.get_mut().unwrap_or_else(|e| e.into_inner());
+        rebuilt.retain(|&(s, _), r| {
+            if s == seq {
+                r.truncate(n);
+            }
+            s != seq || n > 0
+        });
         if n == 0 {
             self.seqs.remove(&seq);
             return;
@@ -601,7 +634,7 @@ impl KvStore for HostKv {
     }
 
     fn copy_prefix(&mut self, src: usize, dst: usize, n: usize) -> Result<()> {
-        self.seqs.remove(&dst);
+        self.truncate(dst, 0);
         let Some(s) = self.seqs.get(&src) else { return Ok(()) };
         let copy = SeqRows {
             k: s.k.iter().map(|k| k[..(n * self.k_row_bytes).min(k.len())].to_vec()).collect(),
@@ -626,6 +659,20 @@ impl KvStore for HostKv {
             v.resize((len + n) * vb, 0);
         }
         Ok(())
+    }
+
+    fn set_rebuilt_budget(&mut self, bytes: usize) {
+        self.rebuilt_budget = bytes;
+    }
+
+    fn rebuilt_rows(&self, seq: usize, il: usize) -> usize {
+        let Ok(li) = self.layers.at(il) else { return 0 };
+        let all = self.rebuilt.lock().unwrap_or_else(|e| e.into_inner());
+        all.get(&(seq, li)).map_or(0, RebuiltRows::rows)
+    }
+
+    fn rebuilt_bytes(&self) -> usize {
+        self.rebuilt.lock().unwrap_or_else(|e| e.into_inner()).values().map(RebuiltRows::bytes).sum()
     }
 
     fn as_any(&self) -> &dyn Any {

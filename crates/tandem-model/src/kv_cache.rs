@@ -232,6 +232,24 @@ impl KvCache {
         self.stores.iter().map(|(_, s)| s.used_bytes()).sum()
     }
 
+    /// The most bytes of rebuilt keys and values the decompressed MLA attention keeps between
+    /// runs, on each device that keeps them (the CPU).
+    pub(crate) fn set_rebuilt_budget(&mut self, bytes: usize) {
+        for (_, s) in &mut self.stores {
+            s.set_rebuilt_budget(bytes);
+        }
+    }
+
+    /// Bytes of rebuilt keys and values kept now.
+    pub fn rebuilt_bytes(&self) -> usize {
+        self.stores.iter().map(|(_, s)| s.rebuilt_bytes()).sum()
+    }
+
+    /// Rows of `seq` in layer `il` whose rebuilt keys and values are kept.
+    pub(crate) fn rebuilt_rows(&self, il: usize, seq: usize) -> usize {
+        self.store(il).map_or(0, |(_, s)| s.rebuilt_rows(seq, il))
+    }
+
     /// The store of layer `il` and its device.
     pub(crate) fn store(&self, il: usize) -> Result<(DevId, &dyn KvStore)> {
         let i = *self.layer_store.get(il).ok_or_else(|| Error::Model(format!("no cache for layer {il}")))?;

@@ -20,7 +20,7 @@ mod qwen3moe;
 mod weights;
 
 pub use config::{Arch, RopeConfig};
-pub use context::{Batch, Context, ContextParams, MlaMode, Model, PackReport, PackedSources};
+pub use context::{Batch, Context, ContextParams, MlaMode, Model, PackReport, PackedSources, DEFAULT_MLA_CACHE_BYTES};
 pub use exec::{Counts, DevId, Exec, Ledger, Tensor, CPU};
 pub use kv_cache::{CacheType, KvCache};
 pub use moe::route;
