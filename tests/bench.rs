@@ -297,6 +297,8 @@ fn bad_flags_give_one_line_errors() {
         (&["--sweep", "-c", "8", "-ub", "4", "-n", "12"], "-n 12 decode steps do not fit in -c 8: no sweep row"),
         (&["--sweep", "-c", "64", "-p", "8"], "-p does not apply"),
         (&["-ctk", "q9_9"], "-ctk q9_9"),
+        (&["--mla-cache", "lots"], "--mla-cache: 'lots' is not a size"),
+        (&["--mla-cache", "2PiB"], "--mla-cache: unknown unit 'PiB'"),
         (&["--parallel", "0"], "--parallel 0"),
         (&["-npl", "2", "-d", "4"], "-d does not apply to --parallel"),
         (&["-npl", "2", "--sweep", "-c", "64"], "--parallel does not apply to --sweep"),
