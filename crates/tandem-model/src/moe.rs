@@ -211,9 +211,10 @@ pub fn route(logits: &[f32], bias: Option<&[f32]>, r: &RouterParams) -> Vec<(usi
         Some(b) => probs.iter().zip(b).map(|(p, b)| p + b).collect(),
         None => probs.clone(),
     };
-    if r.n_group > 1 {
+    // Groups of 0 experts (`n_group > n_expert`, which `Moe::load` refuses) select no groups.
+    let per = r.n_expert / r.n_group.max(1);
+    if r.n_group > 1 && per > 0 {
         // A group's score is the sum of its two best experts; keep the best groups only.
-        let per = r.n_expert / r.n_group;
         let scores: Vec<f32> = sel.chunks(per).map(|g| top_k(g, 2.min(per)).iter().map(|&i| g[i]).sum()).collect();
         let keep = top_k(&scores, r.n_group_used);
         for (g, chunk) in sel.chunks_mut(per).enumerate() {
@@ -245,7 +246,25 @@ fn top_k(v: &[f32], k: usize) -> Vec<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::top_k;
+    use super::{route, top_k, Gating, RouterParams};
+
+    /// Parameters no loaded model has (more groups than experts) give a route, not a panic.
+    #[test]
+    fn unvalidated_groups_do_not_panic() {
+        let logits: Vec<f32> = (0..8).map(|i| i as f32 * 0.1).collect();
+        let r = RouterParams {
+            n_expert: 8,
+            n_used: 2,
+            gating: Gating::Sigmoid,
+            n_group: 16,
+            n_group_used: 3,
+            norm: true,
+            scale: 1.0,
+        };
+        let got = route(&logits, None, &r);
+        assert_eq!(got.iter().map(|&(e, _)| e).collect::<Vec<_>>(), vec![7, 6]);
+        assert!(route(&[], None, &RouterParams { n_expert: 0, ..r }).is_empty());
+    }
 
     #[test]
     fn top_k_orders_by_value() {
