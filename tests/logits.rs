@@ -309,8 +309,8 @@ fn threads_ubatch_and_token_by_token_give_the_same_logits() {
 
 /// `--mla-cache`: the decompressed form keeping rebuilt keys and values between runs (all of
 /// them, a budget that ends part way, none) gives the bits of rebuilding every row each run, for
-/// a prompt in micro-batches, a second turn, and a turn after the cache forgot positions; what is
-/// kept goes with the forgotten positions.
+/// a prompt in micro-batches, a second turn, a turn after the cache forgot positions, and a
+/// sequence made from another's first positions; what is kept goes with the forgotten positions.
 #[test]
 fn kept_mla_rows_give_the_same_logits() {
     let f = fixtures().into_iter().find(|f| f.name == "deepseek2-mla-q4_k_m.gguf").unwrap();
@@ -333,7 +333,15 @@ fn kept_mla_rows_give_the_same_logits() {
         // Other tokens where the forgotten ones were.
         c.truncate(0, 25);
         out.extend(c.decode(&Batch::sequence(&toks[45..], 25, 0, true)).unwrap());
+        // A second sequence starting with 20 of those positions (a shared system prompt), then
+        // its own tokens: with everything kept, it takes the copied rows' rebuilt rows along.
+        let before = c.cache().rebuilt_bytes();
+        c.copy_prefix(0, 1, 20).unwrap();
+        let copied = c.cache().rebuilt_bytes() - before;
+        assert!(budget != tandem_model::DEFAULT_MLA_CACHE_BYTES || copied > 0, "no rebuilt rows copied");
+        out.extend(c.decode(&Batch::sequence(&toks[50..], 20, 1, true)).unwrap());
         c.truncate(0, 0);
+        c.truncate(1, 0);
         assert_eq!(c.cache().rebuilt_bytes(), 0, "budget {budget}: a cleared sequence keeps rebuilt rows");
         (out, kept)
     };

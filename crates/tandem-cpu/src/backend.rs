@@ -362,6 +362,19 @@ impl RebuiltRows {
         self.rows = n;
     }
 
+    /// A copy of rows `0..n` (all of them when it holds fewer), for another sequence that starts
+    /// with the same positions.
+    pub fn prefix(&self, n: usize) -> RebuiltRows {
+        let Some(h) = self.heads else { return RebuiltRows::default() };
+        let rows = n.min(self.rows);
+        RebuiltRows {
+            k: self.k.iter().map(|k| k[..rows * h.nope].to_vec()).collect(),
+            v: self.v.iter().map(|v| v[..rows * h.dv].to_vec()).collect(),
+            rows,
+            heads: self.heads,
+        }
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         self.k.iter().chain(&self.v).map(|x| x.capacity()).sum::<usize>() * std::mem::size_of::<f32>()

@@ -641,6 +641,19 @@ impl KvStore for HostKv {
             v: s.v.iter().map(|v| v[..(n * self.v_row_bytes).min(v.len())].to_vec()).collect(),
         };
         self.seqs.insert(dst, copy);
+        // The rebuilt keys and values of those positions too, layer by layer while the budget
+        // lasts (a shared system prompt is then not rebuilt by every slot's first prompt).
+        let rebuilt = self.rebuilt.get_mut().unwrap_or_else(|e| e.into_inner());
+        let mut used: usize = rebuilt.values().map(RebuiltRows::bytes).sum();
+        let mut copies = Vec::new();
+        for (&(s, li), r) in rebuilt.iter() {
+            let c = r.prefix(n);
+            if s == src && c.rows() > 0 && used + c.bytes() <= self.rebuilt_budget {
+                used += c.bytes();
+                copies.push(((dst, li), c));
+            }
+        }
+        rebuilt.extend(copies);
         Ok(())
     }
 
