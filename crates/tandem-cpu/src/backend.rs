@@ -255,28 +255,32 @@ impl CpuBackend {
         for h0 in (0..nh).step_by(hg) {
             let h1 = (h0 + hg).min(nh);
             let g = h1 - h0;
-            // Each head's rows: the kept ones, then (where the kept ones stop short) a copy of
-            // them followed by the rows made now.
-            let (mut ks, mut vs) = (Vec::new(), Vec::new());
+            // Each head's rows: the kept ones, the ones made now, or (where the kept ones stop
+            // short) a copy of the kept ones followed by the ones made now.
+            let (mut k, mut v) = (Vec::new(), Vec::new());
             if fresh > 0 {
                 let new = &latent[upto * kl..rows * kl];
-                let k = rebuild(pool, new, &w.k[h0 * kl * nope..h1 * kl * nope], kl, nope);
-                let v = rebuild(pool, new, &w.v[h0 * kl * dv..h1 * kl * dv], kl, dv);
-                for (j, h) in (h0..h1).enumerate() {
-                    ks.push([&kept.k[h][..], &k[j * fresh * nope..(j + 1) * fresh * nope]].concat());
-                    vs.push([&kept.v[h][..], &v[j * fresh * dv..(j + 1) * fresh * dv]].concat());
+                k = rebuild(pool, new, &w.k[h0 * kl * nope..h1 * kl * nope], kl, nope);
+                v = rebuild(pool, new, &w.v[h0 * kl * dv..h1 * kl * dv], kl, dv);
+                if upto > 0 {
+                    let join = |kept: &[Vec<f32>], new: &[f32], d: usize| -> Vec<f32> {
+                        (h0..h1)
+                            .zip(new.chunks_exact(fresh * d))
+                            .flat_map(|(h, n)| [&kept[h][..], n].concat())
+                            .collect()
+                    };
+                    (k, v) = (join(&kept.k, &k, nope), join(&kept.v, &v, dv));
                 }
             }
-            let kh: Vec<&[f32]> = if fresh > 0 {
-                ks.iter().map(Vec::as_slice).collect()
-            } else {
-                kept.k[h0..h1].iter().map(Vec::as_slice).collect()
-            };
-            let vh: Vec<&[f32]> = if fresh > 0 {
-                vs.iter().map(Vec::as_slice).collect()
-            } else {
-                kept.v[h0..h1].iter().map(Vec::as_slice).collect()
-            };
+            fn heads<'a>(kept: &'a [Vec<f32>], made: &'a [f32], per: usize) -> Vec<&'a [f32]> {
+                match per {
+                    0 => kept.iter().map(Vec::as_slice).collect(),
+                    _ => made.chunks_exact(per).collect(),
+                }
+            }
+            // `per`: each head's values made now (0: none, the kept rows are all).
+            let (pk, pv) = if fresh == 0 { (0, 0) } else { (rows * nope, rows * dv) };
+            let (kh, vh) = (heads(&kept.k[h0..h1], &k, pk), heads(&kept.v[h0..h1], &v, pv));
             let qg: Vec<f32> = if g == nh {
                 std::mem::take(&mut q)
             } else {

@@ -646,9 +646,9 @@ impl KvStore for HostKv {
         let rebuilt = self.rebuilt.get_mut().unwrap_or_else(|e| e.into_inner());
         let mut used: usize = rebuilt.values().map(RebuiltRows::bytes).sum();
         let mut copies = Vec::new();
-        for (&(s, li), r) in rebuilt.iter() {
+        for (&(_, li), r) in rebuilt.iter().filter(|(&(s, _), _)| s == src) {
             let c = r.prefix(n);
-            if s == src && c.rows() > 0 && used + c.bytes() <= self.rebuilt_budget {
+            if c.rows() > 0 && used + c.bytes() <= self.rebuilt_budget {
                 used += c.bytes();
                 copies.push(((dst, li), c));
             }
