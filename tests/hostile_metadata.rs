@@ -1,38 +1,13 @@
 //! Hostile hyperparameters: every fixture model rewritten with one metadata value changed (seeded,
 //! 1,000 cases, the values that broke loaders before always among them), each run through
-//! `tandem run` as a user would, under an 8 GiB address-space limit. A mutant may load and generate,
-//! or be refused; it may never panic, abort, hang or print more than one error line. (Broken file
-//! structure is crates/tandem-gguf/tests/malformed.rs's.)
-//!
-//! `TANDEM_FUZZ_CASES` and `TANDEM_FUZZ_SEED` change how many cases run and which.
+//! `tandem run` as [`hostile_util`] does. (Broken file structure is
+//! crates/tandem-gguf/tests/malformed.rs's; hostile tensors are hostile_tensors.rs's.)
 
+mod hostile_util;
+
+use hostile_util::{cases_and_seed, fixtures, run_all, sample};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 use tandem_gguf::{Array, GgufFile, GgufWriter, Value};
-use tandem_model::demo::SplitMix64;
-
-/// A uniform index below `n` from the seeded stream (modulo: the bias does not matter here).
-fn below(rng: &mut SplitMix64, n: usize) -> usize {
-    (rng.next_u64() % n as u64) as usize
-}
-
-fn fixtures() -> Vec<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let mut v = Vec::new();
-    for dir in ["models", "inference"] {
-        for e in std::fs::read_dir(root.join(dir)).unwrap() {
-            let p = e.unwrap().path();
-            let name = p.file_name().unwrap().to_string_lossy().to_string();
-            // Split shards are read together; the single-file fixtures cover the same keys.
-            if name.ends_with(".gguf") && !name.contains("-of-") {
-                v.push(p);
-            }
-        }
-    }
-    v.sort();
-    v
-}
 
 /// Integer values that have broken loaders: zero, one, odd, the original's neighbours, and the
 /// limits of 31, 32 and 64 bits.
@@ -221,17 +196,7 @@ fn cases(n: usize, seed: u64) -> Vec<Case> {
     let mut seen = std::collections::HashSet::new();
     known.retain(|c| seen.insert((c.fixture.clone(), c.key.clone(), format!("{:?}", c.value))));
     all.retain(|c| seen.insert((c.fixture.clone(), c.key.clone(), format!("{:?}", c.value))));
-    assert!(all.len() + known.len() >= n, "only {} mutations of the fixtures' metadata", all.len() + known.len());
-    let mut rng = SplitMix64(seed);
-    // A partial Fisher-Yates shuffle picks the sample.
-    let take = n.saturating_sub(known.len());
-    for i in 0..take {
-        let j = i + below(&mut rng, all.len() - i);
-        all.swap(i, j);
-    }
-    all.truncate(take);
-    known.extend(all);
-    known
+    sample(known, all, n, seed)
 }
 
 fn write_mutant(c: &Case, path: &Path) {
@@ -250,132 +215,10 @@ fn write_mutant(c: &Case, path: &Path) {
     w.write_file(path).unwrap();
 }
 
-enum Outcome {
-    Ran,
-    Refused(String),
-    Bad(String),
-}
-
-fn run_case(c: &Case, dir: &Path, i: usize) -> Outcome {
-    let path = dir.join(format!("mutant-{i}.gguf"));
-    write_mutant(c, &path);
-    // Under an 8 GiB address-space limit: a run-away allocation fails (an abort, reported) instead
-    // of taking the machine's memory.
-    let mut child = Command::new("sh")
-        .args(["-c", "ulimit -v 8388608 && exec \"$0\" \"$@\"", env!("CARGO_BIN_EXE_tandem"), "run", "-m"])
-        .arg(&path)
-        .args(["-p", "Hello, world", "-n", "3", "--temp", "0", "-t", "1"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // stderr is read on a thread so a chatty child cannot block on a full pipe.
-    let mut err = child.stderr.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::Read::read_to_string(&mut err, &mut s);
-        s
-    });
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break Some(s);
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    };
-    let stderr = reader.join().unwrap();
-    let _ = std::fs::remove_file(&path);
-    let what = format!("case {i}: {} with {}", c.fixture.file_name().unwrap().to_string_lossy(), c.what);
-    if std::env::var_os("TANDEM_FUZZ_ONLY").is_some() {
-        println!(
-            "{what}: {:?} in {:.1} s: {}",
-            status.and_then(|s| s.code()),
-            start.elapsed().as_secs_f64(),
-            stderr.trim_end()
-        );
-    }
-    let Some(status) = status else { return Outcome::Bad(format!("{what}: still running after 60 s")) };
-    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("tandem: error:")).collect();
-    match status.code() {
-        Some(0) if errors.is_empty() => Outcome::Ran,
-        Some(1) if errors.len() == 1 && stderr.ends_with('\n') && stderr.lines().last() == Some(errors[0]) => {
-            let line = errors[0];
-            if line.chars().any(|ch| ch.is_control()) {
-                Outcome::Bad(format!("{what}: the error line holds control characters: {line:?}"))
-            } else {
-                Outcome::Refused(line.to_string())
-            }
-        }
-        code => {
-            let tail: Vec<&str> = stderr.lines().rev().take(4).collect();
-            Outcome::Bad(format!("{what}: exit {code:?} ({status}); stderr ends {tail:?}"))
-        }
-    }
-}
-
 #[test]
 fn mutated_hyperparameters_are_refused_in_one_line_or_run() {
-    let n: usize = std::env::var("TANDEM_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
-    let seed: u64 = std::env::var("TANDEM_FUZZ_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0x7a6d);
-    let mut cases: Vec<(usize, Case)> = cases(n, seed).into_iter().enumerate().collect();
-    // TANDEM_FUZZ_ONLY=I,J runs those cases alone (the numbers the failures print).
-    if let Ok(only) = std::env::var("TANDEM_FUZZ_ONLY") {
-        let keep: Vec<usize> = only.split(',').filter_map(|v| v.trim().parse().ok()).collect();
-        cases.retain(|(i, _)| keep.contains(i));
-    }
-    let dir = std::env::temp_dir().join(format!("tandem-hostile-metadata-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let workers = std::thread::available_parallelism().map_or(2, |n| n.get()).min(4);
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let results: Vec<(usize, Outcome)> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..workers)
-            .map(|_| {
-                s.spawn(|| {
-                    let mut out = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some((no, c)) = cases.get(i) else { break };
-                        out.push((*no, run_case(c, &dir, *no)));
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
-    });
-    let _ = std::fs::remove_dir_all(&dir);
-    let (mut ran, mut refused, mut bad) = (0, 0, Vec::new());
-    let mut samples = std::collections::BTreeMap::new();
-    for (_, o) in &results {
-        match o {
-            Outcome::Ran => ran += 1,
-            Outcome::Refused(line) => {
-                refused += 1;
-                // One refusal per distinct message shape (numbers and paths left out), to show.
-                let shape: String =
-                    line.rsplit(".gguf").next().unwrap_or(line).chars().filter(|c| !c.is_ascii_digit()).collect();
-                samples.entry(shape).or_insert_with(|| line.clone());
-            }
-            Outcome::Bad(why) => bad.push(why.clone()),
-        }
-    }
-    println!(
-        "{} mutants of {} fixtures (seed {seed:#x}): {ran} ran, {refused} refused in one line, {} panicked, aborted, hung or said more",
-        results.len(),
-        fixtures().len(),
-        bad.len()
-    );
-    println!("{} kinds of refusal, e.g.:", samples.len());
-    for line in samples.values().take(12) {
-        println!("  {line}");
-    }
-    if std::env::var_os("TANDEM_FUZZ_ONLY").is_none() {
-        assert!(results.len() >= 500.min(n), "{} cases ran", results.len());
-    }
-    assert!(bad.is_empty(), "{} of {} mutants failed badly:\n{}", bad.len(), results.len(), bad.join("\n"));
+    let (n, seed) = cases_and_seed(1000, 0x7a6d);
+    let cases = cases(n, seed);
+    let what = |c: &Case| format!("{} with {}", c.fixture.file_name().unwrap().to_string_lossy(), c.what);
+    run_all("hostile-metadata", &cases, what, write_mutant, seed);
 }
