@@ -138,3 +138,47 @@ fn hostile_tensors_are_refused_in_one_line_or_run() {
     run_all("hostile-tensors", &cases, what, write_mutant, seed);
 }
 
+/// `tandem run`'s standard output and whether it succeeded, with the error lines when not.
+fn run_greedy(model: &Path) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["run", "-m"])
+        .arg(model)
+        .args(["-p", "Hello, world", "-n", "8", "--temp", "0", "-t", "1"])
+        .output()
+        .unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+#[test]
+fn dimensions_of_one_are_read_as_llama_cpp_reads_them() {
+    // llama.cpp's `check_tensor_dims` takes every dimension past the ones it asks for as 1: a
+    // converter may write `[n, 1]` for a norm, `[n_embd, n_vocab, 1]` for a matrix. The same
+    // model with a trailing 1 on every tensor must load and give the same tokens.
+    let dir = std::env::temp_dir().join(format!("tandem-dims-of-one-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in fixtures().into_iter().filter(|f| f.parent().is_some_and(|p| p.ends_with("models"))) {
+        let file = GgufFile::open(&f).unwrap();
+        let mut w = GgufWriter::new().version(file.version()).unwrap();
+        for (k, v) in file.metadata().entries() {
+            w.add(k, v.clone());
+        }
+        let mut padded = 0;
+        for t in file.tensors() {
+            let mut dims = t.dims.clone();
+            if dims.len() < 4 {
+                dims.push(1);
+                padded += 1;
+            }
+            w.add_tensor(&t.name, t.ty, &dims, file.tensor_data(&t.name).unwrap().to_vec()).unwrap();
+        }
+        assert!(padded > 0);
+        let copy = dir.join(f.file_name().unwrap());
+        w.write_file(&copy).unwrap();
+        let (ok, want, err) = run_greedy(&f);
+        assert!(ok, "{}: {err}", f.display());
+        let (ok, got, err) = run_greedy(&copy);
+        assert!(ok, "{} with trailing dimensions of 1: {err}", f.display());
+        assert_eq!(got, want, "{} with trailing dimensions of 1", f.display());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -214,22 +214,23 @@ impl WeightLoader {
     fn bind(&self, name: &str, dims: &[usize], may_pack: bool) -> Result<Option<Weight>> {
         let Some(index) = self.src.tensor_index(name) else { return Ok(None) };
         let Some(t) = self.src.tensor_at(index) else { return Ok(None) };
-        let got: Vec<usize> = t.info.dims.iter().map(|&d| d as usize).collect();
-        let mut want = dims.to_vec();
-        while want.len() > 1 && want.last() == Some(&1) && want.len() > got.len() {
-            want.pop();
-        }
-        if got != want {
-            return Err(model_err(format!("tensor '{name}' has shape {got:?}, expected {want:?}")));
+        let got = &t.info.dims;
+        // As llama.cpp's `check_tensor_dims`: dimensions beyond either list count as 1, so a file
+        // may write `[n, 1]` for `[n]` and `[n]` for `[n, 1]`.
+        let at = |d: &[u64], i: usize| d.get(i).copied().unwrap_or(1);
+        let want: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+        if (0..got.len().max(want.len())).any(|i| at(got, i) != at(&want, i)) {
+            return Err(model_err(format!("tensor '{name}' has shape {got:?}, expected {dims:?}")));
         }
         let ty = t.info.ty;
-        if !DEQUANTIZE_TYPES.contains(&ty) || (t.info.dims.len() > 1 && !VEC_DOT_TYPES.contains(&ty)) {
+        if !DEQUANTIZE_TYPES.contains(&ty) || (want.len() > 1 && !VEC_DOT_TYPES.contains(&ty)) {
             return Err(model_err(format!("tensor '{name}' has type {ty}, which tandem does not support yet")));
         }
         if !self.used.borrow_mut().insert(index) || !may_pack {
             self.raw_readers.borrow_mut().insert(index);
         }
-        let dims = t.info.dims.clone();
+        // The shape asked for (the file's, but for dimensions of 1).
+        let dims = want;
         let rows = dims[1..].iter().product::<u64>() as usize;
         // Each matrix of a 3-D tensor (an expert) must be whole groups too: it is multiplied alone.
         let pack = may_pack
