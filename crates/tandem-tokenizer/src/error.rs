@@ -40,6 +40,10 @@ impl From<minijinja::Error> for Error {
             minijinja::ErrorKind::InvalidOperation if e.detail().is_some() => {
                 e.detail().unwrap_or_default().to_string()
             }
+            minijinja::ErrorKind::OutOfFuel => {
+                "rendering ran past its budget for this conversation (a loop or a value that grows without end)"
+                    .to_string()
+            }
             _ => e.to_string(),
         };
         if let Some(line) = e.line() {

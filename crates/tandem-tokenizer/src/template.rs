@@ -102,8 +102,12 @@ impl ChatTemplate {
     }
 
     /// Renders `messages` (OpenAI-shaped JSON objects); `tools` is passed as the `tools` variable.
+    /// The render's budget ([`render_fuel`]) stops a template that loops or grows without end
+    /// with an error.
     pub fn render(&self, messages: &[Json], tools: Option<&[Json]>, add_generation_prompt: bool) -> Result<String> {
-        let tmpl = self.env.get_template(NAME).map_err(Error::from)?;
+        let mut env = self.env.clone();
+        env.set_fuel(Some(render_fuel(messages, tools)));
+        let tmpl = env.get_template(NAME).map_err(Error::from)?;
         let ctx = minijinja::context! {
             messages => Value::from(Serde(messages)),
             tools => tools.map(|t| Value::from(Serde(t))),
@@ -113,6 +117,19 @@ impl ChatTemplate {
         };
         Ok(tmpl.render(ctx)?)
     }
+}
+
+/// minijinja's fuel for rendering a conversation: about one unit an instruction and one per 64
+/// bytes made. The built-in templates (Kimi K2, DeepSeek V3 and R1, Hermes, Qwen, Llama 3, ChatML)
+/// took 15 to 85 units a message over a 201-message tool conversation, so a million (64 MB,
+/// milliseconds) plus 4,000 a message or tool and one per 4 bytes of their JSON leaves real
+/// templates room many times over, while a loop without end or a string doubled in a loop stops
+/// in linear time and memory. Not covered: a list doubled in a loop (`l = l + l`), which
+/// minijinja 3.1 makes whole past 32 lazy concatenations without charging fuel.
+fn render_fuel(messages: &[Json], tools: Option<&[Json]>) -> u64 {
+    let items = messages.iter().chain(tools.unwrap_or_default());
+    let (n, bytes) = items.fold((0u64, 0u64), |(n, b), m| (n + 1, b + m.to_string().len() as u64));
+    1_000_000 + 4_000 * n + bytes / 4
 }
 
 /// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent, separators=separators,
@@ -325,5 +342,37 @@ mod tests {
         let e = resolve_template_arg("chatm").unwrap_err();
         assert!(e.contains("chatml, llama3") && e.contains("--chat-template-file"), "{e}");
         assert_eq!(choose_template(None, None).1, TemplateSource::Fallback);
+    }
+
+    #[test]
+    fn templates_that_loop_or_grow_without_end_are_stopped() {
+        // A model file's template is input like any other: these would run for hours or take
+        // all the memory. Each must end in a one-line error, in a budget that grows with the
+        // conversation (a long one still renders, see the end).
+        let hostile = [
+            "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+            "{% set ns = namespace(s='xx') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+            "{% macro f(n) %}{{ f(n) ~ f(n) }}{% endmacro %}{{ f(1) }}",
+            "{{ 'x' * 99999999 }}",
+            "{% for m in messages %}{% for i in range(100000) %}{{ m.content }}{% endfor %}{% endfor %}",
+        ];
+        let msgs = [message("user", &"y".repeat(1000))];
+        for src in hostile {
+            let t = ChatTemplate::new(src, "", "").unwrap();
+            let (tx, rx) = std::sync::mpsc::channel();
+            let msgs = msgs.clone();
+            std::thread::spawn(move || tx.send(t.render(&msgs, None, true).map(|s| s.len())));
+            let got = rx
+                .recv_timeout(std::time::Duration::from_secs(20))
+                .unwrap_or_else(|_| panic!("{src}: still rendering"));
+            let e = got.expect_err(src).to_string();
+            assert!(!e.contains('\n'), "{src}: {e}");
+        }
+        // 2,000 messages of 2 KB through the Kimi K2 template: within the budget.
+        let (_, kimi) = BUILTIN_TEMPLATES.iter().find(|(n, _)| *n == "kimi-k2").unwrap();
+        let t = ChatTemplate::new(kimi, "", "").unwrap();
+        let long: Vec<Json> =
+            (0..2000).map(|i| message(if i % 2 == 0 { "user" } else { "assistant" }, &"z".repeat(2048))).collect();
+        assert!(t.render(&long, None, true).unwrap().len() > 2000 * 2048);
     }
 }
