@@ -193,21 +193,10 @@ impl Opened {
         if let Some(line) = read_ahead(spec.read_ahead, gguf, &mut exec) {
             notes.push(line);
         }
-        let mla_cache = match spec.mla_cache {
-            Some(b) => b,
-            None => {
-                let cpu = plan.as_ref().ok().and_then(|p| p.device(Device::Cpu));
-                let left = cpu.and_then(|c| Some(c.budget_bytes?.saturating_sub(c.total_bytes)));
-                let free = [left, available_memory()].into_iter().flatten().min();
-                free.map_or(tandem_model::DEFAULT_MLA_CACHE_BYTES as u64, |f| f / 2)
-            }
-        };
+        let mla_cache = mla_cache_budget(spec.mla_cache, plan.as_ref().ok());
         if spec.mla != MlaMode::Absorbed && self.model.is_mla() {
-            notes.push(format!(
-                "MLA: up to {} of rebuilt keys and values kept between prompt runs (--mla-cache {})",
-                tandem_plan::human(mla_cache),
-                spec.mla_cache.map_or("auto: half the free memory".to_string(), |_| "as given".to_string())
-            ));
+            let info = info.as_ref().and_then(|i| i.as_ref().ok());
+            notes.push(mla_cache_line(spec.mla_cache.is_some(), mla_cache, plan.as_ref().ok().zip(info)));
         }
         let params = ContextParams {
             n_ctx,
@@ -224,6 +213,51 @@ impl Opened {
         };
         Ok(Up { ctx, plan, plan_error, notes })
     }
+}
+
+/// `--mla-cache`'s budget for the rebuilt MLA keys and values kept between prompt runs: as
+/// given, or (`auto`) half the memory `plan` leaves the CPU and at most half of what is
+/// available now.
+pub fn mla_cache_budget(given: Option<u64>, plan: Option<&Plan>) -> u64 {
+    given.unwrap_or_else(|| {
+        let cpu = plan.and_then(|p| p.device(Device::Cpu));
+        let left = cpu.and_then(|c| Some(c.budget_bytes?.saturating_sub(c.total_bytes)));
+        let free = [left, available_memory()].into_iter().flatten().min();
+        free.map_or(tandem_model::DEFAULT_MLA_CACHE_BYTES as u64, |f| f / 2)
+    })
+}
+
+/// The bytes the rebuilt keys and values of every cell of `plan`'s cache take (f32, each layer's
+/// heads); `None` without MLA.
+pub fn mla_rows_bytes(plan: &Plan, info: &ModelInfo) -> Option<u64> {
+    let h = &info.hparams;
+    matches!(h.attention, tandem_plan::Attention::Mla { .. }).then(|| {
+        let per_cell = u64::from(h.n_layer) * u64::from(h.n_head) * u64::from(h.head_dim_k + h.head_dim_v) * 4;
+        plan.kv.cells.saturating_mul(per_cell)
+    })
+}
+
+/// The line saying how much of the rebuilt MLA rows may be kept: `budget`, or all of them where
+/// the plan is known and they take less.
+pub fn mla_cache_line(given: bool, budget: u64, known: Option<(&Plan, &ModelInfo)>) -> String {
+    if budget == 0 {
+        return "MLA: rebuilt keys and values are not kept between prompt runs (--mla-cache 0)".to_string();
+    }
+    let how = if given { "as given" } else { "auto: half the free memory" };
+    let what = match known.and_then(|(p, i)| mla_rows_bytes(p, i)) {
+        Some(full) if full <= budget => format!(
+            "all, {} for a full cache (--mla-cache {how}: {})",
+            tandem_plan::human(full),
+            tandem_plan::human(budget)
+        ),
+        Some(full) => format!(
+            "up to {} (--mla-cache {how}; a full cache's take {})",
+            tandem_plan::human(budget),
+            tandem_plan::human(full)
+        ),
+        None => format!("up to {} (--mla-cache {how})", tandem_plan::human(budget)),
+    };
+    format!("MLA: rebuilt keys and values kept between prompt runs: {what}, anonymous memory beyond the plan's")
 }
 
 /// Turns reading ahead on where `mode` says; the line saying so when it is on.

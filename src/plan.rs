@@ -6,7 +6,7 @@
 //! deployment's command line can be checked as it is.
 
 use crate::cli::{EngineArgs, ModelArgs};
-use crate::load::{repacking, repacking_line, request};
+use crate::load::{mla_cache_budget, mla_cache_line, mla_rows_bytes, repacking, repacking_line, request, LoadSpec};
 use anyhow::Context as _;
 use clap::Args;
 use std::io::Write;
@@ -78,6 +78,11 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
         true => tandem_model::Model::load_with(std::sync::Arc::new(gguf), true).ok().and_then(|m| repacking(&m, &plan)),
         false => None,
     };
+    // The rebuilt MLA rows kept between prompt runs, where the model and `--mla` make them.
+    let spec = LoadSpec::from_args(&args.model, &args.engine.runtime, &args.engine.placement)?;
+    let mla_cache = (spec.mla != tandem_model::MlaMode::Absorbed)
+        .then(|| mla_rows_bytes(&plan, &model).map(|full| (mla_cache_budget(spec.mla_cache, Some(&plan)), full)))
+        .flatten();
     let out = if args.json {
         let mut v: serde_json::Value = serde_json::from_str(&plan.to_json()).context("the plan's JSON")?;
         v["repack"] = match &repack {
@@ -91,6 +96,10 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
             }
             None => serde_json::Value::Null,
         };
+        v["mla_cache"] = match mla_cache {
+            Some((budget, full)) => serde_json::json!({ "budget_bytes": budget, "full_cache_bytes": full }),
+            None => serde_json::Value::Null,
+        };
         let mut s = v.to_string();
         s.push('\n');
         s
@@ -98,6 +107,10 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
         let mut s = plan.to_text(args.tensors);
         if let Some(r) = &repack {
             s.push_str(&repacking_line(r, &plan, args.model.load.no_mmap));
+        }
+        if let Some((budget, _)) = mla_cache {
+            s.push_str(&mla_cache_line(spec.mla_cache.is_some(), budget, Some((&plan, &model))));
+            s.push('\n');
         }
         s
     };

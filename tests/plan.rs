@@ -199,3 +199,41 @@ fn plan_json_for_the_kimi_replica_command_line() {
     let packing = text.lines().filter(|l| l.starts_with("repacking (the default")).count();
     assert_eq!(packing, usize::from(tandem_cpu::packed::packing_pays()), "{text}");
 }
+
+/// The rebuilt MLA keys and values `--mla-cache` keeps are memory beyond the plan's table: `plan`
+/// says how much, against what a full cache's rows take (f32 keys and values of every head of
+/// every layer for every cell, from the file's own hyperparameters).
+#[test]
+fn plan_counts_the_kept_mla_rows() {
+    let path = fixture();
+    let p = path.to_str().unwrap();
+    let f = tandem_gguf::GgufFile::open(&path).unwrap();
+    let md = f.metadata();
+    let int = |k: &str| md.get(&format!("deepseek2.{k}")).and_then(|v| v.as_i128()).unwrap() as u64;
+    // -c 512: 512 cells; keys of key_length_mla, values of value_length_mla per head.
+    let full = 512
+        * int("block_count")
+        * int("attention.head_count")
+        * (int("attention.key_length_mla") + int("attention.value_length_mla"))
+        * 4;
+    let json = |args: &[&str]| -> serde_json::Value {
+        let o = tandem(&[&["plan", "-m", p, "-c", "512", "--json"], args].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["mla_cache"].clone()
+    };
+    assert_eq!(json(&["--mla-cache", "1KiB"]), serde_json::json!({"budget_bytes": 1024, "full_cache_bytes": full}));
+    assert_eq!(json(&["--mla", "absorbed"]), serde_json::Value::Null);
+    let text = |args: &[&str]| -> String {
+        let o = tandem(&[&["plan", "-m", p, "-c", "512"], args].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("MLA:")).collect::<Vec<_>>().join("\n")
+    };
+    let human = tandem_plan::human(full);
+    assert!(text(&["--mla-cache", "1KiB"])
+        .contains(&format!("up to 1.00 KiB (--mla-cache as given; a full cache's take {human})")));
+    assert!(text(&["--mla-cache", "1TiB"]).contains(&format!("all, {human} for a full cache")));
+    assert!(text(&["--mla-cache", "0"]).contains("not kept"));
+    assert_eq!(text(&["--mla", "absorbed"]), "");
+    let o = tandem(&["plan", "-m", p, "--mla-cache", "lots"]);
+    assert!(!o.status.success() && stderr(&o).contains("--mla-cache"), "{}", stderr(&o));
+}
