@@ -194,8 +194,10 @@ impl Opened {
             notes.push(line);
         }
         let mla_cache = mla_cache_budget(spec.mla_cache, plan.as_ref().ok());
-        if spec.mla != MlaMode::Absorbed && self.model.is_mla() {
-            let info = info.as_ref().and_then(|i| i.as_ref().ok());
+        let info = info.as_ref().and_then(|i| i.as_ref().ok());
+        // Kept rows live in the CPU's cache: said where the plan puts the cache there (or is unknown).
+        let on_cpu = plan.as_ref().ok().zip(info).is_none_or(|(p, i)| mla_rows_bytes(p, i).is_some());
+        if spec.mla != MlaMode::Absorbed && self.model.is_mla() && on_cpu {
             notes.push(mla_cache_line(spec.mla_cache.is_some(), mla_cache, plan.as_ref().ok().zip(info)));
         }
         let params = ContextParams {
@@ -228,10 +230,11 @@ pub fn mla_cache_budget(given: Option<u64>, plan: Option<&Plan>) -> u64 {
 }
 
 /// The bytes the rebuilt keys and values of every cell of `plan`'s cache take (f32, each layer's
-/// heads); `None` without MLA.
+/// heads); `None` without MLA or where the cache is not the CPU's (a GPU's keeps no rows).
 pub fn mla_rows_bytes(plan: &Plan, info: &ModelInfo) -> Option<u64> {
     let h = &info.hparams;
-    matches!(h.attention, tandem_plan::Attention::Mla { .. }).then(|| {
+    let on_cpu = plan.device(Device::Cpu).is_some_and(|c| c.kv_bytes > 0);
+    (on_cpu && matches!(h.attention, tandem_plan::Attention::Mla { .. })).then(|| {
         let per_cell = u64::from(h.n_layer) * u64::from(h.n_head) * u64::from(h.head_dim_k + h.head_dim_v) * 4;
         plan.kv.cells.saturating_mul(per_cell)
     })

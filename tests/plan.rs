@@ -223,6 +223,9 @@ fn plan_counts_the_kept_mla_rows() {
     };
     assert_eq!(json(&["--mla-cache", "1KiB"]), serde_json::json!({"budget_bytes": 1024, "full_cache_bytes": full}));
     assert_eq!(json(&["--mla", "absorbed"]), serde_json::Value::Null);
+    // A GPU's cache keeps no rows; with -nkvo the cache is the CPU's again.
+    assert_eq!(json(&["--gpu", "CUDA0=80GiB", "-ngl", "99"]), serde_json::Value::Null);
+    assert_eq!(json(&["--gpu", "CUDA0=80GiB", "-ngl", "99", "-nkvo", "--mla-cache", "1KiB"])["full_cache_bytes"], full);
     let text = |args: &[&str]| -> String {
         let o = tandem(&[&["plan", "-m", p, "-c", "512"], args].concat());
         assert!(o.status.success(), "{}", stderr(&o));
