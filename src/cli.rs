@@ -176,12 +176,12 @@ impl ModelArgs {
 /// Threads, context and batching, as llama.cpp names them.
 #[derive(Args, Debug, Clone)]
 pub struct RuntimeArgs {
-    /// Threads for single-token (decode) steps [default: all cores].
-    #[arg(short = 't', long = "threads", value_name = "N")]
-    pub threads: Option<usize>,
-    /// Threads for batches (prefill) [default: --threads].
-    #[arg(long = "threads-batch", value_name = "N")]
-    pub threads_batch: Option<usize>,
+    /// Threads for single-token (decode) steps (0 or less = all cores, as llama.cpp) [default: all cores].
+    #[arg(short = 't', long = "threads", value_name = "N", allow_negative_numbers = true)]
+    pub threads: Option<i64>,
+    /// Threads for batches (prefill) (0 or less = all cores) [default: --threads].
+    #[arg(long = "threads-batch", value_name = "N", allow_negative_numbers = true)]
+    pub threads_batch: Option<i64>,
     /// Context size in tokens (0 = the model's training context).
     #[arg(short = 'c', long = "ctx-size", value_name = "N", default_value_t = 4096)]
     pub ctx_size: usize,

@@ -34,12 +34,12 @@ pub struct RunArgs {
     /// Sampling temperature (0 = greedy: always the most likely token).
     #[arg(long = "temp", value_name = "T", default_value_t = 0.8)]
     pub temp: f32,
-    /// Random seed [default: a new one each run, printed to stderr].
-    #[arg(short = 's', long = "seed", value_name = "N")]
-    pub seed: Option<u64>,
-    /// Keep the K most likely tokens (0 = all).
-    #[arg(long = "top-k", value_name = "K", default_value_t = 40)]
-    pub top_k: usize,
+    /// Random seed (-1 = a new one each run, printed to stderr, as without it).
+    #[arg(short = 's', long = "seed", value_name = "N", allow_negative_numbers = true)]
+    pub seed: Option<i64>,
+    /// Keep the K most likely tokens (0 or less = all).
+    #[arg(long = "top-k", value_name = "K", default_value_t = 40, allow_negative_numbers = true)]
+    pub top_k: i64,
     /// Keep the most likely tokens up to this total probability (1 = all).
     #[arg(long = "top-p", value_name = "P", default_value_t = 0.95)]
     pub top_p: f32,
@@ -50,8 +50,8 @@ pub struct RunArgs {
     #[arg(long = "repeat-penalty", value_name = "X", default_value_t = 1.0)]
     pub repeat_penalty: f32,
     /// How many recent tokens the penalties look at.
-    #[arg(long = "repeat-last-n", value_name = "N", default_value_t = 64)]
-    pub repeat_last_n: usize,
+    #[arg(long = "repeat-last-n", value_name = "N", default_value_t = 64, allow_negative_numbers = true)]
+    pub repeat_last_n: i64,
     /// Subtract X from the logit of every recent token (0 = off).
     #[arg(long = "presence-penalty", value_name = "X", default_value_t = 0.0)]
     pub presence_penalty: f32,
@@ -80,22 +80,32 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
-    fn sampling(&self) -> SamplingParams {
-        let seed = self.seed.unwrap_or_else(|| {
-            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-            t.as_nanos() as u64 ^ u64::from(std::process::id())
-        });
-        SamplingParams {
+    /// The sampling parameters, with llama.cpp's special values: a negative seed is a new one,
+    /// top-k 0 or less keeps every token, repeat-last-n -1 is the whole context.
+    fn sampling(&self) -> anyhow::Result<SamplingParams> {
+        let seed = match self.seed {
+            Some(s) if s >= 0 => s as u64,
+            _ => {
+                let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                t.as_nanos() as u64 ^ u64::from(std::process::id())
+            }
+        };
+        let penalty_last_n = match self.repeat_last_n {
+            -1 => usize::MAX,
+            n if n >= 0 => usize::try_from(n).unwrap_or(usize::MAX),
+            n => bail!("--repeat-last-n {n}: must be -1 (the whole context), 0 (off) or more"),
+        };
+        Ok(SamplingParams {
             temperature: self.temp,
-            top_k: self.top_k,
+            top_k: usize::try_from(self.top_k.max(0)).unwrap_or(usize::MAX),
             top_p: self.top_p,
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
-            penalty_last_n: self.repeat_last_n,
+            penalty_last_n,
             seed,
-        }
+        })
     }
 }
 
@@ -277,12 +287,12 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     if first.as_ref().is_some_and(|p| p.trim().is_empty()) {
         bail!("empty prompt: give some text with -p TEXT or -f FILE");
     }
-    let params = args.sampling();
+    let params = args.sampling()?;
     let sampler = Sampler::new(params.clone())?;
     let ctx = open_context(&args.model, &args.engine.runtime, &args.engine.placement)?;
     let tok = Tokenizer::from_gguf(ctx.model().gguf())?;
     let tmpl = template(args, &tok)?;
-    if args.seed.is_none() && params.temperature > 0.0 {
+    if args.seed.is_none_or(|s| s < 0) && params.temperature > 0.0 {
         tracing::info!("seed: {}", params.seed);
     }
     let mut s = Session { args, ctx, tok, sampler, cached: Vec::new(), timings: Timings::default() };

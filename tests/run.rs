@@ -201,3 +201,36 @@ fn bad_input_gets_a_one_line_error() {
     let e = error_line(&tandem(&["run", "-m", "/nonexistent.gguf", "-p", "hi"]));
     assert!(e.contains("/nonexistent.gguf"), "{e}");
 }
+
+/// llama.cpp's special values of the sampling and thread flags, as its scripts pass them:
+/// `--seed -1` a random seed, `--top-k` 0 or less every token, `--repeat-last-n -1` the whole
+/// context, `-t` / `-tb` 0 or less every core. Out of range is one line.
+#[test]
+fn llama_cpp_special_values_mean_what_they_mean_there() {
+    let p = ["-p", "Tell me a story about a fox.", "-n", "16", "--temp", "0.8"];
+    // -1: a new seed each run, said on stderr
+    let o = run(&[&p[..], &["--seed", "-1"]].concat());
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stderr).contains("seed: "), "{o:?}");
+    // top-k -1 is top-k 0 (all), not an error
+    let fixed = [&p[..], &["--seed", "7", "--top-p", "1", "--min-p", "0"]].concat();
+    let all = stdout(&run(&[&fixed[..], &["--top-k", "0"]].concat()));
+    assert_eq!(stdout(&run(&[&fixed[..], &["--top-k", "-1"]].concat())), all);
+    // repeat-last-n -1 is the whole context (512 here): the same as 512, not as 0 (off)
+    let pen = ["-p", "Tell me a story about a fox.", "-n", "24", "--temp", "0", "--repeat-penalty", "1.8"];
+    let whole = stdout(&run(&[&pen[..], &["--repeat-last-n", "512"]].concat()));
+    let off = stdout(&run(&[&pen[..], &["--repeat-last-n", "0"]].concat()));
+    assert_ne!(whole, off, "the penalty should change greedy text");
+    assert_eq!(stdout(&run(&[&pen[..], &["--repeat-last-n", "-1"]].concat())), whole);
+    let e = error_line(&run(&[&p[..], &["--repeat-last-n", "-2"]].concat()));
+    assert!(e.contains("--repeat-last-n"), "{e}");
+    // threads: 0 and -1 are every core (same bits as 2 on this model), too many is an error
+    let greedy = ["-p", "Hello", "-n", "6", "--temp", "0"];
+    let two = stdout(&run(&greedy));
+    let m = model();
+    for t in ["0", "-1"] {
+        let o = tandem(&[&["run", "-m", &m, "-c", "512", "-t", t, "-tb", t], &greedy[..]].concat());
+        assert_eq!(stdout(&o), two, "-t {t}");
+    }
+    let e = error_line(&tandem(&[&["run", "-m", &m, "-c", "512", "-t", "100000"], &greedy[..]].concat()));
+    assert!(e.contains("-t") && e.contains("100000"), "{e}");
+}

@@ -560,7 +560,7 @@ fn progress_total(plan: &Plan, n_ctx: usize, warmup: bool) -> u64 {
 
 /// The runtime flags of the loader's spec: bench's tests set the context, batch and cache.
 fn load_runtime(a: &BenchArgs, plan: &Plan) -> RuntimeArgs {
-    let t = plan.threads.first().copied();
+    let t = plan.threads.first().map(|&t| t as i64);
     RuntimeArgs {
         threads: t,
         threads_batch: t,

@@ -435,7 +435,15 @@ pub fn llama_completion_request(r: LlamaCompletionRequest, arrived: Instant) -> 
         repeat_penalty: r.repeat_penalty.unwrap_or(d.repeat_penalty),
         presence_penalty: r.presence_penalty.unwrap_or(d.presence_penalty),
         frequency_penalty: r.frequency_penalty.unwrap_or(d.frequency_penalty),
-        penalty_last_n: r.repeat_last_n.map_or(d.penalty_last_n, |n| n.max(0) as usize),
+        // llama-server: -1 is the whole context
+        penalty_last_n: match r.repeat_last_n {
+            None => d.penalty_last_n,
+            Some(-1) => usize::MAX,
+            Some(n) if n >= 0 => usize::try_from(n).unwrap_or(usize::MAX),
+            Some(n) => {
+                return Err(BadParam(format!("repeat_last_n {n}: must be -1 (the whole context), 0 (off) or more")))
+            }
+        },
         seed: seed(r.seed, d.seed),
     };
     // n_predict -1 = until the server's cap or the context (llama-server); other negatives are
@@ -606,5 +614,14 @@ mod tests {
         let req = llama_completion_request(r, Instant::now()).ok().unwrap();
         assert_eq!(req.prompt, Prompt::Tokens(vec![1, 2, 3]));
         assert_eq!((req.max_tokens, req.sampling.top_k, req.sampling.min_p), (0, 0, 0.1));
+        let last_n = |v: i64| {
+            let r: LlamaCompletionRequest =
+                serde_json::from_value(serde_json::json!({"prompt": "a", "repeat_last_n": v})).unwrap();
+            llama_completion_request(r, Instant::now()).map(|r| r.sampling.penalty_last_n).map_err(|e| e.0)
+        };
+        assert_eq!(last_n(-1), Ok(usize::MAX), "llama-server's -1: the whole context");
+        assert_eq!(last_n(0), Ok(0));
+        assert_eq!(last_n(32), Ok(32));
+        assert!(last_n(-2).unwrap_err().contains("repeat_last_n -2"));
     }
 }
