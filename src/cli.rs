@@ -43,6 +43,8 @@ pub const MULTI_LETTER_FLAGS: &[(&str, &str)] = &[
     ("-nocb", "--no-cont-batching"),
     ("-sys", "--system-prompt"),
     ("-cnv", "--conversation"),
+    ("-no-cnv", "--no-conversation"),
+    ("-st", "--single-turn"),
 ];
 
 /// Rewrites llama.cpp's multi-letter single-dash flags (also in `-ngl=99` form) to long flags.
@@ -341,6 +343,15 @@ pub struct CompatArgs {
     /// llama.cpp's main GPU (ignored).
     #[arg(long = "main-gpu", value_name = "N")]
     pub main_gpu: Option<u32>,
+    /// llama.cpp's skip of the warm-up run (tandem runs none).
+    #[arg(long = "no-warmup")]
+    pub no_warmup: bool,
+    /// llama.cpp's NUMA placement: distribute, isolate, numactl (ignored).
+    #[arg(long = "numa", value_name = "MODE")]
+    pub numa: Option<String>,
+    /// llama.cpp's thread priority (ignored).
+    #[arg(long = "prio", value_name = "N", allow_negative_numbers = true)]
+    pub prio: Option<i32>,
 }
 
 impl CompatArgs {
@@ -410,6 +421,15 @@ impl CompatArgs {
         note(
             self.main_gpu.is_some(),
             format!("-mg {}: ignored; use -ot to pin tensors to a GPU", self.main_gpu.unwrap_or(0)),
+        );
+        note(self.no_warmup, "--no-warmup: tandem runs no warm-up at load".into());
+        note(
+            self.numa.is_some(),
+            format!("--numa {}: ignored; tandem does not place threads or memory by NUMA node", v(&self.numa)),
+        );
+        note(
+            self.prio.is_some(),
+            format!("--prio {}: ignored; tandem's threads keep the process's priority", self.prio.unwrap_or(0)),
         );
         n
     }

@@ -64,6 +64,19 @@ pub struct RunArgs {
     /// Keep generating past end-of-generation tokens.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Process escapes (\n, \r, \t, \', \", \\, \xHH) in the prompt and stop strings, as llama.cpp
+    /// does by default (the default here too).
+    #[arg(short = 'e', long = "escape", overrides_with = "no_escape")]
+    pub escape: bool,
+    /// Take the prompt and stop strings as they are.
+    #[arg(long = "no-escape")]
+    pub no_escape: bool,
+    /// llama-cli's one prompt without conversation (also -no-cnv): what `tandem run` does without --chat.
+    #[arg(long = "no-conversation", conflicts_with = "chat")]
+    pub no_conversation: bool,
+    /// llama-cli's single turn of conversation (also -st): what `tandem run` does without --chat.
+    #[arg(long = "single-turn", conflicts_with = "chat")]
+    pub single_turn: bool,
     /// Interactive chat on stdin, one turn per line (/exit ends it); the KV cache is kept between turns (also -cnv).
     #[arg(long, visible_alias = "conversation")]
     pub chat: bool,
@@ -147,6 +160,8 @@ struct Session<'a> {
     /// The tokens in the KV cache of `SEQ`, in order.
     cached: Vec<u32>,
     timings: Timings,
+    /// `--stop` strings, escapes processed unless `--no-escape`.
+    stops: Vec<String>,
 }
 
 /// Where generated text goes; a closed pipe ends generation quietly.
@@ -203,7 +218,7 @@ impl Session<'_> {
     fn generate(&mut self, mut logits: Vec<f32>, out: &mut impl Write) -> anyhow::Result<String> {
         let start = Instant::now();
         let mut decoder = StreamDecoder::new();
-        let mut stops = StopMatcher::new(&self.args.stop);
+        let mut stops = StopMatcher::new(&self.stops);
         let mut text = String::new();
         let mut n = 0i64;
         let mut open = true;
@@ -284,6 +299,10 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         (None, None) if args.chat => None,
         _ => Some(input_text(&args.prompt, &args.file, "prompt")?),
     };
+    let first = match first {
+        Some(p) if !args.no_escape => Some(process_escapes(&p).map_err(|e| anyhow::anyhow!("prompt: {e}"))?),
+        p => p,
+    };
     if first.as_ref().is_some_and(|p| p.trim().is_empty()) {
         bail!("empty prompt: give some text with -p TEXT or -f FILE");
     }
@@ -295,7 +314,15 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     if args.seed.is_none_or(|s| s < 0) && params.temperature > 0.0 {
         tracing::info!("seed: {}", params.seed);
     }
-    let mut s = Session { args, ctx, tok, sampler, cached: Vec::new(), timings: Timings::default() };
+    let stops = match args.no_escape {
+        true => args.stop.clone(),
+        false => args
+            .stop
+            .iter()
+            .map(|t| process_escapes(t).map_err(|e| anyhow::anyhow!("--stop: {e}")))
+            .collect::<anyhow::Result<_>>()?,
+    };
+    let mut s = Session { args, ctx, tok, sampler, cached: Vec::new(), timings: Timings::default(), stops };
     let mut messages: Vec<serde_json::Value> = args.system.iter().map(|p| message("system", p)).collect();
     let mut stdout = std::io::stdout().lock();
     let mut turn = |s: &mut Session, messages: &mut Vec<serde_json::Value>, user: &str| -> anyhow::Result<()> {
@@ -324,7 +351,12 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
             match line.trim() {
                 "" => continue,
                 "/exit" | "/quit" => break,
-                _ => turn(&mut s, &mut messages, &line)?,
+                _ if args.no_escape => turn(&mut s, &mut messages, &line)?,
+                // as llama-cli, each line's escapes too; a bad one loses that line, not the chat
+                _ => match process_escapes(&line) {
+                    Ok(line) => turn(&mut s, &mut messages, &line)?,
+                    Err(e) => tracing::warn!("this line was not sent: {e}"),
+                },
             }
         }
         terminal("\n");
@@ -339,4 +371,56 @@ fn terminal(text: &str) {
     let mut e = std::io::stderr().lock();
     // A closed stderr loses only this text.
     let _ = e.write_all(text.as_bytes()).and_then(|_| e.flush());
+}
+
+/// llama.cpp's `string_process_escapes`: `\n`, `\r`, `\t`, `\'`, `\"`, `\\` and `\xHH` (two hex
+/// digits) become the characters they name; any other backslash stays as it is. An error where
+/// `\xHH` bytes do not make UTF-8 text.
+pub fn process_escapes(s: &str) -> anyhow::Result<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] != b'\\' || i + 1 == b.len() {
+            out.push(b[i]);
+            i += 1;
+            continue;
+        }
+        let hex = |at: usize| b.get(at).and_then(|&c| (c as char).to_digit(16));
+        match (b[i + 1], hex(i + 2).zip(hex(i + 3))) {
+            (b'n', _) => out.push(b'\n'),
+            (b'r', _) => out.push(b'\r'),
+            (b't', _) => out.push(b'\t'),
+            (c @ (b'\'' | b'"' | b'\\'), _) => out.push(c),
+            (b'x', Some((h, l))) => {
+                out.push((h * 16 + l) as u8);
+                i += 2;
+            }
+            (c, _) => out.extend_from_slice(&[b'\\', c]),
+        }
+        i += 2;
+    }
+    String::from_utf8(out)
+        .map_err(|_| anyhow::anyhow!("its \\x escapes do not make UTF-8 text (--no-escape takes it as it is)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::process_escapes;
+
+    #[test]
+    fn escapes_are_processed_as_llama_cpp_does() {
+        let cases = [
+            (r"a\nb\tc\rd", "a\nb\tc\rd"),
+            (r#"\'\"\\"#, "'\"\\"),
+            (r"\x41\x7a\x0", "Az\\x0"),
+            (r"\q \é \", "\\q \\é \\"),
+            (r"\xc3\xa9", "é"),
+            (r"\\n", "\\n"),
+        ];
+        for (input, want) in cases {
+            assert_eq!(process_escapes(input).unwrap(), want, "{input}");
+        }
+        assert!(process_escapes(r"\xff").unwrap_err().to_string().contains("UTF-8"));
+    }
 }

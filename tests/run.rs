@@ -234,3 +234,23 @@ fn llama_cpp_special_values_mean_what_they_mean_there() {
     let e = error_line(&tandem(&[&["run", "-m", &m, "-c", "512", "-t", "100000"], &greedy[..]].concat()));
     assert!(e.contains("-t") && e.contains("100000"), "{e}");
 }
+
+/// llama.cpp processes escapes in the prompt by default (`-e`; `--no-escape` turns it off), and
+/// llama-cli's `-no-cnv`, `-st`, `--no-warmup`, `--numa` and `--prio` are accepted.
+#[test]
+fn escapes_and_llama_cli_flags() {
+    let greedy = ["-n", "6", "--temp", "0", "--raw"];
+    let real = stdout(&run(&[&["-p", "Question:\nAnswer:"], &greedy[..]].concat()));
+    assert_eq!(stdout(&run(&[&["-p", r"Question:\nAnswer:"], &greedy[..]].concat())), real);
+    assert_eq!(stdout(&run(&[&["-e", "-p", r"Question:\nAnswer:"], &greedy[..]].concat())), real);
+    let raw = run(&[&["--no-escape", "-p", r"Question:\nAnswer:"], &greedy[..]].concat());
+    assert_ne!(stdout(&raw), real, "a backslash and an n are other tokens than a newline");
+    let o =
+        run(&[&["-no-cnv", "-st", "--no-warmup", "--numa", "distribute", "--prio", "2", "-p", "hi"], &greedy[..]]
+            .concat());
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "{err}");
+    for flag in ["--no-warmup", "--numa distribute", "--prio 2"] {
+        assert!(err.contains(&format!("note: {flag}")), "{flag}: {err}");
+    }
+}
