@@ -45,6 +45,8 @@ pub const MULTI_LETTER_FLAGS: &[(&str, &str)] = &[
     ("-cnv", "--conversation"),
     ("-no-cnv", "--no-conversation"),
     ("-st", "--single-turn"),
+    ("-to", "--timeout"),
+    ("-kvu", "--kv-unified"),
 ];
 
 /// Rewrites llama.cpp's multi-letter single-dash flags (also in `-ngl=99` form) to long flags.

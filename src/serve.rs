@@ -66,6 +66,8 @@ pub struct ServeArgs {
     /// llama-server's switch for /metrics (ignored: use --metrics-port).
     #[arg(long)]
     pub metrics: bool,
+    #[command(flatten)]
+    pub llama_server: LlamaServerFlags,
     /// API keys (comma-separated, as llama-server): every call but health checks must send one,
     /// `Authorization: Bearer KEY` over HTTP and in gRPC metadata; Abort then cancels only
     /// requests made with the same key. Without keys every client is trusted (local use).
@@ -279,6 +281,74 @@ fn fd_budget(wanted: usize, ports: usize) -> usize {
     wanted
 }
 
+/// llama-server flags a deployment's command line carries that tandem has no use for: accepted,
+/// one note each saying what tandem does.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct LlamaServerFlags {
+    /// llama-server's web UI switch (ignored: tandem serves no web UI).
+    #[arg(long = "no-webui")]
+    pub no_webui: bool,
+    /// llama-server's /slots endpoint (ignored: see /metrics for the slots).
+    #[arg(long = "slots")]
+    pub slots: bool,
+    /// llama-server's /props changes (ignored).
+    #[arg(long = "props")]
+    pub props: bool,
+    /// llama-server's context shift off (what tandem does: a full context ends the request).
+    #[arg(long = "no-context-shift")]
+    pub no_context_shift: bool,
+    /// llama-server's context shift (not done: a full context ends the request, finish `length`).
+    #[arg(long = "context-shift")]
+    pub context_shift: bool,
+    /// llama-server's one KV buffer for all slots (ignored: each slot has its part of -c).
+    #[arg(long = "kv-unified")]
+    pub kv_unified: bool,
+    /// llama-server's full-size sliding-window cache (ignored: no sliding-window model is read).
+    #[arg(long = "swa-full")]
+    pub swa_full: bool,
+    /// llama-server's KV shifting reuse of cached chunks (ignored: the common prefix is reused).
+    #[arg(long = "cache-reuse", value_name = "N")]
+    pub cache_reuse: Option<u32>,
+    /// llama.cpp's KV defragmentation threshold (ignored: the cache does not fragment).
+    #[arg(long = "defrag-thold", value_name = "X", allow_negative_numbers = true)]
+    pub defrag_thold: Option<f32>,
+    /// llama-server's HTTP threads (ignored: one async runtime serves HTTP and gRPC).
+    #[arg(long = "threads-http", value_name = "N", allow_negative_numbers = true)]
+    pub threads_http: Option<i32>,
+}
+
+impl LlamaServerFlags {
+    /// One line per flag given: what tandem does instead.
+    pub fn notes(&self) -> Vec<String> {
+        let mut n = Vec::new();
+        let mut note = |given: bool, text: String| {
+            if given {
+                n.push(text);
+            }
+        };
+        note(self.no_webui, "--no-webui: tandem serves no web UI".into());
+        note(self.slots, "--slots: ignored; tandem has no /slots endpoint (its /metrics counts the slots)".into());
+        note(self.props, "--props: ignored; tandem has no /props endpoint".into());
+        note(
+            self.no_context_shift,
+            "--no-context-shift: what tandem does: a full context ends the request (finish length)".into(),
+        );
+        note(self.context_shift, "--context-shift: not done; a full context ends the request (finish length)".into());
+        note(self.kv_unified, "-kvu: ignored; each slot has its own part of -c".into());
+        note(self.swa_full, "--swa-full: ignored; tandem reads no sliding-window-attention model".into());
+        note(
+            self.cache_reuse.is_some(),
+            format!(
+                "--cache-reuse {}: ignored; a slot reuses the prompt prefix it shares with its cache",
+                self.cache_reuse.unwrap_or(0)
+            ),
+        );
+        note(self.defrag_thold.is_some(), "--defrag-thold: ignored; tandem's KV cache does not fragment".into());
+        note(self.threads_http.is_some(), "--threads-http: ignored; one async runtime serves HTTP and gRPC".into());
+        n
+    }
+}
+
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut signals = Signals::new()?;
     for note in args.engine.compat.notes() {
@@ -286,6 +356,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     if args.metrics {
         log("note: --metrics: ignored; give --metrics-port PORT to serve /metrics");
+    }
+    for note in args.llama_server.notes() {
+        log(&format!("note: {note}"));
     }
     let addr = format!("{}:{}", args.host, args.port);
     let listener = TcpListener::bind(&addr).await.with_context(|| format!("listening on {addr}"))?;

@@ -70,8 +70,22 @@ async fn no_model_serves_the_demo_model_from_a_llama_server_command_line() {
         "64",
         "-t",
         "1",
+        // flags of llama-server deployments tandem has no use for: a note each
+        "--no-webui",
+        "--slots",
+        "-kvu",
+        "--cache-reuse",
+        "256",
+        "--no-context-shift",
+        "-to",
+        "600",
+        "--threads-http",
+        "4",
     ]);
     assert!(s.log.iter().any(|l| l.contains("built-in demo model") && l.contains("not meaningful")), "{:?}", s.log);
+    for flag in ["--no-webui", "--slots", "-kvu", "--cache-reuse 256", "--no-context-shift", "--threads-http"] {
+        assert!(s.log.iter().any(|l| l.contains(&format!("note: {flag}"))), "{flag}: {:?}", s.log);
+    }
     let mut client = s.client().await;
     let info = client.get_model_info(pb::GetModelInfoRequest {}).await.unwrap().into_inner();
     assert!(info.demo);

@@ -249,15 +249,22 @@ fn truncate(s: &str, n: usize) -> &str {
     }
 }
 
-/// A negative seed (llama-server's -1) asks for a random one.
-fn seed(s: Option<i64>, d: u64) -> u64 {
+/// The request's seed: a negative one (llama-server's -1) or none asks for a new one each request,
+/// as llama-server and OpenAI do (the same prompt twice gives two samples); gRPC keeps its
+/// documented default of 0.
+fn seed(s: Option<i64>) -> u64 {
     match s {
         Some(s) if s >= 0 => s as u64,
-        Some(_) => {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(d, |t| t.as_nanos() as u64)
-        }
-        None => d,
+        _ => fresh_seed(),
     }
+}
+
+/// A seed no other request of this process got: the clock mixed with a counter.
+fn fresh_seed() -> u64 {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |t| t.as_nanos() as u64);
+    t ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
 fn prompt(p: PromptField) -> Result<Prompt, BadParam> {
@@ -287,7 +294,7 @@ fn common(c: Common, p: Prompt, arrived: Instant) -> Result<Request, BadParam> {
         min_p: c.min_p.unwrap_or(d.min_p),
         presence_penalty: c.presence_penalty.unwrap_or(d.presence_penalty),
         frequency_penalty: c.frequency_penalty.unwrap_or(d.frequency_penalty),
-        seed: seed(c.seed, d.seed),
+        seed: seed(c.seed),
         ..d
     };
     req.max_tokens = c.max_completion_tokens.or(c.max_tokens).unwrap_or(0);
@@ -444,7 +451,7 @@ pub fn llama_completion_request(r: LlamaCompletionRequest, arrived: Instant) -> 
                 return Err(BadParam(format!("repeat_last_n {n}: must be -1 (the whole context), 0 (off) or more")))
             }
         },
-        seed: seed(r.seed, d.seed),
+        seed: seed(r.seed),
     };
     // n_predict -1 = until the server's cap or the context (llama-server); other negatives are
     // mistakes, not "unlimited"
@@ -620,6 +627,18 @@ mod tests {
             llama_completion_request(r, Instant::now()).map(|r| r.sampling.penalty_last_n).map_err(|e| e.0)
         };
         assert_eq!(last_n(-1), Ok(usize::MAX), "llama-server's -1: the whole context");
+        // no seed (or -1): a new one each request, as llama-server; a given one is kept
+        let seed_of = |v: Value| {
+            let r: LlamaCompletionRequest = serde_json::from_value(v).unwrap();
+            llama_completion_request(r, Instant::now()).map_err(|e| e.0).unwrap().sampling.seed
+        };
+        let none = serde_json::json!({"prompt": "a"});
+        assert_ne!(seed_of(none.clone()), seed_of(none));
+        assert_ne!(
+            seed_of(serde_json::json!({"prompt": "a", "seed": -1})),
+            seed_of(serde_json::json!({"prompt": "a", "seed": -1}))
+        );
+        assert_eq!(seed_of(serde_json::json!({"prompt": "a", "seed": 5})), 5);
         assert_eq!(last_n(0), Ok(0));
         assert_eq!(last_n(32), Ok(32));
         assert!(last_n(-2).unwrap_err().contains("repeat_last_n -2"));
