@@ -292,6 +292,27 @@ pub struct EngineArgs {
     pub placement: PlacementArgs,
     #[command(flatten)]
     pub compat: CompatArgs,
+    /// llama.cpp's skip of the warm-up run (tandem runs none; `tandem bench` has its own).
+    #[arg(long = "no-warmup")]
+    pub no_warmup: bool,
+}
+
+impl EngineArgs {
+    /// [`CompatArgs::notes`], and `--no-warmup`'s.
+    pub fn notes(&self) -> Vec<String> {
+        let mut n = self.compat.notes();
+        if self.no_warmup {
+            n.push("--no-warmup: tandem runs no warm-up at load".into());
+        }
+        n
+    }
+
+    /// [`EngineArgs::notes`] in the log, one `note:` line each.
+    pub fn print_notes(&self) {
+        for note in self.notes() {
+            tracing::info!("note: {note}");
+        }
+    }
 }
 
 /// llama.cpp / ik_llama.cpp flags that tandem accepts so that existing command lines work, but
@@ -345,9 +366,6 @@ pub struct CompatArgs {
     /// llama.cpp's main GPU (ignored).
     #[arg(long = "main-gpu", value_name = "N")]
     pub main_gpu: Option<u32>,
-    /// llama.cpp's skip of the warm-up run (tandem runs none).
-    #[arg(long = "no-warmup")]
-    pub no_warmup: bool,
     /// llama.cpp's NUMA placement: distribute, isolate, numactl (ignored).
     #[arg(long = "numa", value_name = "MODE")]
     pub numa: Option<String>,
@@ -424,7 +442,6 @@ impl CompatArgs {
             self.main_gpu.is_some(),
             format!("-mg {}: ignored; use -ot to pin tensors to a GPU", self.main_gpu.unwrap_or(0)),
         );
-        note(self.no_warmup, "--no-warmup: tandem runs no warm-up at load".into());
         note(
             self.numa.is_some(),
             format!("--numa {}: ignored; tandem does not place threads or memory by NUMA node", v(&self.numa)),

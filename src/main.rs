@@ -149,3 +149,14 @@ fn main() -> ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// clap's own consistency checks (unique argument names and flags across the flattened
+    /// structs) run only in debug builds as a command parses; here they run in every build, for
+    /// every subcommand.
+    #[test]
+    fn every_command_line_definition_is_consistent() {
+        <super::Cli as clap::CommandFactory>::command().debug_assert();
+    }
+}

@@ -66,7 +66,7 @@ pub struct ServingArgs {
 }
 
 pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
-    args.engine.compat.print_notes();
+    args.engine.print_notes();
     let path = args.model.path();
     // Headers only: always mapped, never read whole and never locked; --no-mmap and --mlock
     // change the estimate, not how the plan reads the file.

@@ -294,7 +294,7 @@ fn render(tmpl: &ChatTemplate, tok: &Tokenizer, messages: &[serde_json::Value]) 
 }
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
-    args.engine.compat.print_notes();
+    args.engine.print_notes();
     let first = match (&args.prompt, &args.file) {
         (None, None) if args.chat => None,
         _ => Some(input_text(&args.prompt, &args.file, "prompt")?),

@@ -351,7 +351,7 @@ impl LlamaServerFlags {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut signals = Signals::new()?;
-    for note in args.engine.compat.notes() {
+    for note in args.engine.notes() {
         log(&format!("note: {note}"));
     }
     if args.metrics {
