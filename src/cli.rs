@@ -256,6 +256,71 @@ pub struct PlacementArgs {
 }
 
 /// The chat template, as llama.cpp takes it.
+/// llama.cpp's sampling flags, shared by `run` (this run's parameters) and `serve` (what a request
+/// that leaves one out gets, as llama-server). Unset flags keep the defaults the caller gives.
+#[derive(Args, Debug, Clone, Default)]
+pub struct SamplingArgs {
+    /// Sampling temperature (0 = greedy: always the most likely token) [default: 0.8].
+    #[arg(long = "temp", value_name = "T", allow_negative_numbers = true)]
+    pub temp: Option<f32>,
+    /// Random seed (-1 = a new one each run or request, as without it).
+    #[arg(short = 's', long = "seed", value_name = "N", allow_negative_numbers = true)]
+    pub seed: Option<i64>,
+    /// Keep the K most likely tokens (0 or less = all) [default: 40].
+    #[arg(long = "top-k", value_name = "K", allow_negative_numbers = true)]
+    pub top_k: Option<i64>,
+    /// Keep the most likely tokens up to this total probability (1 = all) [default: 0.95].
+    #[arg(long = "top-p", value_name = "P", allow_negative_numbers = true)]
+    pub top_p: Option<f32>,
+    /// Drop tokens less likely than P times the most likely one (0 = none) [default: 0.05].
+    #[arg(long = "min-p", value_name = "P", allow_negative_numbers = true)]
+    pub min_p: Option<f32>,
+    /// Penalise repeating the last --repeat-last-n tokens (1 = off) [default: 1].
+    #[arg(long = "repeat-penalty", value_name = "X", allow_negative_numbers = true)]
+    pub repeat_penalty: Option<f32>,
+    /// How many recent tokens the penalties look at (-1 = the whole context) [default: 64].
+    #[arg(long = "repeat-last-n", value_name = "N", allow_negative_numbers = true)]
+    pub repeat_last_n: Option<i64>,
+    /// Subtract X from the logit of every recent token (0 = off) [default: 0].
+    #[arg(long = "presence-penalty", value_name = "X", allow_negative_numbers = true)]
+    pub presence_penalty: Option<f32>,
+    /// Subtract X times its count from the logit of every recent token (0 = off) [default: 0].
+    #[arg(long = "frequency-penalty", value_name = "X", allow_negative_numbers = true)]
+    pub frequency_penalty: Option<f32>,
+}
+
+impl SamplingArgs {
+    /// The seed given, if any: a negative one (llama.cpp's -1) asks for a new one, as none does.
+    pub fn given_seed(&self) -> Option<u64> {
+        self.seed.and_then(|s| u64::try_from(s).ok())
+    }
+
+    /// `d` with the flags given, in llama.cpp's meaning (top-k 0 or less keeps every token,
+    /// repeat-last-n -1 is the whole context; the seed is `d`'s unless one is given), checked
+    /// as a request's would be.
+    pub fn params(&self, d: tandem_engine::SamplingParams) -> anyhow::Result<tandem_engine::SamplingParams> {
+        let penalty_last_n = match self.repeat_last_n {
+            None => d.penalty_last_n,
+            Some(-1) => usize::MAX,
+            Some(n) if n >= 0 => usize::try_from(n).unwrap_or(usize::MAX),
+            Some(n) => anyhow::bail!("--repeat-last-n {n}: must be -1 (the whole context), 0 (off) or more"),
+        };
+        let p = tandem_engine::SamplingParams {
+            temperature: self.temp.unwrap_or(d.temperature),
+            top_k: self.top_k.map_or(d.top_k, |k| usize::try_from(k.max(0)).unwrap_or(usize::MAX)),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repeat_penalty: self.repeat_penalty.unwrap_or(d.repeat_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
+            penalty_last_n,
+            seed: self.given_seed().unwrap_or(d.seed),
+        };
+        p.validate().map_err(|e| anyhow::anyhow!("{e} (from the sampling flags)"))?;
+        Ok(p)
+    }
+}
+
 #[derive(Args, Debug, Clone, Default)]
 pub struct TemplateArgs {
     /// The chat template: a built-in name (chatml, llama3, deepseek3, deepseek-r1, kimi-k2, qwen,

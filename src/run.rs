@@ -31,33 +31,8 @@ pub struct RunArgs {
     /// Most tokens to generate per turn (-1 = until an end-of-generation token or a full context).
     #[arg(short = 'n', long = "n-predict", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
     pub n_predict: i64,
-    /// Sampling temperature (0 = greedy: always the most likely token).
-    #[arg(long = "temp", value_name = "T", default_value_t = 0.8)]
-    pub temp: f32,
-    /// Random seed (-1 = a new one each run, printed to stderr, as without it).
-    #[arg(short = 's', long = "seed", value_name = "N", allow_negative_numbers = true)]
-    pub seed: Option<i64>,
-    /// Keep the K most likely tokens (0 or less = all).
-    #[arg(long = "top-k", value_name = "K", default_value_t = 40, allow_negative_numbers = true)]
-    pub top_k: i64,
-    /// Keep the most likely tokens up to this total probability (1 = all).
-    #[arg(long = "top-p", value_name = "P", default_value_t = 0.95)]
-    pub top_p: f32,
-    /// Drop tokens less likely than P times the most likely one (0 = none).
-    #[arg(long = "min-p", value_name = "P", default_value_t = 0.05)]
-    pub min_p: f32,
-    /// Penalise repeating the last --repeat-last-n tokens (1 = off).
-    #[arg(long = "repeat-penalty", value_name = "X", default_value_t = 1.0)]
-    pub repeat_penalty: f32,
-    /// How many recent tokens the penalties look at.
-    #[arg(long = "repeat-last-n", value_name = "N", default_value_t = 64, allow_negative_numbers = true)]
-    pub repeat_last_n: i64,
-    /// Subtract X from the logit of every recent token (0 = off).
-    #[arg(long = "presence-penalty", value_name = "X", default_value_t = 0.0)]
-    pub presence_penalty: f32,
-    /// Subtract X times its count from the logit of every recent token (0 = off).
-    #[arg(long = "frequency-penalty", value_name = "X", default_value_t = 0.0)]
-    pub frequency_penalty: f32,
+    #[command(flatten)]
+    pub sampling: crate::cli::SamplingArgs,
     /// Stop when the output contains this text (not printed; repeatable).
     #[arg(short = 'r', long = "stop", visible_alias = "reverse-prompt", value_name = "TEXT")]
     pub stop: Vec<String>,
@@ -90,36 +65,6 @@ pub struct RunArgs {
     pub raw: bool,
     #[command(flatten)]
     pub engine: EngineArgs,
-}
-
-impl RunArgs {
-    /// The sampling parameters, with llama.cpp's special values: a negative seed is a new one,
-    /// top-k 0 or less keeps every token, repeat-last-n -1 is the whole context.
-    fn sampling(&self) -> anyhow::Result<SamplingParams> {
-        let seed = match self.seed {
-            Some(s) if s >= 0 => s as u64,
-            _ => {
-                let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-                t.as_nanos() as u64 ^ u64::from(std::process::id())
-            }
-        };
-        let penalty_last_n = match self.repeat_last_n {
-            -1 => usize::MAX,
-            n if n >= 0 => usize::try_from(n).unwrap_or(usize::MAX),
-            n => bail!("--repeat-last-n {n}: must be -1 (the whole context), 0 (off) or more"),
-        };
-        Ok(SamplingParams {
-            temperature: self.temp,
-            top_k: usize::try_from(self.top_k.max(0)).unwrap_or(usize::MAX),
-            top_p: self.top_p,
-            min_p: self.min_p,
-            repeat_penalty: self.repeat_penalty,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            penalty_last_n,
-            seed,
-        })
-    }
 }
 
 /// Token counts and time spent, for the closing line.
@@ -306,12 +251,15 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     if first.as_ref().is_some_and(|p| p.trim().is_empty()) {
         bail!("empty prompt: give some text with -p TEXT or -f FILE");
     }
-    let params = args.sampling()?;
+    // llama.cpp's default seed: a new one each run
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let fresh = t.as_nanos() as u64 ^ u64::from(std::process::id());
+    let params = args.sampling.params(SamplingParams { seed: fresh, ..SamplingParams::default() })?;
     let sampler = Sampler::new(params.clone())?;
     let ctx = open_context(&args.model, &args.engine.runtime, &args.engine.placement)?;
     let tok = Tokenizer::from_gguf(ctx.model().gguf())?;
     let tmpl = template(args, &tok)?;
-    if args.seed.is_none_or(|s| s < 0) && params.temperature > 0.0 {
+    if args.sampling.seed.is_none_or(|s| s < 0) && params.temperature > 0.0 {
         tracing::info!("seed: {}", params.seed);
     }
     let stops = match args.no_escape {

@@ -68,6 +68,9 @@ pub struct ServeArgs {
     pub metrics: bool,
     #[command(flatten)]
     pub llama_server: LlamaServerFlags,
+    /// What requests get for the sampling parameters they leave out (llama-server's flags).
+    #[command(flatten)]
+    pub sampling: crate::cli::SamplingArgs,
     /// API keys (comma-separated, as llama-server): every call but health checks must send one,
     /// `Authorization: Bearer KEY` over HTTP and in gRPC metadata; Abort then cancels only
     /// requests made with the same key. Without keys every client is trusted (local use).
@@ -249,7 +252,22 @@ fn server_options(args: &ServeArgs) -> anyhow::Result<tandem_server::Options> {
     }
     let reasoning_format =
         tandem_server::reasoning::ReasoningFormat::from_name(&args.reasoning_format).map_err(anyhow::Error::msg)?;
-    Ok(tandem_server::Options { api_keys: keys, limits, tls, reasoning_format })
+    let params = args.sampling.params(tandem_engine::SamplingParams::default())?;
+    let sampling = tandem_server::SamplingDefaults { params, seed: args.sampling.given_seed() };
+    log(&sampling_line(&sampling));
+    Ok(tandem_server::Options { api_keys: keys, limits, tls, reasoning_format, sampling })
+}
+
+/// The sampling a request gets for what it leaves out, as a log line.
+fn sampling_line(s: &tandem_server::SamplingDefaults) -> String {
+    let p = &s.params;
+    let seed = s.seed.map_or("a new one per HTTP request, 0 over gRPC".into(), |s| s.to_string());
+    let last = if p.penalty_last_n == usize::MAX { "all".into() } else { p.penalty_last_n.to_string() };
+    format!(
+        "request defaults: temp {}, top_k {}, top_p {}, min_p {}, repeat_penalty {} (last {last}), \
+         presence_penalty {}, frequency_penalty {}, seed {seed}",
+        p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.presence_penalty, p.frequency_penalty
+    )
 }
 
 /// `--max-connections` per port, within the open-file limit (raised to its hard maximum first):

@@ -274,3 +274,64 @@ async fn grpcio_over_tls_and_openai_over_https_with_an_api_key() {
     s.wait_for("stopped");
     assert_eq!(s.exit_code(), 0);
 }
+
+/// llama-server's sampling flags are what a request gets for the parameters it leaves out: a
+/// request without any is sampled as one that spells the flags out, not as llama.cpp's defaults.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sampling_flags_are_the_defaults_of_requests() {
+    let flags = ["--temp", "1.5", "--top-k", "-1", "--top-p", "0.9", "--min-p", "0.01", "--seed", "3407"];
+    let s = Served::start(
+        &[&["-c", "1024", "-t", "1", "--repeat-last-n", "-1", "--repeat-penalty", "1.3"][..], &flags].concat(),
+    );
+    assert!(
+        s.log.iter().any(|l| l.contains("request defaults: temp 1.5, top_k 0, top_p 0.9, min_p 0.01")
+            && l.contains("repeat_penalty 1.3 (last all)")
+            && l.contains("seed 3407")),
+        "{:?}",
+        s.log
+    );
+    let mut client = s.client().await;
+    let ask = |sampling: Option<pb::SamplingParams>| {
+        let mut r = endless("Hello there", 24);
+        r.sampling = sampling;
+        r
+    };
+    let spelled = pb::SamplingParams {
+        temperature: Some(1.5),
+        top_k: Some(0),
+        top_p: Some(0.9),
+        min_p: Some(0.01),
+        repeat_penalty: Some(1.3),
+        penalty_last_n: Some(u32::MAX),
+        seed: Some(3407),
+        ..Default::default()
+    };
+    let unset = serve_util::generate(&mut client, ask(None)).await.unwrap().ids;
+    let given = serve_util::generate(&mut client, ask(Some(spelled))).await.unwrap().ids;
+    assert_eq!(unset, given);
+    // each flag counts: llama.cpp's default in its place gives other tokens
+    let llama = pb::SamplingParams { temperature: Some(0.8), ..spelled };
+    let other = serve_util::generate(&mut client, ask(Some(llama))).await.unwrap().ids;
+    assert_ne!(unset, other);
+    let reseeded = pb::SamplingParams { seed: Some(0), ..spelled };
+    assert_ne!(unset, serve_util::generate(&mut client, ask(Some(reseeded))).await.unwrap().ids);
+    s.signal(libc::SIGINT);
+    assert_eq!(s.exit_code(), 0);
+}
+
+#[test]
+fn sampling_flags_no_sampler_can_use_are_one_line_errors() {
+    for (flag, value, says) in [
+        ("--top-p", "2", "top_p = 2"),
+        ("--min-p", "-0.5", "min_p = -0.5"),
+        ("--repeat-last-n", "-2", "--repeat-last-n -2"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["serve", "--port", "0", "--http-port", "0", flag, value])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{flag} {value}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+}

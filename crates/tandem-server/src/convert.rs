@@ -1,7 +1,7 @@
 //! Translation between the protobuf messages and the engine's types, and from engine errors to
 //! gRPC status codes. Nothing here trusts the client: every field is checked or clamped.
 
-use crate::pb;
+use crate::{pb, SamplingDefaults};
 use std::time::{Duration, Instant};
 use tandem_engine::{
     Constraint, Error as EngineError, Event, Failure, Finish, FinishReason, LengthLimit, PositionLogprobs, Prompt,
@@ -65,8 +65,8 @@ pub fn deadline(md: &MetadataMap, now: Instant) -> Result<Option<Instant>, Statu
     Ok(Some(now.checked_add(d).unwrap_or(now + Duration::from_secs(365 * 24 * 3600))))
 }
 
-fn sampling(p: Option<pb::SamplingParams>) -> SamplingParams {
-    let d = SamplingParams::default();
+fn sampling(p: Option<pb::SamplingParams>, defaults: &SamplingDefaults) -> SamplingParams {
+    let d = SamplingParams { seed: defaults.seed.unwrap_or(0), ..defaults.params.clone() };
     let Some(p) = p else { return d };
     SamplingParams {
         temperature: p.temperature.unwrap_or(d.temperature),
@@ -95,6 +95,7 @@ fn request(
     o: Option<pb::GenerationOptions>,
     deadline: Option<Instant>,
     arrived: Instant,
+    d: &SamplingDefaults,
 ) -> Result<Request, Status> {
     check_id(&id)?;
     let o = o.unwrap_or_default();
@@ -118,7 +119,7 @@ fn request(
     Ok(Request {
         id,
         prompt,
-        sampling: sampling(s),
+        sampling: sampling(s, d),
         max_tokens: o.max_tokens,
         stop: o.stop,
         logprobs: o.logprobs,
@@ -134,16 +135,22 @@ pub fn generate_request(
     r: pb::GenerateRequest,
     deadline: Option<Instant>,
     arrived: Instant,
+    d: &SamplingDefaults,
 ) -> Result<Request, Status> {
     let prompt = match r.prompt {
         Some(pb::generate_request::Prompt::Text(t)) => Prompt::Text(t),
         Some(pb::generate_request::Prompt::Tokens(t)) => Prompt::Tokens(t.ids),
         None => return Err(Status::invalid_argument("the prompt is empty (set text or tokens)")),
     };
-    request(r.request_id, prompt, r.sampling, r.options, deadline, arrived)
+    request(r.request_id, prompt, r.sampling, r.options, deadline, arrived, d)
 }
 
-pub fn chat_request(mut r: pb::ChatRequest, deadline: Option<Instant>, arrived: Instant) -> Result<Request, Status> {
+pub fn chat_request(
+    mut r: pb::ChatRequest,
+    deadline: Option<Instant>,
+    arrived: Instant,
+    d: &SamplingDefaults,
+) -> Result<Request, Status> {
     let forced = match r.tool_choice.as_str() {
         "" | "auto" => None,
         "none" => {
@@ -162,7 +169,7 @@ pub fn chat_request(mut r: pb::ChatRequest, deadline: Option<Instant>, arrived: 
     let rich = !r.tools.is_empty() || r.messages.iter().any(|m| !m.tool_calls.is_empty() || m.role == "tool");
     if !rich {
         let messages = r.messages.into_iter().map(|m| (m.role, m.content)).collect();
-        return request(r.request_id, Prompt::Chat(messages), r.sampling, r.options, deadline, arrived);
+        return request(r.request_id, Prompt::Chat(messages), r.sampling, r.options, deadline, arrived, d);
     }
     let json = |what: &str, text: &str| -> Result<serde_json::Value, Status> {
         if text.is_empty() {
@@ -200,7 +207,7 @@ pub fn chat_request(mut r: pb::ChatRequest, deadline: Option<Instant>, arrived: 
     let parallel = r.parallel_tool_calls;
     let call = forced.map(|name| tandem_engine::Constraint::ToolCall { tools: tools.clone(), name, parallel });
     let mut req =
-        request(r.request_id, Prompt::Messages { messages, tools }, r.sampling, r.options, deadline, arrived)?;
+        request(r.request_id, Prompt::Messages { messages, tools }, r.sampling, r.options, deadline, arrived, d)?;
     if let Some(c) = call {
         if req.constraint.is_some() {
             return Err(Status::invalid_argument(
@@ -297,8 +304,9 @@ mod tests {
 
     #[test]
     fn unset_sampling_fields_take_llama_cpp_defaults() {
-        let p = sampling(Some(pb::SamplingParams { temperature: Some(0.0), ..Default::default() }));
+        let p =
+            sampling(Some(pb::SamplingParams { temperature: Some(0.0), ..Default::default() }), &Default::default());
         assert_eq!(p, SamplingParams { temperature: 0.0, ..SamplingParams::default() });
-        assert_eq!(sampling(None), SamplingParams::default());
+        assert_eq!(sampling(None, &Default::default()), SamplingParams::default());
     }
 }

@@ -354,7 +354,8 @@ async fn chat(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let openai::Parsed { req, stream, include_usage, tools } = openai::chat_request(parse(body)?, arrived)?;
+    let openai::Parsed { req, stream, include_usage, tools } =
+        openai::chat_request(parse(body)?, arrived, state.sampling())?;
     let top = req.logprobs as usize;
     let want_logprobs = req.logprobs > 0;
     let format = state.reasoning_format();
@@ -505,7 +506,8 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let openai::Parsed { req, stream, include_usage, .. } = openai::completion_request(parse(body)?, arrived)?;
+    let openai::Parsed { req, stream, include_usage, .. } =
+        openai::completion_request(parse(body)?, arrived, state.sampling())?;
     let want_logprobs = req.logprobs > 0;
     let (id, rx) = submit(&state, req, "cmpl", key.map(|k| k.0)).await?;
     let model = model_name(&state);
@@ -549,7 +551,7 @@ async fn llama_completion(
     let arrived = Instant::now();
     let r: openai::LlamaCompletionRequest = parse(body)?;
     let stream = r.stream;
-    let req = openai::llama_completion_request(r, arrived)?;
+    let req = openai::llama_completion_request(r, arrived, state.sampling())?;
     let stops = req.stop.clone();
     let (_, rx) = submit(&state, req, "cmpl", key.map(|k| k.0)).await?;
     let model = model_name(&state);
@@ -619,7 +621,7 @@ async fn apply_template(
     AxState(state): AxState<Arc<State>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let parsed = openai::chat_request(parse(body)?, Instant::now())?;
+    let parsed = openai::chat_request(parse(body)?, Instant::now(), state.sampling())?;
     let engine = state.engine()?.clone();
     let prompt = tokio::task::spawn_blocking(move || match parsed.req.prompt {
         tandem_engine::Prompt::Chat(messages) => engine.render_chat(&messages),

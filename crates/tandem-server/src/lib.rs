@@ -15,7 +15,9 @@ mod service;
 pub mod tools;
 
 pub use conn::{ConnStats, Limits};
-pub use server::{start, start_with, Drained, Options, RunningServer, ServerStats, TlsFiles, SERVICE_NAME};
+pub use server::{
+    start, start_with, Drained, Options, RunningServer, SamplingDefaults, ServerStats, TlsFiles, SERVICE_NAME,
+};
 pub use service::ModelDescription;
 
 /// The generated messages, client and server of `tandem.v1`.

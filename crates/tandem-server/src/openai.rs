@@ -3,6 +3,7 @@
 //! `/tokenize`, `/detokenize` (llama.cpp tools/server/README.md), and their translation into
 //! engine [`Request`]s. Nothing here trusts the client: every field is checked or clamped.
 
+use crate::SamplingDefaults;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::time::Instant;
@@ -252,9 +253,11 @@ fn truncate(s: &str, n: usize) -> &str {
 /// The request's seed: a negative one (llama-server's -1) or none asks for a new one each request,
 /// as llama-server and OpenAI do (the same prompt twice gives two samples); gRPC keeps its
 /// documented default of 0.
-fn seed(s: Option<i64>) -> u64 {
-    match s {
-        Some(s) if s >= 0 => s as u64,
+/// A request's seed: its own, else the server's, else (or at -1) a new one.
+fn seed(s: Option<i64>, d: &SamplingDefaults) -> u64 {
+    match (s, d.seed) {
+        (Some(s), _) if s >= 0 => s as u64,
+        (None, Some(d)) => d,
         _ => fresh_seed(),
     }
 }
@@ -278,13 +281,13 @@ fn prompt(p: PromptField) -> Result<Prompt, BadParam> {
     }
 }
 
-fn common(c: Common, p: Prompt, arrived: Instant) -> Result<Request, BadParam> {
+fn common(c: Common, p: Prompt, arrived: Instant, defaults: &SamplingDefaults) -> Result<Request, BadParam> {
     if let Some(n) = c.n {
         if n != 1 {
             return Err(BadParam(format!("n = {n}: only 1 is supported")));
         }
     }
-    let d = SamplingParams::default();
+    let d = defaults.params.clone();
     let mut req = Request::new(p);
     req.arrived = arrived;
     req.sampling = SamplingParams {
@@ -294,7 +297,7 @@ fn common(c: Common, p: Prompt, arrived: Instant) -> Result<Request, BadParam> {
         min_p: c.min_p.unwrap_or(d.min_p),
         presence_penalty: c.presence_penalty.unwrap_or(d.presence_penalty),
         frequency_penalty: c.frequency_penalty.unwrap_or(d.frequency_penalty),
-        seed: seed(c.seed),
+        seed: seed(c.seed, defaults),
         ..d
     };
     req.max_tokens = c.max_completion_tokens.or(c.max_tokens).unwrap_or(0);
@@ -304,7 +307,7 @@ fn common(c: Common, p: Prompt, arrived: Instant) -> Result<Request, BadParam> {
     Ok(req)
 }
 
-pub fn chat_request(r: ChatRequest, arrived: Instant) -> Result<Parsed, BadParam> {
+pub fn chat_request(r: ChatRequest, arrived: Instant, d: &SamplingDefaults) -> Result<Parsed, BadParam> {
     let offered = match &r.tool_choice {
         Some(Value::String(c)) if c == "none" => Vec::new(),
         Some(Value::String(c)) if c != "auto" && c != "required" => {
@@ -401,7 +404,7 @@ pub fn chat_request(r: ChatRequest, arrived: Instant) -> Result<Parsed, BadParam
     } else {
         Prompt::Chat(messages)
     };
-    let mut req = common(r.common, prompt, arrived)?;
+    let mut req = common(r.common, prompt, arrived, d)?;
     if let Some(name) = forced {
         if req.constraint.is_some() {
             return Err(BadParam(
@@ -420,17 +423,21 @@ pub fn chat_request(r: ChatRequest, arrived: Instant) -> Result<Parsed, BadParam
     Ok(Parsed { req, tools, stream, include_usage })
 }
 
-pub fn completion_request(r: CompletionRequest, arrived: Instant) -> Result<Parsed, BadParam> {
+pub fn completion_request(r: CompletionRequest, arrived: Instant, d: &SamplingDefaults) -> Result<Parsed, BadParam> {
     let include_usage = r.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let stream = r.common.stream;
     let p = prompt(r.prompt)?;
-    let mut req = common(r.common, p, arrived)?;
+    let mut req = common(r.common, p, arrived, d)?;
     req.logprobs = r.logprobs.unwrap_or(0);
     Ok(Parsed { req, tools: false, stream, include_usage })
 }
 
-pub fn llama_completion_request(r: LlamaCompletionRequest, arrived: Instant) -> Result<Request, BadParam> {
-    let d = SamplingParams::default();
+pub fn llama_completion_request(
+    r: LlamaCompletionRequest,
+    arrived: Instant,
+    defaults: &SamplingDefaults,
+) -> Result<Request, BadParam> {
+    let d = defaults.params.clone();
     let mut req = Request::new(prompt(r.prompt)?);
     req.arrived = arrived;
     req.sampling = SamplingParams {
@@ -451,7 +458,7 @@ pub fn llama_completion_request(r: LlamaCompletionRequest, arrived: Instant) -> 
                 return Err(BadParam(format!("repeat_last_n {n}: must be -1 (the whole context), 0 (off) or more")))
             }
         },
-        seed: seed(r.seed),
+        seed: seed(r.seed, defaults),
     };
     // n_predict -1 = until the server's cap or the context (llama-server); other negatives are
     // mistakes, not "unlimited"
@@ -560,7 +567,8 @@ mod tests {
                 "stream_options":{"include_usage":true},"logprobs":true,"top_logprobs":2}"#,
         )
         .unwrap();
-        let Parsed { req, stream, include_usage, .. } = chat_request(r, Instant::now()).ok().unwrap();
+        let Parsed { req, stream, include_usage, .. } =
+            chat_request(r, Instant::now(), &Default::default()).ok().unwrap();
         assert!(stream && include_usage);
         assert_eq!(req.prompt, Prompt::Chat(vec![("user".into(), "hi".into())]));
         assert_eq!((req.max_tokens, req.sampling.temperature, req.sampling.seed, req.logprobs), (7, 0.0, 3, 2));
@@ -570,18 +578,18 @@ mod tests {
     #[test]
     fn bad_values_are_refused_with_the_parameter_named() {
         let r: CompletionRequest = serde_json::from_str(r#"{"prompt":"a","n":2}"#).unwrap();
-        assert!(completion_request(r, Instant::now()).err().unwrap().0.contains("n = 2"));
+        assert!(completion_request(r, Instant::now(), &Default::default()).err().unwrap().0.contains("n = 2"));
         let r: CompletionRequest = serde_json::from_str(r#"{"prompt":["a","b"]}"#).unwrap();
-        assert!(completion_request(r, Instant::now()).err().unwrap().0.contains("prompt"));
+        assert!(completion_request(r, Instant::now(), &Default::default()).err().unwrap().0.contains("prompt"));
         let many: Vec<String> = (0..17).map(|i| i.to_string()).collect();
         let r: LlamaCompletionRequest = serde_json::from_value(json!({"prompt": "a", "stop": many})).unwrap();
-        assert!(llama_completion_request(r, Instant::now()).err().unwrap().0.contains("stop"));
+        assert!(llama_completion_request(r, Instant::now(), &Default::default()).err().unwrap().0.contains("stop"));
         // tools, tool_choice and output constraints
         let chat = |extra: Value| {
             let mut v = json!({"messages": [{"role": "user", "content": "hi"}],
                                "tools": [{"type": "function", "function": {"name": "f"}}]});
             v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-            chat_request(serde_json::from_value(v).unwrap(), Instant::now())
+            chat_request(serde_json::from_value(v).unwrap(), Instant::now(), &Default::default())
         };
         let err = |extra: Value| chat(extra).err().unwrap().0;
         assert!(err(json!({"tool_choice": {"type": "function", "function": {"name": "g"}}})).contains("\"g\""));
@@ -618,19 +626,21 @@ mod tests {
             r#"{"prompt":[1,2,3],"n_predict":-1,"top_k":0,"min_p":0.1,"cache_prompt":true,"stop":["\n"]}"#,
         )
         .unwrap();
-        let req = llama_completion_request(r, Instant::now()).ok().unwrap();
+        let req = llama_completion_request(r, Instant::now(), &Default::default()).ok().unwrap();
         assert_eq!(req.prompt, Prompt::Tokens(vec![1, 2, 3]));
         assert_eq!((req.max_tokens, req.sampling.top_k, req.sampling.min_p), (0, 0, 0.1));
         let last_n = |v: i64| {
             let r: LlamaCompletionRequest =
                 serde_json::from_value(serde_json::json!({"prompt": "a", "repeat_last_n": v})).unwrap();
-            llama_completion_request(r, Instant::now()).map(|r| r.sampling.penalty_last_n).map_err(|e| e.0)
+            llama_completion_request(r, Instant::now(), &Default::default())
+                .map(|r| r.sampling.penalty_last_n)
+                .map_err(|e| e.0)
         };
         assert_eq!(last_n(-1), Ok(usize::MAX), "llama-server's -1: the whole context");
         // no seed (or -1): a new one each request, as llama-server; a given one is kept
         let seed_of = |v: Value| {
             let r: LlamaCompletionRequest = serde_json::from_value(v).unwrap();
-            llama_completion_request(r, Instant::now()).map_err(|e| e.0).unwrap().sampling.seed
+            llama_completion_request(r, Instant::now(), &Default::default()).map_err(|e| e.0).unwrap().sampling.seed
         };
         let none = serde_json::json!({"prompt": "a"});
         assert_ne!(seed_of(none.clone()), seed_of(none));
@@ -642,5 +652,26 @@ mod tests {
         assert_eq!(last_n(0), Ok(0));
         assert_eq!(last_n(32), Ok(32));
         assert!(last_n(-2).unwrap_err().contains("repeat_last_n -2"));
+    }
+
+    #[test]
+    fn the_servers_sampling_flags_fill_what_a_request_leaves_out() {
+        let d = SamplingDefaults {
+            params: SamplingParams { temperature: 0.6, min_p: 0.01, top_k: 0, ..SamplingParams::default() },
+            seed: Some(3407),
+        };
+        let chat = |v: Value| chat_request(serde_json::from_value(v).unwrap(), Instant::now(), &d).ok().unwrap().req;
+        let msgs = json!([{"role": "user", "content": "hi"}]);
+        let bare = chat(json!({"messages": msgs}));
+        assert_eq!(bare.sampling, SamplingParams { seed: 3407, ..d.params.clone() });
+        let own = chat(json!({"messages": msgs, "temperature": 0.2, "seed": 9}));
+        assert_eq!((own.sampling.temperature, own.sampling.min_p, own.sampling.seed), (0.2, 0.01, 9));
+        // -1 asks for a new seed, whatever the server's
+        assert_ne!(chat(json!({"messages": msgs, "seed": -1})).sampling.seed, 3407);
+        let llama =
+            |v: Value| llama_completion_request(serde_json::from_value(v).unwrap(), Instant::now(), &d).ok().unwrap();
+        let bare = llama(json!({"prompt": "a"}));
+        assert_eq!(bare.sampling, SamplingParams { seed: 3407, ..d.params.clone() });
+        assert_eq!(llama(json!({"prompt": "a", "top_k": 5, "min_p": 0.2})).sampling.top_k, 5);
     }
 }

@@ -68,6 +68,19 @@ pub struct Options {
     pub tls: Option<TlsFiles>,
     /// Where chat answers' thinking goes (`--reasoning-format`).
     pub reasoning_format: crate::reasoning::ReasoningFormat,
+    /// What a request gets for a sampling parameter it leaves out.
+    pub sampling: SamplingDefaults,
+}
+
+/// What a request gets for a sampling parameter it leaves out: llama.cpp's defaults, or the
+/// server's sampling flags (`tandem serve --temp 0.6 --min-p 0.01`, as llama-server).
+#[derive(Clone, Debug, Default)]
+pub struct SamplingDefaults {
+    /// The parameters (their `seed` is not read: see `seed`).
+    pub params: tandem_engine::SamplingParams,
+    /// `--seed`: the seed of requests without one. None: a new seed per HTTP request (as
+    /// llama-server and OpenAI), 0 over gRPC (its documented default).
+    pub seed: Option<u64>,
 }
 
 /// A certificate chain and its private key, PEM (`--ssl-cert-file`, `--ssl-key-file`).
@@ -136,7 +149,7 @@ pub async fn start_with(
 ) -> Result<RunningServer> {
     let addr = listener.local_addr().map_err(|e| Error::Io("reading the gRPC listener's address".into(), e))?;
     let tls = options.tls.as_ref().map(tls_acceptor).transpose()?;
-    let state = Arc::new(State::new(options.api_keys.clone(), options.reasoning_format));
+    let state = Arc::new(State::new(&options));
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_service_status("", ServingStatus::NotServing).await;
     health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;

@@ -44,6 +44,7 @@ pub struct State {
     owners: Mutex<HashMap<String, (usize, u32)>>,
     conn_stats: OnceLock<crate::ServerStats>,
     reasoning: crate::reasoning::ReasoningFormat,
+    sampling: crate::SamplingDefaults,
 }
 
 /// The API key a call was made with: its index in `--api-key`s (requests' extension).
@@ -51,17 +52,23 @@ pub struct State {
 pub(crate) struct KeyIndex(pub usize);
 
 impl State {
-    pub(crate) fn new(api_keys: Vec<String>, reasoning: crate::reasoning::ReasoningFormat) -> State {
+    pub(crate) fn new(options: &crate::Options) -> State {
         State {
             engine: OnceLock::new(),
             draining: AtomicBool::new(false),
             streams: watch::channel(0).0,
             next_id: AtomicU64::new(1),
-            api_keys,
+            api_keys: options.api_keys.clone(),
             owners: Mutex::new(HashMap::new()),
             conn_stats: OnceLock::new(),
-            reasoning,
+            reasoning: options.reasoning_format,
+            sampling: options.sampling.clone(),
         }
+    }
+
+    /// What a request gets for a sampling parameter it leaves out.
+    pub(crate) fn sampling(&self) -> &crate::SamplingDefaults {
+        &self.sampling
     }
 
     pub(crate) fn reasoning_format(&self) -> crate::reasoning::ReasoningFormat {
@@ -381,7 +388,7 @@ impl InferenceService for Service {
         let now = Instant::now();
         let deadline = convert::deadline(request.metadata(), now)?;
         let key = request.extensions().get::<KeyIndex>().copied();
-        let req = convert::generate_request(request.into_inner(), deadline, now)?;
+        let req = convert::generate_request(request.into_inner(), deadline, now, self.state.sampling())?;
         self.stream(req, key, None).await
     }
 
@@ -389,7 +396,7 @@ impl InferenceService for Service {
         let now = Instant::now();
         let deadline = convert::deadline(request.metadata(), now)?;
         let key = request.extensions().get::<KeyIndex>().copied();
-        let req = convert::chat_request(request.into_inner(), deadline, now)?;
+        let req = convert::chat_request(request.into_inner(), deadline, now, self.state.sampling())?;
         let split = self.reasoning_splitter(&req).await?;
         self.stream(req, key, split).await
     }
@@ -515,7 +522,7 @@ mod tests {
 
     #[test]
     fn request_ids_are_128_random_bits() {
-        let s = State::new(Vec::new(), Default::default());
+        let s = State::new(&crate::Options::default());
         let ids: std::collections::HashSet<String> = (0..1000).map(|_| s.new_id("req")).collect();
         assert_eq!(ids.len(), 1000);
         for id in &ids {
@@ -529,10 +536,10 @@ mod tests {
 
     #[test]
     fn api_keys_are_checked_and_scope_aborts() {
-        let open = State::new(Vec::new(), Default::default());
+        let open = State::new(&crate::Options::default());
         assert_eq!(open.authorize(None), Ok(None));
         assert!(open.may_abort("x", None));
-        let s = State::new(vec!["k-one".into(), "k-two".into()], Default::default());
+        let s = State::new(&crate::Options { api_keys: vec!["k-one".into(), "k-two".into()], ..Default::default() });
         assert!(s.authorize(None).is_err());
         assert!(s.authorize(Some(b"Bearer k-on")).is_err());
         assert!(s.authorize(Some(b"Bearer k-one2")).is_err());
