@@ -54,7 +54,7 @@ import gen_model_fixtures as gm  # noqa: E402  (tokenizers, Init, writer helpers
 REPO = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO / "tests" / "fixtures" / "inference"
 
-GGML_TYPE = {"f32": 0, "f16": 1, "q8_0": 8, "bf16": 30}  # ggml_type enum values
+GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}  # ggml_type enum values
 LLAMA_CPP_COMMIT = "0c1e5709"  # what the installed llama-cpp-python 0.3.36 was built from
 
 N_TOKENS = 128  # tokens fed per fixture (incl. BOS where the vocab adds one)
@@ -139,7 +139,8 @@ MODELS: list[dict] = [
          weights_norm=False, weights_scale=2.0, yarn=None, tokenizer="kimi-k2",
          # MLA: llama.cpp requires type_k == type_v (V is a view of the latent K), and a quantized V needs
          # flash attention, so the q8_0 latent cache can only be had with flash_attn on
-         cache_variants=[("f32", "f32", False), ("bf16", "bf16", False), ("q8_0", "q8_0", True)],
+         cache_variants=[("f32", "f32", False), ("bf16", "bf16", False), ("q8_0", "q8_0", True),
+                         ("q4_0", "q4_0", True)],
          note="DeepSeek-V2 style routing (softmax + group-limited), no rope scaling"),
     dict(name="deepseek2-mla-q8_0", arch="deepseek2", weights="Q8_0", cache="f16", seed=34, **DS_SMALL,
          mla=True, n_layer=4, n_dense_lead=3, n_expert_used=2, n_expert_shared=1,
@@ -174,7 +175,7 @@ MODELS: list[dict] = [
     dict(name="llama-gqa-f32", arch="llama", weights="F32", cache="f32", seed=39,
          n_embd=128, n_ff=256, n_head=4, n_head_kv=2, n_layer=2, freq_base=500000.0, context_length=2048,
          tokenizer="llama-bpe", cache_variants=[("f16", "f16", False), ("bf16", "bf16", False), ("q8_0", "f16", False),
-                         ("q8_0", "q8_0", True)],
+                         ("q8_0", "q8_0", True), ("q4_0", "f16", False), ("q4_0", "q4_0", True)],
          note="dense llama, GQA 4 heads / 2 KV heads"),
     dict(name="llama-gqa-q8_0", arch="llama", weights="Q8_0", cache="f16", seed=40,
          n_embd=256, n_ff=512, n_head=8, n_head_kv=2, n_layer=2, freq_base=100000.0, context_length=8192,
@@ -855,6 +856,33 @@ def run_smollm2(log) -> dict:
 # --------------------------------------------------------------------------------------
 
 
+def add_cache_variants(c: dict, log) -> None:
+    """The cache variants of `c` its committed JSON lacks, computed on its committed tokens against its
+    committed reference, appended to the JSON (which keeps everything else)."""
+    name = c["name"]
+    js = OUT_DIR / f"{name}.json"
+    res = json.loads(js.read_text())
+    path, ids = OUT_DIR / res["model"], res["tokens"]
+    ref = np.fromfile(OUT_DIR / res["logits_file"], dtype="<f4").reshape(len(ids), -1)
+    am = ref.argmax(axis=1)
+    have = {(v["cache_type_k"], v["cache_type_v"], v["flash_attn"]) for v in res.get("cache_variants", [])}
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    for ctk, ctv, fa in c.get("cache_variants", []):
+        if (ctk, ctv, fa) in have:
+            continue
+        vl = llama_logits(path, ids, ctk, ctv, flash_attn=fa)
+        vp = OUT_DIR / f"{name}.cache-{ctk}-{ctv}{'-fa' if fa else ''}.logits.f32"
+        vl.astype("<f4").tofile(vp)
+        e, agree = rel_err(vl, ref), float((vl.argmax(1) == am).mean())
+        res.setdefault("cache_variants", []).append(dict(
+            cache_type_k=ctk, cache_type_v=ctv, flash_attn=fa, logits_file=vp.name, rel_err_vs_main=e,
+            argmax_agreement_vs_main=agree, logits_sha256=hashlib.sha256(vp.read_bytes()).hexdigest(),
+            generated_on=f"{cpu}, added later by --cache-variants-only"))
+        log(f"  {name} cache k={ctk} v={ctv} flash_attn={fa}: max|d|/max|l| vs main {e:.2e}, argmax agree "
+            f"{agree:.3f} -> {vp.name}")
+    js.write_text(json.dumps(res, indent=1) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", action="append", choices=sorted(BY_NAME), help="build only these tiny models")
@@ -862,6 +890,9 @@ def main() -> int:
     ap.add_argument("--smollm2-only", action="store_true", help="only the SmolLM2 greedy references")
     ap.add_argument("--no-checks", action="store_true",
                     help="skip the fresh-load repeat and the feature-sensitivity runs")
+    ap.add_argument("--cache-variants-only", action="store_true",
+                    help="with --only: add the cache variants a fixture's JSON lacks, on its committed tokens "
+                         "(the token screening depends on the machine's llama.cpp kernels; the rest stays)")
     args = ap.parse_args()
 
     import llama_cpp
@@ -884,6 +915,11 @@ def main() -> int:
 
     def log(s: str) -> None:
         print(s, flush=True)
+
+    if args.cache_variants_only:
+        for n in args.only or []:
+            add_cache_variants(BY_NAME[n], log)
+        return 0
 
     summary = []
     names = [] if args.smollm2_only else (args.only or [m["name"] for m in MODELS])

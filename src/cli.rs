@@ -195,10 +195,10 @@ pub struct RuntimeArgs {
     /// Physical micro-batch size: the most tokens computed in one forward pass.
     #[arg(long = "ubatch-size", value_name = "N", default_value_t = 512)]
     pub ubatch_size: usize,
-    /// KV cache type for K: f32, f16, bf16, q8_0.
+    /// KV cache type for K: f32, f16, bf16, q8_0, q4_0.
     #[arg(long = "cache-type-k", value_name = "TYPE", default_value = "f16")]
     pub cache_type_k: String,
-    /// KV cache type for V: f32, f16, bf16, q8_0.
+    /// KV cache type for V: f32, f16, bf16, q8_0, q4_0.
     #[arg(long = "cache-type-v", value_name = "TYPE", default_value = "f16")]
     pub cache_type_v: String,
     /// Parallel sequences (server slots).

@@ -66,10 +66,10 @@ pub struct BenchArgs {
     /// Physical micro-batch size: the most tokens computed in one forward pass (also -ub).
     #[arg(long = "ubatch-size", value_name = "N", default_value_t = 512, allow_negative_numbers = true)]
     pub ubatch_size: i64,
-    /// KV cache type for K: f32, f16, bf16, q8_0 (also -ctk).
+    /// KV cache type for K: f32, f16, bf16, q8_0, q4_0 (also -ctk).
     #[arg(long = "cache-type-k", value_name = "TYPE", default_value = "f16")]
     pub cache_type_k: String,
-    /// KV cache type for V: f32, f16, bf16, q8_0 (also -ctv).
+    /// KV cache type for V: f32, f16, bf16, q8_0, q4_0 (also -ctv).
     #[arg(long = "cache-type-v", value_name = "TYPE", default_value = "f16")]
     pub cache_type_v: String,
     /// MLA attention: auto (the default), absorbed (llama.cpp's arithmetic) or decompressed (see

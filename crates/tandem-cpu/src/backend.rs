@@ -590,7 +590,7 @@ mod tests {
             KvType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
             KvType::F16 => x.iter().flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes()).collect(),
             KvType::BF16 => x.iter().flat_map(|v| tandem_quant::f32_to_bf16(*v).to_le_bytes()).collect(),
-            KvType::Q8_0 => bytes(GgmlType::Q8_0, x),
+            KvType::Q8_0 | KvType::Q4_0 => bytes(ty.ggml(), x),
         }
     }
 
@@ -655,7 +655,7 @@ mod tests {
             (1, 1, 64, 64, true, 1000),
             (32, 8, 128, 128, true, 777),
         ] {
-            for ty in [KvType::F16, KvType::BF16, KvType::F32, KvType::Q8_0] {
+            for ty in [KvType::F16, KvType::BF16, KvType::F32, KvType::Q8_0, KvType::Q4_0] {
                 if !dk.is_multiple_of(ty.block()) || !dv.is_multiple_of(ty.block()) {
                     continue;
                 }

@@ -15,6 +15,7 @@ pub enum CacheType {
     F16,
     BF16,
     Q8_0,
+    Q4_0,
 }
 
 impl CacheType {
@@ -24,7 +25,8 @@ impl CacheType {
             "f16" => Ok(CacheType::F16),
             "bf16" => Ok(CacheType::BF16),
             "q8_0" => Ok(CacheType::Q8_0),
-            _ => Err(Error::Model(format!("unsupported KV cache type '{name}' (use f32, f16, bf16 or q8_0)"))),
+            "q4_0" => Ok(CacheType::Q4_0),
+            _ => Err(Error::Model(format!("unsupported KV cache type '{name}' (use f32, f16, bf16, q8_0 or q4_0)"))),
         }
     }
 
@@ -34,6 +36,7 @@ impl CacheType {
             CacheType::F16 => GgmlType::F16,
             CacheType::BF16 => GgmlType::BF16,
             CacheType::Q8_0 => GgmlType::Q8_0,
+            CacheType::Q4_0 => GgmlType::Q4_0,
         }
     }
 }

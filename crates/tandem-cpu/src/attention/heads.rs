@@ -52,7 +52,7 @@ pub(super) fn round_p(p: f32, v_type: KvType) -> f32 {
     match v_type {
         KvType::F16 => f16::from_f32(p).to_f32(),
         KvType::BF16 => tandem_quant::bf16_to_f32(tandem_quant::f32_to_bf16(p)),
-        KvType::F32 | KvType::Q8_0 => p,
+        KvType::F32 | KvType::Q8_0 | KvType::Q4_0 => p,
     }
 }
 
@@ -143,6 +143,17 @@ pub(crate) fn row_f32(ty: KvType, bytes: &[u8], out: &mut [f32]) {
                 let d = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
                 for (o, q) in o.iter_mut().zip(&b[2..]) {
                     *o = d * (*q as i8) as f32;
+                }
+            }
+        }
+        KvType::Q4_0 => {
+            // ggml's block: the low nibbles are values 0..16, the high ones 16..32
+            for (o, b) in out.chunks_exact_mut(32).zip(bytes.chunks_exact(18)) {
+                let d = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                let (lo, hi) = o.split_at_mut(16);
+                for ((l, h), q) in lo.iter_mut().zip(hi).zip(&b[2..]) {
+                    *l = d * ((q & 0x0F) as i32 - 8) as f32;
+                    *h = d * ((q >> 4) as i32 - 8) as f32;
                 }
             }
         }

@@ -1,11 +1,11 @@
-//! Attention of one token over a KV cache of f16, bf16, f32 or q8_0 rows, as ggml's non-flash
+//! Attention of one token over a KV cache of f16, bf16, f32, q8_0 or q4_0 rows, as ggml's non-flash
 //! path computes it (`kq = mul_mat(k, q)` with q converted to the cache's dot type: f16, bf16 or
-//! Q8_0 blocks; `soft_max_ext` with the scale; the probabilities converted to V's dot type, f16 or
+//! Q8_0 blocks (for q8_0 and q4_0 rows); `soft_max_ext` with the scale; the probabilities converted to V's dot type, f16 or
 //! bf16, for `kqv = mul_mat(v, kq)`), but organized for speed: every cached row is read once for
 //! all the heads that share it (all of them under MLA), beyond [`FLASH_MIN`] rows the rows are
 //! split into chunks with a softmax each that run in parallel and are combined at the end
 //! (flash-decoding), and the inner loops are AVX-512 or AVX2 when the machine has them (every row
-//! format converted to f32 on the fly, q8_0 as `d * q`).
+//! format converted to f32 on the fly, q8_0 as `d * q`, q4_0 as `d * (q - 8)`).
 //!
 //! * this file: the row formats ([`KvType`]), a token's inputs ([`Attn`]), the entry points
 //!   [`attention`] and [`attention_many`], and how a token's heads are split over the threads;
@@ -51,6 +51,7 @@ pub enum KvType {
     F16,
     BF16,
     Q8_0,
+    Q4_0,
 }
 
 impl KvType {
@@ -61,6 +62,7 @@ impl KvType {
             GgmlType::F16 => Some(KvType::F16),
             GgmlType::BF16 => Some(KvType::BF16),
             GgmlType::Q8_0 => Some(KvType::Q8_0),
+            GgmlType::Q4_0 => Some(KvType::Q4_0),
             _ => None,
         }
     }
@@ -72,15 +74,15 @@ impl KvType {
             KvType::F16 => GgmlType::F16,
             KvType::BF16 => GgmlType::BF16,
             KvType::Q8_0 => GgmlType::Q8_0,
+            KvType::Q4_0 => GgmlType::Q4_0,
         }
     }
 
     /// Values per block: heads and rows start at whole blocks.
     pub fn block(self) -> usize {
-        if self == KvType::Q8_0 {
-            32
-        } else {
-            1
+        match self {
+            KvType::Q8_0 | KvType::Q4_0 => 32,
+            _ => 1,
         }
     }
 
@@ -90,6 +92,7 @@ impl KvType {
             KvType::F32 => 4 * n,
             KvType::F16 | KvType::BF16 => 2 * n,
             KvType::Q8_0 => n / 32 * 34,
+            KvType::Q4_0 => n / 32 * 18,
         }
     }
 }
@@ -172,7 +175,8 @@ impl Attn<'_> {
     }
 
     /// q converted to K's dot type and back to f32: rounded to f16 or bf16, or quantized to Q8_0
-    /// blocks (as llama.cpp's x86 build quantizes activations) and each value taken as `d * q`.
+    /// blocks (as llama.cpp's x86 build quantizes activations for q8_0 and q4_0 rows) and each
+    /// value taken as `d * q`.
     fn prepared_q(&self) -> crate::Result<Vec<f32>> {
         let mut r = self.q.to_vec();
         match self.k_type {
@@ -186,7 +190,7 @@ impl Attn<'_> {
             KvType::BF16 => {
                 r.iter_mut().for_each(|v| *v = tandem_quant::bf16_to_f32(tandem_quant::f32_to_bf16(*v)));
             }
-            KvType::Q8_0 => {
+            KvType::Q8_0 | KvType::Q4_0 => {
                 let acts = crate::quantize_activations(GgmlType::Q8_0, self.q, self.dk)?;
                 for (t, out) in r.chunks_exact_mut(self.dk).enumerate() {
                     tandem_quant::dequantize_row(GgmlType::Q8_0, acts.row(t), out)?;

@@ -13,9 +13,9 @@ fn cache_rows(ty: KvType, x: &[f32]) -> Vec<u8> {
         KvType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
         KvType::F16 => x.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect(),
         KvType::BF16 => x.iter().flat_map(|v| tandem_quant::f32_to_bf16(*v).to_le_bytes()).collect(),
-        KvType::Q8_0 => {
-            let mut out = vec![0u8; x.len() / 32 * 34];
-            tandem_quant::quantize_row(GgmlType::Q8_0, x, &mut out).unwrap();
+        KvType::Q8_0 | KvType::Q4_0 => {
+            let mut out = vec![0u8; ty.bytes(x.len())];
+            tandem_quant::quantize_row(ty.ggml(), x, &mut out).unwrap();
             out
         }
     }
@@ -84,7 +84,7 @@ fn a_batch_of_tokens_equals_each_token_alone_bit_for_bit() {
     for &(nh, nkv, dk, dv, sep) in
         &[(16usize, 1usize, 576usize, 512usize, false), (12, 4, 64, 64, true), (6, 2, 48, 32, true)]
     {
-        for ty in [KvType::F16, KvType::BF16, KvType::F32, KvType::Q8_0] {
+        for ty in [KvType::F16, KvType::BF16, KvType::F32, KvType::Q8_0, KvType::Q4_0] {
             if !dk.is_multiple_of(ty.block()) {
                 continue;
             }
@@ -147,7 +147,7 @@ fn simd_kernels_match_the_scalar_code() {
         (2, 1, 32, 32, true, 1),
         (4, 4, 128, 128, true, 1000),
     ] {
-        for ty in [KvType::F16, KvType::BF16, KvType::F32, KvType::Q8_0] {
+        for ty in [KvType::F16, KvType::BF16, KvType::F32, KvType::Q8_0, KvType::Q4_0] {
             let mut values = |n: usize| -> Vec<u8> { cache_rows(ty, &(0..n).map(|_| rnd()).collect::<Vec<f32>>()) };
             let (k, v) = (values(n_kv * nkv * dk), values(n_kv * nkv * dv));
             let q: Vec<f32> = (0..nh * dk).map(|_| rnd()).collect();

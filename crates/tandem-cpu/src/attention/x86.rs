@@ -1,5 +1,6 @@
 //! The AVX-512 and AVX2 kernels of attention: the scores and weighted values of up to eight heads
-//! at a time, every cached row converted to f32 on the fly (q8_0 as `d * q`), and the scaling and
+//! at a time, every cached row converted to f32 on the fly (q8_0 as `d * q`, q4_0 as `d * (q - 8)`),
+//! and the scaling and
 //! rounding of the probabilities. The AVX2 kernels keep the AVX-512 kernels' lanes and orders of
 //! addition: the same bits.
 
@@ -28,7 +29,7 @@ macro_rules! scale_round_fn {
                             let up = $add(u, $add($set1i(0x7fff), odd));
                             $uncast($and(up, $set1i(0xffff_0000u32 as i32)))
                         }
-                        KvType::F32 | KvType::Q8_0 => v,
+                        KvType::F32 | KvType::Q8_0 | KvType::Q4_0 => v,
                     };
                     $storeu(c.as_mut_ptr(), r);
                 }
@@ -65,6 +66,7 @@ const F32: u8 = 0;
 const F16: u8 = 1;
 const BF16: u8 = 2;
 const Q8_0: u8 = 3;
+const Q4_0: u8 = 4;
 
 /// Calls `$f::<T, HB>(...)` with the row format `$t` as the constant `T` and the head count
 /// `$hb` (1..=8) as the constant `HB`.
@@ -75,6 +77,7 @@ macro_rules! by_kv {
             KvType::F16 => by_ny!($hb, $f[F16]($($a),*)),
             KvType::BF16 => by_ny!($hb, $f[BF16]($($a),*)),
             KvType::Q8_0 => by_ny!($hb, $f[Q8_0]($($a),*)),
+            KvType::Q4_0 => by_ny!($hb, $f[Q4_0]($($a),*)),
         }
     };
 }
@@ -85,6 +88,7 @@ fn bytes<const T: u8>(n: usize) -> usize {
     match T {
         F32 => 4 * n,
         F16 | BF16 => 2 * n,
+        Q4_0 => n / 32 * 18,
         _ => n / 32 * 34,
     }
 }
@@ -95,12 +99,14 @@ fn offset<const T: u8>(d: usize) -> usize {
     match T {
         F32 => 4 * d,
         F16 | BF16 => 2 * d,
+        Q4_0 => d / 32 * 18 + 2 + d % 16,
         _ => d / 32 * 34 + 2 + d % 32,
     }
 }
 
 /// Defines a loader of one register of values of a row of format `T` as f32 (`d` a multiple of
-/// the lane count): exact conversions, q8_0 as `d * q`. One source for both widths: `$v` and the
+/// the lane count): exact conversions, q8_0 as `d * q`, q4_0 as `d * (q - 8)` (values 0..16 of a
+/// block in the low nibbles of its 16 bytes, 16..32 in the high ones). One source for both widths: `$v` and the
 /// intrinsics of that width, `$half` the register holding as many 16-bit values.
 macro_rules! load_fn {
     ($(#[$doc:meta])* $name:ident $feat:literal -> $v:ty [$loadu:ident $cvtph:ident $cvtepu16:ident $uncast:ident $slli:ident] [$bcast:ident $mul:ident $cvtepi32:ident $cvtepi8:ident] [$half:ty, $loadh:ident, $loadq:ident]) => {
@@ -117,6 +123,16 @@ macro_rules! load_fn {
                         let h = $cvtepu16($loadh(row.add(2 * d) as *const $half));
                         $uncast($slli::<16>(h))
                     }
+                    Q4_0 => {
+                        let b = row.add(d / 32 * 18);
+                        let scale = (b as *const u16).read_unaligned();
+                        let d16 = $bcast(_mm_cvtph_ps(_mm_cvtsi32_si128(scale as i32)));
+                        let e = d % 32;
+                        let raw = $loadq(b.add(2 + e % 16) as *const __m128i);
+                        let nib = if e < 16 { raw } else { _mm_srli_epi16::<4>(raw) };
+                        let q = _mm_sub_epi8(_mm_and_si128(nib, _mm_set1_epi8(0x0F)), _mm_set1_epi8(8));
+                        $mul($cvtepi32($cvtepi8(q)), d16)
+                    }
                     _ => {
                         let b = row.add(d / 32 * 34);
                         let scale = (b as *const u16).read_unaligned();
@@ -132,7 +148,7 @@ macro_rules! load_fn {
 
 load_fn!(
     /// Values `d..d + 16` of a row of format `T` as f32 (`d` a multiple of 16): exact
-    /// conversions, q8_0 as `d * q`.
+    /// conversions, q8_0 as `d * q`, q4_0 as `d * (q - 8)`.
     load16 "avx512f,avx512bw,f16c" -> __m512
     [_mm512_loadu_ps _mm512_cvtph_ps _mm512_cvtepu16_epi32 _mm512_castsi512_ps _mm512_slli_epi32]
     [_mm512_broadcastss_ps _mm512_mul_ps _mm512_cvtepi32_ps _mm512_cvtepi8_epi32] [__m256i, _mm256_loadu_si256, _mm_loadu_si128]
