@@ -3,8 +3,9 @@
 //! Ctrl-C drains: NOT_SERVING, new calls UNAVAILABLE, open streams finish (up to
 //! `--shutdown-timeout`), then exit 0 (1 when the timeout cut streams off; a second signal exits
 //! at once with 1). A llama-server command line works with the binary name
-//! changed; `--port` is the gRPC port, `--http-port` (8080) the OpenAI- and llama-server-compatible
-//! HTTP API over the same engine.
+//! changed; `--port` serves gRPC and, for llama-server's clients (its `--port` is its HTTP port),
+//! the OpenAI- and llama-server-compatible HTTP API over the same engine, which `--http-port`
+//! (8080) also serves.
 
 use crate::cli::EngineArgs;
 use anyhow::{bail, Context as _};
@@ -31,7 +32,8 @@ pub struct ServeArgs {
     /// Address to listen on.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
     pub host: String,
-    /// gRPC port (0 = any free port; the one chosen is printed).
+    /// gRPC port, which also answers the HTTP API as llama-server's --port does (0 = any free
+    /// port; the one chosen is printed).
     #[arg(long, value_name = "PORT", default_value_t = 50051)]
     pub port: u16,
     /// Port of the OpenAI- and llama-server-compatible HTTP API (0 = any free port; the one

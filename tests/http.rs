@@ -548,3 +548,23 @@ fn json_line(l: &str) -> Value {
     assert!(v["level"].is_string() && v["target"].is_string() && v["message"].is_string(), "{v}");
     v
 }
+
+/// llama-server's `--port` is its HTTP port: a llama-server user's client sent to tandem's
+/// `--port` (the gRPC port) gets the HTTP API there too, and gRPC keeps working on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_grpc_port_answers_the_http_api_too() {
+    let mut s = serve(2048, EngineConfig::default()).await;
+    let grpc = s.t.server.local_addr();
+    let (status, body) = call(grpc, "GET", "/health", "").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, v) =
+        post_json(grpc, "/v1/completions", json!({"prompt": "Hello", "max_tokens": 4, "temperature": 0})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let (_, on_http) =
+        post_json(s.addr, "/v1/completions", json!({"prompt": "Hello", "max_tokens": 4, "temperature": 0})).await;
+    assert_eq!(v["choices"][0]["text"], on_http["choices"][0]["text"]);
+    let (status, v) = post_json(grpc, "/no/such/route", json!({})).await;
+    assert_error(status, &v, StatusCode::NOT_FOUND, "no such route");
+    let out = serve_util::generate(&mut s.t.client, serve_util::endless("Hello", 4)).await.unwrap();
+    assert_eq!(out.ids.len(), 4);
+}

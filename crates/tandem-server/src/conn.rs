@@ -253,20 +253,10 @@ impl AsyncWrite for Io {
     }
 }
 
-/// Which protocols a port speaks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Protocol {
-    /// gRPC: HTTP/2 only.
-    Http2,
-    /// HTTP/1.1 and HTTP/2 (prior knowledge, or ALPN under TLS).
-    Auto,
-}
-
 /// Serves `router` on `listener` until the task is aborted (which closes every connection).
 pub(crate) async fn serve(
     listener: TcpListener,
     router: Router,
-    protocol: Protocol,
     limits: Limits,
     tls: Option<tokio_rustls::TlsAcceptor>,
     stats: Arc<ConnStats>,
@@ -295,7 +285,7 @@ pub(crate) async fn serve(
         let (id, conn) = reg.add();
         let (reg, router, limits, tls) = (reg.clone(), router.clone(), limits.clone(), tls.clone());
         tasks.spawn(async move {
-            connection(tcp, &conn, &reg, router, protocol, &limits, tls).await;
+            connection(tcp, &conn, &reg, router, &limits, tls).await;
             reg.remove(id);
         });
     }
@@ -306,7 +296,6 @@ async fn connection(
     conn: &Arc<Conn>,
     reg: &Arc<Registry>,
     router: Router,
-    protocol: Protocol,
     limits: &Limits,
     tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
@@ -337,12 +326,10 @@ async fn connection(
             Ok::<_, std::convert::Infallible>(resp.map(|b| Body::new(Tracked { inner: b, _guard: guard })))
         }
     });
+    // Every port speaks HTTP/1.1 and HTTP/2 (prior knowledge, or ALPN under TLS).
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
     builder.http2().timer(TokioTimer::new()).keep_alive_interval(limits.keepalive).keep_alive_timeout(limits.keepalive);
-    if protocol == Protocol::Http2 {
-        builder = builder.http2_only();
-    }
     let served = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(svc));
     tokio::pin!(served);
     tokio::select! {

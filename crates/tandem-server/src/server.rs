@@ -3,7 +3,7 @@
 //! [`RunningServer::set_ready`] (SERVING), [`RunningServer::drain`] (NOT_SERVING, new calls
 //! UNAVAILABLE, open streams finish), [`RunningServer::stop`].
 
-use crate::conn::{self, ConnStats, Limits, Protocol};
+use crate::conn::{self, ConnStats, Limits};
 use crate::pb::inference_service_server::InferenceServiceServer;
 use crate::service::{ModelDescription, Service, State};
 use crate::{metrics, pb, Error, Result};
@@ -162,15 +162,15 @@ pub async fn start_with(
         .prepare()
         .into_axum_router()
         .layer(axum::middleware::from_fn_with_state(state.clone(), grpc_auth));
+    let routes = one_port(routes, crate::http::router(state.clone()));
     let stats = ServerStats::default();
     let limits = options.limits.clone();
-    let grpc =
-        tokio::spawn(conn::serve(listener, routes, Protocol::Http2, limits.clone(), tls.clone(), stats.grpc.clone()));
+    let grpc = tokio::spawn(conn::serve(listener, routes, limits.clone(), tls.clone(), stats.grpc.clone()));
     let (metrics_addr, metrics) = match metrics_listener {
         Some(l) => {
             let a = l.local_addr().map_err(|e| Error::Io("reading the metrics listener's address".into(), e))?;
             let router = metrics::router(state.clone());
-            let task = conn::serve(l, router, Protocol::Auto, limits.clone(), tls.clone(), stats.metrics.clone());
+            let task = conn::serve(l, router, limits.clone(), tls.clone(), stats.metrics.clone());
             (Some(a), Some(tokio::spawn(task)))
         }
         None => (None, None),
@@ -190,6 +190,22 @@ pub async fn start_with(
         stats,
         watch,
     })
+}
+
+/// The gRPC port also answers the HTTP API, because llama-server's `--port` is its HTTP port: a
+/// llama-server user's client pointed at `--port` works. Requests whose content type is gRPC's go
+/// to the gRPC routes, every other one to the HTTP routes (their 404 for unknown paths included).
+fn one_port(grpc: axum::Router, http: axum::Router) -> axum::Router {
+    use tower::ServiceExt as _;
+    let route = move |req: axum::extract::Request| {
+        let is_grpc = req
+            .headers()
+            .get(axum::http::header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+        let to = if is_grpc { grpc.clone() } else { http.clone() };
+        to.oneshot(req)
+    };
+    axum::Router::new().fallback_service(tower::service_fn(route))
 }
 
 /// Connection counts of each port.
@@ -214,14 +230,7 @@ impl RunningServer {
     pub fn serve_http(&mut self, listener: TcpListener) -> Result<SocketAddr> {
         let addr = listener.local_addr().map_err(|e| Error::Io("reading the HTTP listener's address".into(), e))?;
         let router = crate::http::router(self.state.clone());
-        let task = conn::serve(
-            listener,
-            router,
-            Protocol::Auto,
-            self.limits.clone(),
-            self.tls.clone(),
-            self.stats.http.clone(),
-        );
+        let task = conn::serve(listener, router, self.limits.clone(), self.tls.clone(), self.stats.http.clone());
         self.http = Some(tokio::spawn(task));
         Ok(addr)
     }
