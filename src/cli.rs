@@ -287,12 +287,36 @@ pub struct SamplingArgs {
     /// Subtract X times its count from the logit of every recent token (0 = off) [default: 0].
     #[arg(long = "frequency-penalty", value_name = "X", allow_negative_numbers = true)]
     pub frequency_penalty: Option<f32>,
+    /// Add BIAS to a token's logit, e.g. `-l 15043+1`, `-l 15043-1`; `-l 15043-inf` bans the token
+    /// (repeatable). A request's own logit_bias replaces these.
+    #[arg(short = 'l', long = "logit-bias", value_name = "TOKEN_ID(+/-)BIAS", value_parser = parse_logit_bias)]
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+/// llama.cpp's `--logit-bias` value: a token id, `+` or `-`, and the bias (`inf` allowed).
+fn parse_logit_bias(s: &str) -> Result<(u32, f32), String> {
+    let bad = || format!("{s:?}: want TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 15043-inf");
+    let at = s.find(['+', '-']).ok_or_else(bad)?;
+    let id: u32 = s[..at].parse().map_err(|_| bad())?;
+    let bias: f32 = s[at + 1..].parse().map_err(|_| bad())?;
+    if bias.is_nan() || bias.is_sign_negative() {
+        return Err(bad());
+    }
+    Ok((id, if s.as_bytes()[at] == b'-' { -bias } else { bias }))
 }
 
 impl SamplingArgs {
     /// The seed given, if any: a negative one (llama.cpp's -1) asks for a new one, as none does.
     pub fn given_seed(&self) -> Option<u64> {
         self.seed.and_then(|s| u64::try_from(s).ok())
+    }
+
+    /// Every `--logit-bias` token is one of the model's `n_vocab`.
+    pub fn check_vocab(&self, n_vocab: usize) -> anyhow::Result<()> {
+        match self.logit_bias.iter().find(|(t, _)| *t as usize >= n_vocab) {
+            Some((t, _)) => anyhow::bail!("--logit-bias: token {t} is not in the vocabulary ({n_vocab} tokens)"),
+            None => Ok(()),
+        }
     }
 
     /// `d` with the flags given, in llama.cpp's meaning (top-k 0 or less keeps every token,
@@ -315,6 +339,7 @@ impl SamplingArgs {
             frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
             penalty_last_n,
             seed: self.given_seed().unwrap_or(d.seed),
+            logit_bias: if self.logit_bias.is_empty() { d.logit_bias } else { self.logit_bias.clone() },
         };
         p.validate().map_err(|e| anyhow::anyhow!("{e} (from the sampling flags)"))?;
         Ok(p)

@@ -258,6 +258,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let sampler = Sampler::new(params.clone())?;
     let ctx = open_context(&args.model, &args.engine.runtime, &args.engine.placement)?;
     let tok = Tokenizer::from_gguf(ctx.model().gguf())?;
+    args.sampling.check_vocab(tok.n_vocab())?;
     let tmpl = template(args, &tok)?;
     if args.sampling.seed.is_none_or(|s| s < 0) && params.temperature > 0.0 {
         tracing::info!("seed: {}", params.seed);

@@ -131,6 +131,7 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
     let (model, name, n_ctx) = (opened.model.clone(), opened.name.clone(), opened.n_ctx);
     let demo = args.model.is_none();
     let tok = Tokenizer::from_gguf(model.gguf()).with_context(|| format!("{name}: reading the tokenizer"))?;
+    args.sampling.check_vocab(tok.n_vocab())?;
     let up = opened.bring_up_default()?;
     // The memory layout of the plan the executor runs, as `tandem plan` prints it.
     match (&up.plan, &up.plan_error) {
@@ -267,8 +268,15 @@ fn sampling_line(s: &tandem_server::SamplingDefaults) -> String {
     let last = if p.penalty_last_n == usize::MAX { "all".into() } else { p.penalty_last_n.to_string() };
     format!(
         "request defaults: temp {}, top_k {}, top_p {}, min_p {}, repeat_penalty {} (last {last}), \
-         presence_penalty {}, frequency_penalty {}, seed {seed}",
-        p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.presence_penalty, p.frequency_penalty
+         presence_penalty {}, frequency_penalty {}, seed {seed}, logit_bias of {} token(s)",
+        p.temperature,
+        p.top_k,
+        p.top_p,
+        p.min_p,
+        p.repeat_penalty,
+        p.presence_penalty,
+        p.frequency_penalty,
+        p.logit_bias.len()
     )
 }
 

@@ -200,10 +200,18 @@ async fn llama_server_completion_tokenize_and_detokenize() {
     assert!(r["timings"]["predicted_per_second"].as_f64().unwrap() > 0.0, "{r}");
     assert!(r["content"].is_string());
 
-    let (status, tok) = post_json(s.addr, "/tokenize", json!({"content": PROMPTS[0]})).await;
+    let (status, tok) = post_json(s.addr, "/tokenize", json!({"content": PROMPTS[0], "add_special": true})).await;
     assert_eq!(status, StatusCode::OK);
     let ids = tok["tokens"].as_array().unwrap().clone();
     assert_eq!(r["tokens_evaluated"].as_u64().unwrap() as usize, ids.len(), "{r} {tok}");
+    // as llama-server's: no BOS unless asked, special-token texts parsed unless asked not to
+    let (_, bare) = post_json(s.addr, "/tokenize", json!({"content": PROMPTS[0]})).await;
+    assert_eq!(bare["tokens"].as_array().unwrap()[..], ids[1..], "{bare} {tok}");
+    let (_, bos) = post_json(s.addr, "/detokenize", json!({"tokens": [ids[0]]})).await;
+    let (_, parsed) = post_json(s.addr, "/tokenize", json!({"content": bos["content"]})).await;
+    assert_eq!(parsed["tokens"], json!([ids[0]]), "{bos}");
+    let (_, plain) = post_json(s.addr, "/tokenize", json!({"content": bos["content"], "parse_special": false})).await;
+    assert_ne!(plain["tokens"], json!([ids[0]]), "{bos}");
     let (_, pieces) = post_json(s.addr, "/tokenize", json!({"content": "fox", "with_pieces": true})).await;
     assert!(pieces["tokens"][0]["piece"].is_string(), "{pieces}");
     let (_, de) = post_json(s.addr, "/detokenize", json!({"tokens": ids})).await;
@@ -219,6 +227,54 @@ async fn llama_server_completion_tokenize_and_detokenize() {
     let content: String = chunks.iter().map(|c| c["content"].as_str().unwrap_or("")).collect();
     assert_eq!(content, r["content"].as_str().unwrap());
     assert!(last["tokens_cached"].as_u64().unwrap() > 0, "the second run reads the prompt from the cache: {last}");
+}
+
+/// The token ids a streamed `/completion` sends.
+async fn streamed_ids(addr: SocketAddr, body: &Value) -> Vec<u64> {
+    let (status, text) = call(addr, "POST", "/completion", &body.to_string()).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let chunks = sse_data(&text).into_iter().map(|d| serde_json::from_str::<Value>(&d).unwrap());
+    chunks.filter(|c| c["stop"] == false).map(|c| c["tokens"][0].as_u64().unwrap()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logit_bias_bans_and_lifts_tokens() {
+    let s = serve(512, EngineConfig::default()).await;
+    let base = json!({"prompt": PROMPTS[0], "n_predict": 4, "temperature": 0, "ignore_eos": true, "stream": true});
+    let with = |bias: Value| {
+        let mut b = base.clone();
+        b["logit_bias"] = bias;
+        b
+    };
+    let greedy = streamed_ids(s.addr, &base).await;
+    assert!(!greedy.is_empty()); // tokens whose text is held back (part of a character) send no id
+                                 // llama-server's array form, false = a ban
+    let banned = streamed_ids(s.addr, &with(json!([[greedy[0], false]]))).await;
+    assert!(!banned.contains(&greedy[0]), "{greedy:?} {banned:?}");
+    // OpenAI's object form: +100 makes a token the argmax at every step
+    let (_, tok) = post_json(s.addr, "/tokenize", json!({"content": " zebra"})).await;
+    let zebra: Vec<u64> = tok["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    let lifted = streamed_ids(s.addr, &with(json!({zebra[0].to_string(): 100}))).await;
+    assert_eq!(lifted, vec![zebra[0]; 4], "greedy {greedy:?}");
+    // text: each of its tokens gets the bias
+    let texts = streamed_ids(s.addr, &with(json!([[" zebra", 100]]))).await;
+    assert!(texts.iter().all(|t| zebra.contains(t)), "{texts:?} from {zebra:?}");
+    // the OpenAI routes read it too
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
+                      "logit_bias": {zebra[0].to_string(): 100}, "logprobs": true});
+    let (status, r) = post_json(s.addr, "/v1/chat/completions", chat).await;
+    assert_eq!(status, StatusCode::OK, "{r}");
+    let first = &r["choices"][0]["logprobs"]["content"][0]["token"];
+    let (_, piece) = post_json(s.addr, "/detokenize", json!({"tokens": [zebra[0]]})).await;
+    assert_eq!(first, &piece["content"], "{r}");
+    // what cannot be used is a 400 naming it
+    for (bias, says) in [
+        (json!({"99999999": 1}), "token 99999999 is not in the vocabulary"),
+        (json!([[1, "much"]]), "logit_bias: [1,\"much\"]"),
+    ] {
+        let (status, body) = post_json(s.addr, "/completion", with(bias.clone())).await;
+        assert_error(status, &body, StatusCode::BAD_REQUEST, says);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

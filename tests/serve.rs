@@ -123,6 +123,14 @@ async fn bad_requests_are_invalid_argument_and_name_the_problem() {
         (sampled(|s| s.temperature = Some(-0.5)), vec!["temperature = -0.5".into()]),
         (sampled(|s| s.top_p = Some(0.0)), vec!["top_p = 0".into()]),
         (sampled(|s| s.top_p = Some(1.01)), vec!["top_p = 1.01".into()]),
+        (sampled(|s| s.logit_bias = [(3, f32::NAN)].into()), vec!["logit_bias of token 3".into()]),
+        (
+            pb::GenerateRequest {
+                sampling: Some(pb::SamplingParams { logit_bias: [(n_vocab, 1.0)].into(), ..Default::default() }),
+                ..greedy("hi", 1)
+            },
+            vec![format!("logit_bias: token {n_vocab} is not in the vocabulary")],
+        ),
         (tokens(vec![1, n_vocab]), vec![format!("token id {n_vocab}"), format!("vocabulary of {n_vocab}")]),
         (pb::GenerateRequest { prompt: None, ..greedy("", 1) }, vec!["empty".into()]),
         (greedy("", 1), vec!["empty".into()]),
@@ -151,6 +159,18 @@ async fn bad_requests_are_invalid_argument_and_name_the_problem() {
     assert_eq!(st.code(), Code::InvalidArgument);
     // the server is unharmed
     assert_eq!(generate(&mut t.client, greedy(PROMPTS[0], 2)).await.unwrap().ids.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logit_bias_bans_a_token_over_grpc() {
+    let mut t = start("llama-tiny.gguf", 256, EngineConfig::default()).await;
+    let plain = generate(&mut t.client, endless(PROMPTS[0], 4)).await.unwrap().ids;
+    let mut req = endless(PROMPTS[0], 4);
+    req.sampling.as_mut().unwrap().logit_bias = [(plain[0], f32::NEG_INFINITY)].into();
+    let banned = generate(&mut t.client, req.clone()).await.unwrap().ids;
+    assert!(!banned.contains(&plain[0]), "{plain:?} {banned:?}");
+    req.sampling.as_mut().unwrap().logit_bias = [(plain[0], -0.0)].into();
+    assert_eq!(generate(&mut t.client, req).await.unwrap().ids, plain);
 }
 
 async fn health(server: &tandem_server::RunningServer, service: &str) -> ServingStatus {

@@ -307,14 +307,28 @@ async fn the_sampling_flags_are_the_defaults_of_requests() {
         ..Default::default()
     };
     let unset = serve_util::generate(&mut client, ask(None)).await.unwrap().ids;
-    let given = serve_util::generate(&mut client, ask(Some(spelled))).await.unwrap().ids;
+    let given = serve_util::generate(&mut client, ask(Some(spelled.clone()))).await.unwrap().ids;
     assert_eq!(unset, given);
     // each flag counts: llama.cpp's default in its place gives other tokens
-    let llama = pb::SamplingParams { temperature: Some(0.8), ..spelled };
+    let llama = pb::SamplingParams { temperature: Some(0.8), ..spelled.clone() };
     let other = serve_util::generate(&mut client, ask(Some(llama))).await.unwrap().ids;
     assert_ne!(unset, other);
     let reseeded = pb::SamplingParams { seed: Some(0), ..spelled };
     assert_ne!(unset, serve_util::generate(&mut client, ask(Some(reseeded))).await.unwrap().ids);
+    s.signal(libc::SIGINT);
+    assert_eq!(s.exit_code(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_logit_bias_flag_is_a_default_a_request_replaces() {
+    let s = Served::start(&["-c", "512", "-t", "1", "-l", "100+100", "--logit-bias", "7-inf"]);
+    assert!(s.log.iter().any(|l| l.contains("logit_bias of 2 token(s)")), "{:?}", s.log);
+    let mut client = s.client().await;
+    let flagged = serve_util::generate(&mut client, endless("Hello there", 3)).await.unwrap().ids;
+    assert_eq!(flagged, vec![100; 3]);
+    let mut own = endless("Hello there", 3);
+    own.sampling = Some(pb::SamplingParams { logit_bias: [(200, 100.0)].into(), ..Default::default() });
+    assert_eq!(serve_util::generate(&mut client, own).await.unwrap().ids, vec![200; 3]);
     s.signal(libc::SIGINT);
     assert_eq!(s.exit_code(), 0);
 }
@@ -325,6 +339,9 @@ fn sampling_flags_no_sampler_can_use_are_one_line_errors() {
         ("--top-p", "2", "top_p = 2"),
         ("--min-p", "-0.5", "min_p = -0.5"),
         ("--repeat-last-n", "-2", "--repeat-last-n -2"),
+        ("--logit-bias", "15043*1", "15043*1"),
+        ("-l", "15043+nan", "15043+nan"),
+        ("-l", "15043+inf", "logit_bias of token 15043 = inf"),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
             .args(["serve", "--port", "0", "--http-port", "0", flag, value])
@@ -334,4 +351,14 @@ fn sampling_flags_no_sampler_can_use_are_one_line_errors() {
         assert!(!out.status.success() && err.contains(says), "{flag} {value}: {err}");
         assert_eq!(err.trim().lines().count(), 1, "{err}");
     }
+    // a token past the vocabulary is known once the model is read: the error is the last line
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["serve", "--port", "0", "--http-port", "0", "-l", "99999999+1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    let last = err.trim().lines().last().unwrap_or_default();
+    assert!(last.contains("error: --logit-bias: token 99999999 is not in the vocabulary"), "{err}");
+    assert_eq!(err.matches("error").count(), 1, "{err}");
 }

@@ -484,6 +484,21 @@ impl EngineHandle {
         if req.logprobs > MAX_LOGPROBS {
             return Err(Error::InvalidRequest(format!("logprobs = {}: at most {MAX_LOGPROBS}", req.logprobs)));
         }
-        Sampler::new(req.sampling.clone())
+        let mut sampling = req.sampling.clone();
+        let tok = &self.0.tokenizer;
+        let n_vocab = tok.n_vocab();
+        if let Some((t, _)) = sampling.logit_bias.iter().find(|(t, _)| *t as usize >= n_vocab) {
+            return Err(Error::InvalidParam(format!(
+                "logit_bias: token {t} is not in the vocabulary ({n_vocab} tokens)"
+            )));
+        }
+        for (text, bias) in &req.logit_bias_text {
+            let ids = tok.encode(text, false, false)?;
+            if ids.is_empty() {
+                return Err(Error::InvalidParam(format!("logit_bias: {text:?} is no token")));
+            }
+            sampling.logit_bias.extend(ids.into_iter().map(|t| (t, *bias)));
+        }
+        Sampler::new(sampling)
     }
 }

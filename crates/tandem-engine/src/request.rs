@@ -40,6 +40,10 @@ pub struct Request {
     pub ignore_eos: bool,
     /// What the output must match (structured output).
     pub constraint: Option<crate::grammar::Constraint>,
+    /// Logit biases of text: each token of the text (tokenized without BOS, special-token texts
+    /// not parsed, as llama-server's `logit_bias` with string keys) gets the bias, on top of
+    /// `sampling.logit_bias`.
+    pub logit_bias_text: Vec<(String, f32)>,
     /// The text of control tokens the model generates is sent too (tool-call markers such as
     /// Kimi K2's `<|tool_call_begin|>` are control tokens); end-of-generation tokens never are.
     pub special_text: bool,
@@ -61,6 +65,7 @@ impl Request {
             logprobs: 0,
             ignore_eos: false,
             constraint: None,
+            logit_bias_text: Vec::new(),
             special_text: false,
             deadline: None,
             arrived: Instant::now(),

@@ -1,7 +1,7 @@
-//! Sampling, per request: repetition / presence / frequency penalties over a window, then top-k,
-//! top-p, min-p and temperature, then a draw from a seeded ChaCha20 generator (the same seed gives
-//! the same tokens); temperature 0 is greedy. The order is llama.cpp's default sampler chain
-//! (common/sampling.cpp: penalties; top_k; top_p; min_p; temperature; dist).
+//! Sampling, per request: logit biases, then repetition / presence / frequency penalties over a
+//! window, then top-k, top-p, min-p and temperature, then a draw from a seeded ChaCha20 generator
+//! (the same seed gives the same tokens); temperature 0 is greedy. The order is llama.cpp's default
+//! sampler chain (common/sampling.cpp: logit_bias; penalties; top_k; top_p; min_p; temperature; dist).
 //!
 //! Also here: [`StopMatcher`], which finds stop strings across token boundaries and holds back
 //! text that might be the start of one, so a stop string is never emitted.
@@ -32,6 +32,9 @@ pub struct SamplingParams {
     pub penalty_last_n: usize,
     /// Seed of the random draw.
     pub seed: u64,
+    /// Added to a token's logit before everything else (llama.cpp's `--logit-bias`, OpenAI's
+    /// `logit_bias`); `-inf` bans the token. A token listed twice gets both.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -46,6 +49,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             penalty_last_n: 64,
             seed: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -76,6 +80,9 @@ impl SamplingParams {
         }
         if !self.frequency_penalty.is_finite() {
             return bad("frequency_penalty", self.frequency_penalty, "a finite number");
+        }
+        if let Some(&(t, b)) = self.logit_bias.iter().find(|(_, b)| b.is_nan() || *b == f32::INFINITY) {
+            return bad(&format!("logit_bias of token {t}"), b, "a finite number or -inf (a ban)");
         }
         Ok(())
     }
@@ -118,7 +125,17 @@ impl Sampler {
         }
         let p = &self.params;
         let mut logits = logits.to_vec();
+        for &(t, b) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
         self.apply_penalties(&mut logits);
+        if !logits.iter().any(|&l| l > f32::NEG_INFINITY) {
+            return Err(Error::InvalidParam(
+                "every token is banned (by logit_bias, the output constraint or ignore_eos)".into(),
+            ));
+        }
         if p.temperature <= 0.0 {
             return Ok(argmax(&logits));
         }
@@ -331,6 +348,42 @@ mod tests {
         assert_eq!(l[1], 3.0 / 2.0 - 2.0 * 0.25 - 0.5);
         assert_eq!(l[3], -2.0 - 0.25 - 0.5); // a negative logit is multiplied
         assert_eq!(s.sample(&logits()).unwrap(), 4); // token 1 is penalised below token 4
+    }
+
+    #[test]
+    fn logit_bias_comes_before_the_penalties_and_can_ban() {
+        // token 1 (3.0) is the argmax; -inf bans it, token 4 (2.9) is next
+        let ban = SamplingParams { logit_bias: vec![(1, f32::NEG_INFINITY)], ..SamplingParams::greedy() };
+        assert_eq!(Sampler::new(ban).unwrap().sample(&logits()).unwrap(), 4);
+        // a bias lifts token 3 (-1.0) to 3.5; ids past the vocabulary are the engine's to reject
+        let lift = SamplingParams { logit_bias: vec![(3, 4.5), (99, 1.0)], ..SamplingParams::greedy() };
+        assert_eq!(Sampler::new(lift).unwrap().sample(&logits()).unwrap(), 3);
+        // the bias goes first: 2.5 + 1.5 = 4.0, then the repeat penalty halves it to 2.0
+        let p = SamplingParams { logit_bias: vec![(2, 1.5)], repeat_penalty: 2.0, ..SamplingParams::greedy() };
+        let mut s = Sampler::new(p).unwrap();
+        s.accept(2);
+        assert_eq!(s.sample(&logits()).unwrap(), 1);
+        // sampled, a banned token is never drawn
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            logit_bias: vec![(1, f32::NEG_INFINITY), (4, f32::NEG_INFINITY)],
+            ..SamplingParams::default()
+        };
+        for seed in 0..50 {
+            let t = Sampler::new(SamplingParams { seed, ..p.clone() }).unwrap().sample(&logits()).unwrap();
+            assert!(t != 1 && t != 4, "seed {seed} drew banned token {t}");
+        }
+        // banning everything is an error, not token 0
+        let all = SamplingParams { logit_bias: (0..6).map(|t| (t, f32::NEG_INFINITY)).collect(), ..p };
+        let e = Sampler::new(all).unwrap().sample(&logits()).unwrap_err();
+        assert!(e.to_string().contains("every token is banned"), "{e}");
+        for b in [f32::NAN, f32::INFINITY] {
+            let e = Sampler::new(SamplingParams { logit_bias: vec![(7, b)], ..SamplingParams::default() }).unwrap_err();
+            assert!(e.to_string().contains("logit_bias of token 7"), "{e}");
+        }
     }
 
     #[test]

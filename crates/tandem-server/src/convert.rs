@@ -78,6 +78,14 @@ fn sampling(p: Option<pb::SamplingParams>, defaults: &SamplingDefaults) -> Sampl
         frequency_penalty: p.frequency_penalty.unwrap_or(d.frequency_penalty),
         penalty_last_n: p.penalty_last_n.map_or(d.penalty_last_n, |n| n as usize),
         seed: p.seed.unwrap_or(d.seed),
+        logit_bias: match p.logit_bias.is_empty() {
+            true => d.logit_bias,
+            false => {
+                let mut b: Vec<(u32, f32)> = p.logit_bias.into_iter().collect();
+                b.sort_unstable_by_key(|e| e.0);
+                b
+            }
+        },
     }
 }
 
@@ -125,6 +133,7 @@ fn request(
         logprobs: o.logprobs,
         ignore_eos: o.ignore_eos,
         constraint,
+        logit_bias_text: Vec::new(),
         special_text: false,
         deadline,
         arrived,

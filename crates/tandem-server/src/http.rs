@@ -582,7 +582,7 @@ async fn tokenize(
     let engine = state.engine()?.clone();
     tokio::task::spawn_blocking(move || {
         let tok = engine.tokenizer();
-        let ids = tok.encode(&r.content, r.add_special, true).map_err(|e| ApiError::bad(e.to_string()))?;
+        let ids = tok.encode(&r.content, r.add_special, r.parse_special).map_err(|e| ApiError::bad(e.to_string()))?;
         if !r.with_pieces {
             return Ok(Json(json!({"tokens": ids})));
         }

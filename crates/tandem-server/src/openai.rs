@@ -76,8 +76,12 @@ pub struct Common {
     /// llama-server's extensions, accepted on the OpenAI routes too.
     pub top_k: Option<u32>,
     pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<i64>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    /// `{"15043": -100}` or llama-server's `[[15043, -1.5], ["Hello", false]]`.
+    pub logit_bias: Option<Value>,
     pub stop: Option<Stop>,
     pub seed: Option<i64>,
     pub n: Option<u32>,
@@ -182,6 +186,7 @@ pub struct LlamaCompletionRequest {
     pub repeat_last_n: Option<i64>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    pub logit_bias: Option<Value>,
     pub stop: Option<Stop>,
     pub seed: Option<i64>,
     #[serde(default)]
@@ -197,10 +202,14 @@ pub struct LlamaCompletionRequest {
 }
 
 #[derive(Deserialize, Debug)]
+/// llama-server's `/tokenize`: no BOS unless `add_special`, special-token texts parsed unless
+/// `parse_special` is false.
 pub struct TokenizeRequest {
     pub content: String,
-    #[serde(default = "yes")]
+    #[serde(default)]
     pub add_special: bool,
+    #[serde(default = "yes")]
+    pub parse_special: bool,
     #[serde(default)]
     pub with_pieces: bool,
 }
@@ -281,6 +290,63 @@ fn prompt(p: PromptField) -> Result<Prompt, BadParam> {
     }
 }
 
+/// llama-server's `repeat_last_n`: -1 is the whole context.
+fn penalty_last_n(given: Option<i64>, default: usize) -> Result<usize, BadParam> {
+    match given {
+        None => Ok(default),
+        Some(-1) => Ok(usize::MAX),
+        Some(n) if n >= 0 => Ok(usize::try_from(n).unwrap_or(usize::MAX)),
+        Some(n) => Err(BadParam(format!("repeat_last_n {n}: must be -1 (the whole context), 0 (off) or more"))),
+    }
+}
+
+/// A request's `logit_bias`, which replaces the server's (`--logit-bias`), as llama-server reads
+/// it: an object of token id (or text) to bias, OpenAI's form, or an array of `[token id or text,
+/// bias]` pairs; a bias is a number or `false` (a ban). Text gets the bias on each of its tokens.
+/// Where llama-server skips what it cannot read, this is an error naming it.
+fn logit_bias(given: Option<Value>, req: &mut Request) -> Result<(), BadParam> {
+    let Some(given) = given else { return Ok(()) };
+    let bad = |what: &Value| BadParam(format!("logit_bias: {what} is not a token id or text with a number or false"));
+    let pairs: Vec<(Value, Value)> = match given {
+        Value::Object(m) => m.into_iter().map(|(k, v)| (Value::String(k), v)).collect(),
+        Value::Array(a) => a
+            .into_iter()
+            .map(|e| match e {
+                Value::Array(mut p) if p.len() == 2 => {
+                    let v = p.pop().unwrap_or_default();
+                    Ok((p.pop().unwrap_or_default(), v))
+                }
+                e => Err(bad(&e)),
+            })
+            .collect::<Result<_, _>>()?,
+        Value::Null => return Ok(()),
+        other => return Err(bad(&other)),
+    };
+    req.sampling.logit_bias.clear();
+    req.logit_bias_text.clear();
+    for (key, value) in pairs {
+        let bias = match &value {
+            Value::Bool(false) => f32::NEG_INFINITY,
+            Value::Number(n) => n.as_f64().map_or(f32::NAN, |b| b as f32),
+            _ => return Err(bad(&Value::Array(vec![key, value]))),
+        };
+        let id = match &key {
+            Value::Number(n) => n.as_u64().filter(|&t| t <= u64::from(u32::MAX)).ok_or_else(|| bad(&key))?,
+            // an object's keys are strings: digits are a token id, anything else text
+            Value::String(t) if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) => {
+                t.parse().ok().filter(|&t| t <= u64::from(u32::MAX)).ok_or_else(|| bad(&key))?
+            }
+            Value::String(t) => {
+                req.logit_bias_text.push((t.clone(), bias));
+                continue;
+            }
+            _ => return Err(bad(&key)),
+        };
+        req.sampling.logit_bias.push((id as u32, bias));
+    }
+    Ok(())
+}
+
 fn common(c: Common, p: Prompt, arrived: Instant, defaults: &SamplingDefaults) -> Result<Request, BadParam> {
     if let Some(n) = c.n {
         if n != 1 {
@@ -295,11 +361,14 @@ fn common(c: Common, p: Prompt, arrived: Instant, defaults: &SamplingDefaults) -
         top_k: c.top_k.map_or(d.top_k, |k| k as usize),
         top_p: c.top_p.unwrap_or(d.top_p),
         min_p: c.min_p.unwrap_or(d.min_p),
+        repeat_penalty: c.repeat_penalty.unwrap_or(d.repeat_penalty),
         presence_penalty: c.presence_penalty.unwrap_or(d.presence_penalty),
         frequency_penalty: c.frequency_penalty.unwrap_or(d.frequency_penalty),
+        penalty_last_n: penalty_last_n(c.repeat_last_n, d.penalty_last_n)?,
         seed: seed(c.seed, defaults),
         ..d
     };
+    logit_bias(c.logit_bias, &mut req)?;
     req.max_tokens = c.max_completion_tokens.or(c.max_tokens).unwrap_or(0);
     req.stop = stops(c.stop)?;
     req.ignore_eos = c.ignore_eos;
@@ -449,17 +518,11 @@ pub fn llama_completion_request(
         repeat_penalty: r.repeat_penalty.unwrap_or(d.repeat_penalty),
         presence_penalty: r.presence_penalty.unwrap_or(d.presence_penalty),
         frequency_penalty: r.frequency_penalty.unwrap_or(d.frequency_penalty),
-        // llama-server: -1 is the whole context
-        penalty_last_n: match r.repeat_last_n {
-            None => d.penalty_last_n,
-            Some(-1) => usize::MAX,
-            Some(n) if n >= 0 => usize::try_from(n).unwrap_or(usize::MAX),
-            Some(n) => {
-                return Err(BadParam(format!("repeat_last_n {n}: must be -1 (the whole context), 0 (off) or more")))
-            }
-        },
+        penalty_last_n: penalty_last_n(r.repeat_last_n, d.penalty_last_n)?,
         seed: seed(r.seed, defaults),
+        logit_bias: d.logit_bias,
     };
+    logit_bias(r.logit_bias, &mut req)?;
     // n_predict -1 = until the server's cap or the context (llama-server); other negatives are
     // mistakes, not "unlimited"
     req.max_tokens = match r.n_predict {
@@ -673,5 +736,42 @@ mod tests {
         let bare = llama(json!({"prompt": "a"}));
         assert_eq!(bare.sampling, SamplingParams { seed: 3407, ..d.params.clone() });
         assert_eq!(llama(json!({"prompt": "a", "top_k": 5, "min_p": 0.2})).sampling.top_k, 5);
+    }
+
+    #[test]
+    fn logit_bias_is_read_in_openais_and_llama_servers_forms() {
+        let d = SamplingDefaults {
+            params: SamplingParams { logit_bias: vec![(7, 2.0)], ..SamplingParams::default() },
+            seed: None,
+        };
+        let msgs = json!([{"role": "user", "content": "hi"}]);
+        let chat = |extra: Value| {
+            let mut v = json!({"messages": msgs});
+            v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            chat_request(serde_json::from_value(v).unwrap(), Instant::now(), &d).map(|p| p.req).map_err(|e| e.0)
+        };
+        // none given: the server's; given, even empty, replaces it
+        assert_eq!(chat(json!({})).unwrap().sampling.logit_bias, vec![(7, 2.0)]);
+        assert_eq!(chat(json!({"logit_bias": {}})).unwrap().sampling.logit_bias, vec![]);
+        let r = chat(json!({"logit_bias": {"15043": -100, "2": false, " Hello": 1.5}})).unwrap();
+        assert_eq!(r.sampling.logit_bias, vec![(15043, -100.0), (2, f32::NEG_INFINITY)]);
+        assert_eq!(r.logit_bias_text, vec![(" Hello".to_string(), 1.5)]);
+        let r = chat(json!({"logit_bias": [[15043, 1], ["x", false]], "repeat_penalty": 1.2, "repeat_last_n": -1}))
+            .unwrap();
+        assert_eq!(r.sampling.logit_bias, vec![(15043, 1.0)]);
+        assert_eq!(r.logit_bias_text, vec![("x".to_string(), f32::NEG_INFINITY)]);
+        assert_eq!((r.sampling.repeat_penalty, r.sampling.penalty_last_n), (1.2, usize::MAX));
+        for bad in [json!({"5": true}), json!({"5": "1"}), json!([[5]]), json!([[-5, 1]]), json!([5, 1]), json!("5")] {
+            let e = chat(json!({"logit_bias": bad})).err().unwrap();
+            assert!(e.starts_with("logit_bias: "), "{bad}: {e}");
+        }
+        let llama = llama_completion_request(
+            serde_json::from_value(json!({"prompt": "a", "logit_bias": [[3, -1.5]]})).unwrap(),
+            Instant::now(),
+            &d,
+        )
+        .ok()
+        .unwrap();
+        assert_eq!(llama.sampling.logit_bias, vec![(3, -1.5)]);
     }
 }
