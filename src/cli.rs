@@ -291,6 +291,27 @@ pub struct SamplingArgs {
     /// (repeatable). A request's own logit_bias replaces these.
     #[arg(short = 'l', long = "logit-bias", value_name = "TOKEN_ID(+/-)BIAS", value_parser = parse_logit_bias)]
     pub logit_bias: Vec<(u32, f32)>,
+    /// Locally typical sampling: keep tokens of typical surprise up to probability P (1 = off) [default: 1].
+    #[arg(long = "typical", value_name = "P", allow_negative_numbers = true)]
+    pub typical: Option<f32>,
+    /// Drop tokens more than N standard deviations of the logits below the top (0 or less = off) [default: -1].
+    #[arg(long = "top-nsigma", value_name = "N", allow_negative_numbers = true)]
+    pub top_nsigma: Option<f32>,
+    /// XTC: the chance per token of dropping the likeliest tokens (0 = off) [default: 0].
+    #[arg(long = "xtc-probability", value_name = "P", allow_negative_numbers = true)]
+    pub xtc_probability: Option<f32>,
+    /// XTC: how likely a token must be to be dropped (above 0.5 = off) [default: 0.1].
+    #[arg(long = "xtc-threshold", value_name = "T", allow_negative_numbers = true)]
+    pub xtc_threshold: Option<f32>,
+    /// Mirostat 1 or 2 instead of the other samplers and the penalties (0 = off) [default: 0].
+    #[arg(long = "mirostat", value_name = "N", allow_negative_numbers = true)]
+    pub mirostat: Option<i64>,
+    /// Mirostat's learning rate, eta [default: 0.1].
+    #[arg(long = "mirostat-lr", value_name = "ETA", allow_negative_numbers = true)]
+    pub mirostat_lr: Option<f32>,
+    /// Mirostat's target entropy, tau [default: 5].
+    #[arg(long = "mirostat-ent", value_name = "TAU", allow_negative_numbers = true)]
+    pub mirostat_ent: Option<f32>,
 }
 
 /// llama.cpp's `--logit-bias` value: a token id, `+` or `-`, and the bias (`inf` allowed).
@@ -340,6 +361,19 @@ impl SamplingArgs {
             penalty_last_n,
             seed: self.given_seed().unwrap_or(d.seed),
             logit_bias: if self.logit_bias.is_empty() { d.logit_bias } else { self.logit_bias.clone() },
+            typical_p: self.typical.unwrap_or(d.typical_p),
+            top_n_sigma: self.top_nsigma.unwrap_or(d.top_n_sigma),
+            xtc_probability: self.xtc_probability.unwrap_or(d.xtc_probability),
+            xtc_threshold: self.xtc_threshold.unwrap_or(d.xtc_threshold),
+            mirostat: match self.mirostat {
+                None => d.mirostat,
+                Some(m) => u8::try_from(m)
+                    .ok()
+                    .filter(|&m| m <= 2)
+                    .ok_or_else(|| anyhow::anyhow!("--mirostat {m}: must be 0 (off), 1 or 2"))?,
+            },
+            mirostat_tau: self.mirostat_ent.unwrap_or(d.mirostat_tau),
+            mirostat_eta: self.mirostat_lr.unwrap_or(d.mirostat_eta),
         };
         p.validate().map_err(|e| anyhow::anyhow!("{e} (from the sampling flags)"))?;
         Ok(p)

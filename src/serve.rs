@@ -268,7 +268,8 @@ fn sampling_line(s: &tandem_server::SamplingDefaults) -> String {
     let last = if p.penalty_last_n == usize::MAX { "all".into() } else { p.penalty_last_n.to_string() };
     format!(
         "request defaults: temp {}, top_k {}, top_p {}, min_p {}, repeat_penalty {} (last {last}), \
-         presence_penalty {}, frequency_penalty {}, seed {seed}, logit_bias of {} token(s)",
+         presence_penalty {}, frequency_penalty {}, seed {seed}, logit_bias of {} token(s), typical_p {}, \
+         top_n_sigma {}, xtc {} above {}, mirostat {} (tau {}, eta {})",
         p.temperature,
         p.top_k,
         p.top_p,
@@ -276,7 +277,14 @@ fn sampling_line(s: &tandem_server::SamplingDefaults) -> String {
         p.repeat_penalty,
         p.presence_penalty,
         p.frequency_penalty,
-        p.logit_bias.len()
+        p.logit_bias.len(),
+        p.typical_p,
+        p.top_n_sigma,
+        p.xtc_probability,
+        p.xtc_threshold,
+        p.mirostat,
+        p.mirostat_tau,
+        p.mirostat_eta
     )
 }
 

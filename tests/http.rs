@@ -278,6 +278,36 @@ async fn logit_bias_bans_and_lifts_tokens() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llama_servers_other_samplers_are_read() {
+    let s = serve(512, EngineConfig::default()).await;
+    let base = json!({"prompt": PROMPTS[1], "n_predict": 4, "temperature": 0, "ignore_eos": true, "stream": true});
+    let with = |extra: Value| {
+        let mut b = base.clone();
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let greedy = streamed_ids(s.addr, &base).await;
+    // mirostat 2 with a target surprise of 0 keeps only the most likely token, every step
+    let m = with(json!({"temperature": 1.0, "seed": 5, "mirostat": 2, "mirostat_tau": 0.0, "mirostat_eta": 0.1}));
+    assert_eq!(streamed_ids(s.addr, &m).await, greedy);
+    // XTC that always fires with threshold 0 drops the most likely of the top 2
+    let x = with(json!({"temperature": 1.0, "top_k": 2, "xtc_probability": 1.0, "xtc_threshold": 0.0}));
+    assert_ne!(streamed_ids(s.addr, &x).await[0], greedy[0]);
+    // off at their defaults, as a llama-server client sends them
+    let off = with(json!({"typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0, "mirostat": 0,
+                          "dry_multiplier": 0.0}));
+    assert_eq!(streamed_ids(s.addr, &off).await, greedy);
+    for (extra, says) in [
+        (json!({"dry_multiplier": 0.8}), "dry_multiplier 0.8: tandem has no DRY sampler"),
+        (json!({"mirostat": 3}), "mirostat = 3"),
+        (json!({"typical_p": -0.5}), "typical_p = -0.5"),
+    ] {
+        let (status, body) = post_json(s.addr, "/v1/completions", with(extra)).await;
+        assert_error(status, &body, StatusCode::BAD_REQUEST, says);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_openai_errors() {
     let s = serve(64, EngineConfig::default()).await;
     let (status, body) = call(s.addr, "GET", "/health", "").await;

@@ -280,13 +280,15 @@ async fn grpcio_over_tls_and_openai_over_https_with_an_api_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sampling_flags_are_the_defaults_of_requests() {
     let flags = ["--temp", "1.5", "--top-k", "-1", "--top-p", "0.9", "--min-p", "0.01", "--seed", "3407"];
+    let more = ["--typical", "0.95", "--top-nsigma", "2.5", "--xtc-probability", "0.5", "--xtc-threshold", "0.05"];
     let s = Served::start(
-        &[&["-c", "1024", "-t", "1", "--repeat-last-n", "-1", "--repeat-penalty", "1.3"][..], &flags].concat(),
+        &[&["-c", "1024", "-t", "1", "--repeat-last-n", "-1", "--repeat-penalty", "1.3"][..], &flags, &more].concat(),
     );
     assert!(
         s.log.iter().any(|l| l.contains("request defaults: temp 1.5, top_k 0, top_p 0.9, min_p 0.01")
             && l.contains("repeat_penalty 1.3 (last all)")
-            && l.contains("seed 3407")),
+            && l.contains("seed 3407")
+            && l.contains("typical_p 0.95, top_n_sigma 2.5, xtc 0.5 above 0.05")),
         "{:?}",
         s.log
     );
@@ -304,6 +306,10 @@ async fn the_sampling_flags_are_the_defaults_of_requests() {
         repeat_penalty: Some(1.3),
         penalty_last_n: Some(u32::MAX),
         seed: Some(3407),
+        typical_p: Some(0.95),
+        top_n_sigma: Some(2.5),
+        xtc_probability: Some(0.5),
+        xtc_threshold: Some(0.05),
         ..Default::default()
     };
     let unset = serve_util::generate(&mut client, ask(None)).await.unwrap().ids;
@@ -313,6 +319,13 @@ async fn the_sampling_flags_are_the_defaults_of_requests() {
     let llama = pb::SamplingParams { temperature: Some(0.8), ..spelled.clone() };
     let other = serve_util::generate(&mut client, ask(Some(llama))).await.unwrap().ids;
     assert_ne!(unset, other);
+    for off in [
+        pb::SamplingParams { typical_p: Some(1.0), ..spelled.clone() },
+        pb::SamplingParams { top_n_sigma: Some(-1.0), ..spelled.clone() },
+        pb::SamplingParams { xtc_probability: Some(0.0), ..spelled.clone() },
+    ] {
+        assert_ne!(unset, serve_util::generate(&mut client, ask(Some(off.clone()))).await.unwrap().ids, "{off:?}");
+    }
     let reseeded = pb::SamplingParams { seed: Some(0), ..spelled };
     assert_ne!(unset, serve_util::generate(&mut client, ask(Some(reseeded))).await.unwrap().ids);
     s.signal(libc::SIGINT);
@@ -342,6 +355,8 @@ fn sampling_flags_no_sampler_can_use_are_one_line_errors() {
         ("--logit-bias", "15043*1", "15043*1"),
         ("-l", "15043+nan", "15043+nan"),
         ("-l", "15043+inf", "logit_bias of token 15043 = inf"),
+        ("--mirostat", "3", "--mirostat 3: must be 0 (off), 1 or 2"),
+        ("--xtc-probability", "2", "xtc_probability = 2"),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
             .args(["serve", "--port", "0", "--http-port", "0", flag, value])

@@ -1,7 +1,11 @@
 //! Sampling, per request: logit biases, then repetition / presence / frequency penalties over a
-//! window, then top-k, top-p, min-p and temperature, then a draw from a seeded ChaCha20 generator
-//! (the same seed gives the same tokens); temperature 0 is greedy. The order is llama.cpp's default
-//! sampler chain (common/sampling.cpp: logit_bias; penalties; top_k; top_p; min_p; temperature; dist).
+//! window, then top-n-sigma, top-k, locally typical, top-p, min-p, XTC and temperature, then a
+//! draw from a seeded ChaCha20 generator (the same seed gives the same tokens); temperature 0 is
+//! greedy. The order is llama.cpp's default sampler chain (common/sampling.cpp: logit_bias;
+//! penalties; top_n_sigma; top_k; typical; top_p; min_p; xtc; temperature; dist); with mirostat
+//! (1 or 2) it is llama.cpp's too: logit_bias; temperature; mirostat, no penalties. Each filter is
+//! llama.cpp's arithmetic (tests/fixtures/sampling holds its survivors on fixed logits); the
+//! random numbers are not llama.cpp's (std::mt19937), so a seed gives other tokens than there.
 //!
 //! Also here: [`StopMatcher`], which finds stop strings across token boundaries and holds back
 //! text that might be the start of one, so a stop string is never emitted.
@@ -35,6 +39,22 @@ pub struct SamplingParams {
     /// Added to a token's logit before everything else (llama.cpp's `--logit-bias`, OpenAI's
     /// `logit_bias`); `-inf` bans the token. A token listed twice gets both.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Locally typical sampling: keep the tokens whose surprise is closest to the entropy, up to
+    /// this total probability (1 or more = off).
+    pub typical_p: f32,
+    /// Drop tokens whose logit is more than this many standard deviations below the largest
+    /// (0 or less = off).
+    pub top_n_sigma: f32,
+    /// XTC: with this probability per token, drop every token at least `xtc_threshold` likely but
+    /// the least likely of them (0 = off).
+    pub xtc_probability: f32,
+    /// XTC's threshold (above 0.5 = off).
+    pub xtc_threshold: f32,
+    /// Mirostat version (0 = off, 1, 2): a target surprise `mirostat_tau` learned at
+    /// `mirostat_eta` instead of the filters and penalties.
+    pub mirostat: u8,
+    pub mirostat_tau: f32,
+    pub mirostat_eta: f32,
 }
 
 impl Default for SamplingParams {
@@ -50,6 +70,13 @@ impl Default for SamplingParams {
             penalty_last_n: 64,
             seed: 0,
             logit_bias: Vec::new(),
+            typical_p: 1.0,
+            top_n_sigma: -1.0,
+            xtc_probability: 0.0,
+            xtc_threshold: 0.1,
+            mirostat: 0,
+            mirostat_tau: 5.0,
+            mirostat_eta: 0.1,
         }
     }
 }
@@ -81,6 +108,27 @@ impl SamplingParams {
         if !self.frequency_penalty.is_finite() {
             return bad("frequency_penalty", self.frequency_penalty, "a finite number");
         }
+        if !(self.typical_p.is_finite() && self.typical_p >= 0.0) {
+            return bad("typical_p", self.typical_p, "a number >= 0 (1 or more = off)");
+        }
+        if !self.top_n_sigma.is_finite() {
+            return bad("top_n_sigma", self.top_n_sigma, "a finite number (0 or less = off)");
+        }
+        if !(0.0..=1.0).contains(&self.xtc_probability) {
+            return bad("xtc_probability", self.xtc_probability, "in [0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.xtc_threshold) {
+            return bad("xtc_threshold", self.xtc_threshold, "in [0, 1] (above 0.5 = off)");
+        }
+        if self.mirostat > 2 {
+            return bad("mirostat", f32::from(self.mirostat), "0 (off), 1 or 2");
+        }
+        if !(self.mirostat_tau.is_finite() && self.mirostat_tau >= 0.0) {
+            return bad("mirostat_tau", self.mirostat_tau, "a number >= 0");
+        }
+        if !(self.mirostat_eta.is_finite() && self.mirostat_eta >= 0.0) {
+            return bad("mirostat_eta", self.mirostat_eta, "a number >= 0");
+        }
         if let Some(&(t, b)) = self.logit_bias.iter().find(|(_, b)| b.is_nan() || *b == f32::INFINITY) {
             return bad(&format!("logit_bias of token {t}"), b, "a finite number or -inf (a ban)");
         }
@@ -94,13 +142,16 @@ pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha20Rng,
     window: VecDeque<u32>,
+    /// Mirostat's learned maximum surprise (starts at twice its target).
+    mu: f32,
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Sampler> {
         params.validate()?;
         let rng = ChaCha20Rng::seed_from_u64(params.seed);
-        Ok(Sampler { params, rng, window: VecDeque::new() })
+        let mu = 2.0 * params.mirostat_tau;
+        Ok(Sampler { params, rng, window: VecDeque::new(), mu })
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -120,33 +171,76 @@ impl Sampler {
 
     /// Picks the next token from one row of logits. Does not [`accept`](Self::accept) it.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
+        let p = &self.params;
+        let filters_drop_the_top = p.typical_p < 1.0 || self.xtc_on();
+        if p.temperature <= 0.0 && (p.mirostat != 0 || !filters_drop_the_top) {
+            return Ok(argmax(&self.adjusted(logits)?));
+        }
+        let mut cand = self.candidates(logits)?;
+        if self.params.temperature <= 0.0 {
+            return Ok(cand[0].0);
+        }
+        for c in &mut cand {
+            c.1 /= self.params.temperature;
+        }
+        if self.params.mirostat != 0 {
+            return Ok(self.mirostat(cand, logits.len()));
+        }
+        let probs = softmax(&cand);
+        Ok(cand[self.draw(&probs)].0)
+    }
+
+    /// The logits with the biases added and, without mirostat, the penalties applied; an error
+    /// when every token is banned.
+    fn adjusted(&self, logits: &[f32]) -> Result<Vec<f32>> {
         if logits.is_empty() {
             return Err(Error::InvalidParam("no logits to sample from (empty vocabulary)".into()));
         }
-        let p = &self.params;
         let mut logits = logits.to_vec();
-        for &(t, b) in &p.logit_bias {
+        for &(t, b) in &self.params.logit_bias {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l += b;
             }
         }
-        self.apply_penalties(&mut logits);
+        if self.params.mirostat == 0 {
+            self.apply_penalties(&mut logits);
+        }
         if !logits.iter().any(|&l| l > f32::NEG_INFINITY) {
             return Err(Error::InvalidParam(
                 "every token is banned (by logit_bias, the output constraint or ignore_eos)".into(),
             ));
         }
-        if p.temperature <= 0.0 {
-            return Ok(argmax(&logits));
+        Ok(logits)
+    }
+
+    fn xtc_on(&self) -> bool {
+        self.params.xtc_probability > 0.0 && self.params.xtc_threshold <= 0.5
+    }
+
+    /// The tokens the filters leave to draw from, `(id, logit)` most likely first (before the
+    /// temperature). With mirostat every token is left: it truncates after the temperature.
+    pub(crate) fn candidates(&mut self, logits: &[f32]) -> Result<Vec<(u32, f32)>> {
+        let logits = self.adjusted(logits)?;
+        // banned tokens take no part (llama.cpp keeps them at -inf, where no filter keeps them
+        // and no draw picks them)
+        let mut cand: Vec<(u32, f32)> =
+            logits.iter().enumerate().filter(|c| *c.1 > f32::NEG_INFINITY).map(|(i, &l)| (i as u32, l)).collect();
+        let p = self.params.clone();
+        if p.mirostat != 0 {
+            cand.sort_unstable_by(by_logit);
+            return Ok(cand);
         }
-        // candidates, most likely first (ties: lower id first, like a stable sort)
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
-        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_n_sigma > 0.0 && cand.len() > 1 {
+            top_n_sigma(&mut cand, p.top_n_sigma);
+        }
         if p.top_k > 0 && p.top_k < cand.len() {
             cand.select_nth_unstable_by(p.top_k - 1, by_logit);
             cand.truncate(p.top_k);
         }
         cand.sort_unstable_by(by_logit);
+        if p.typical_p < 1.0 {
+            typical(&mut cand, p.typical_p);
+        }
         if p.top_p < 1.0 {
             let probs = softmax(&cand);
             let mut sum = 0.0;
@@ -166,19 +260,63 @@ impl Sampler {
             let keep = cand.iter().take_while(|c| c.1 >= threshold).count();
             cand.truncate(keep.max(1));
         }
-        for c in &mut cand {
-            c.1 /= p.temperature;
+        if self.xtc_on() && cand.len() >= 2 && self.uniform() as f32 <= p.xtc_probability {
+            // every token at least as likely as the threshold but the last of them goes
+            let probs = softmax_f32(&cand);
+            let last = probs.iter().take_while(|&&q| q >= p.xtc_threshold).count().saturating_sub(1);
+            cand.drain(..last);
         }
-        let probs = softmax(&cand);
-        let r = (self.rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
+        Ok(cand)
+    }
+
+    /// Mirostat 1 or 2 on candidates most likely first, after the temperature: truncates, draws,
+    /// and learns `mu` from the drawn token's surprise (llama.cpp's arithmetic, in f32).
+    fn mirostat(&mut self, mut cand: Vec<(u32, f32)>, n_vocab: usize) -> u32 {
+        let (tau, eta) = (self.params.mirostat_tau, self.params.mirostat_eta);
+        cand.truncate(self.mirostat_keep(&cand, n_vocab));
+        let probs = softmax_f32(&cand);
+        let i = self.draw(&probs.iter().map(|&q| q as f64).collect::<Vec<_>>());
+        self.mu -= eta * (-probs[i].log2() - tau);
+        cand[i].0
+    }
+
+    /// How many of the candidates (most likely first) mirostat keeps at the current `mu`.
+    fn mirostat_keep(&self, cand: &[(u32, f32)], n_vocab: usize) -> usize {
+        let probs = softmax_f32(cand);
+        if self.params.mirostat == 1 {
+            // Zipf exponent s from the 100 most likely tokens, then the k that gives surprise mu
+            let (mut sum_tb, mut sum_tt) = (0f32, 0f32);
+            for i in 0..99.min(probs.len() - 1) {
+                let t = ((i + 2) as f32 / (i + 1) as f32).ln();
+                sum_tb += t * (probs[i] / probs[i + 1]).ln();
+                sum_tt += t * t;
+            }
+            let s = sum_tb / sum_tt;
+            let eps = s - 1.0;
+            let k = ((eps * 2f32.powf(self.mu)) / (1.0 - (n_vocab as f32).powf(-eps))).powf(1.0 / s);
+            // NaN (one candidate) and negative k keep one, as llama.cpp's int(k)
+            (k as usize).clamp(1, cand.len())
+        } else {
+            probs.iter().take_while(|&&q| -q.log2() <= self.mu).count().max(1)
+        }
+    }
+
+    /// A uniform number in [0, 1).
+    fn uniform(&mut self) -> f64 {
+        (self.rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// An index drawn with the given probabilities.
+    fn draw(&mut self, probs: &[f64]) -> usize {
+        let r = self.uniform();
         let mut sum = 0.0;
-        for (c, q) in cand.iter().zip(&probs) {
+        for (i, q) in probs.iter().enumerate() {
             sum += q;
             if r < sum {
-                return Ok(c.0);
+                return i;
             }
         }
-        Ok(cand[cand.len() - 1].0)
+        probs.len() - 1
     }
 
     /// llama.cpp's penalties sampler: repetition (divide/multiply), frequency and presence.
@@ -214,6 +352,50 @@ pub fn argmax(logits: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// Most likely first; ties: lower id first, like a stable sort.
+fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// llama.cpp's top-n-sigma: drop logits below max - n * (their standard deviation).
+fn top_n_sigma(cand: &mut Vec<(u32, f32)>, n: f32) {
+    let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+    let count = cand.len() as f32;
+    let mean = cand.iter().map(|c| c.1).sum::<f32>() / count;
+    let std = (cand.iter().map(|c| (c.1 - mean).powi(2)).sum::<f32>() / count).sqrt();
+    cand.retain(|c| c.1 >= max - n * std);
+}
+
+/// llama.cpp's locally typical sampling on candidates most likely first: the tokens whose
+/// surprise `-ln p` is closest to the entropy, until their probability passes `p`.
+fn typical(cand: &mut Vec<(u32, f32)>, p: f32) {
+    let probs = softmax_f32(cand);
+    let entropy: f32 = probs.iter().map(|&q| -q * q.ln()).sum();
+    let shifted: Vec<f32> = probs.iter().map(|&q| (-q.ln() - entropy).abs()).collect();
+    let mut order: Vec<usize> = (0..cand.len()).collect();
+    order.sort_by(|&a, &b| shifted[a].total_cmp(&shifted[b]));
+    let mut sum = 0f32;
+    let mut keep = order.len();
+    for (i, &k) in order.iter().enumerate() {
+        sum += probs[k];
+        if sum > p {
+            keep = i + 1;
+            break;
+        }
+    }
+    let mut kept: Vec<(u32, f32)> = order[..keep].iter().map(|&k| cand[k]).collect();
+    kept.sort_unstable_by(by_logit);
+    *cand = kept;
+}
+
+/// Probabilities as llama.cpp computes them (f32, from the largest logit).
+fn softmax_f32(cand: &[(u32, f32)]) -> Vec<f32> {
+    let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = cand.iter().map(|c| (c.1 - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    exps.into_iter().map(|e| e / sum).collect()
 }
 
 fn softmax(cand: &[(u32, f32)]) -> Vec<f64> {
@@ -384,6 +566,86 @@ mod tests {
             let e = Sampler::new(SamplingParams { logit_bias: vec![(7, b)], ..SamplingParams::default() }).unwrap_err();
             assert!(e.to_string().contains("logit_bias of token 7"), "{e}");
         }
+    }
+
+    /// Each filter keeps the tokens llama.cpp's keeps on the same logits
+    /// (scripts/gen_sampler_fixtures.py).
+    #[test]
+    fn filters_keep_what_llama_cpps_keep() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/sampling/llama_cpp_samplers.json");
+        let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let off = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, ..SamplingParams::default() };
+        let cases = f["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 57);
+        for c in cases {
+            let logits: Vec<f32> = f["logits"][c["logits"].as_str().unwrap()]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+                .collect();
+            let v = c["value"].as_f64().unwrap() as f32;
+            let p = match c["sampler"].as_str().unwrap() {
+                "typical" => SamplingParams { typical_p: v, ..off.clone() },
+                "top_n_sigma" => SamplingParams { top_n_sigma: v, ..off.clone() },
+                "xtc" => SamplingParams { xtc_probability: 1.0, xtc_threshold: v, ..off.clone() },
+                "mirostat1" => SamplingParams { mirostat: 1, mirostat_tau: v, ..off.clone() },
+                "mirostat2" => SamplingParams { mirostat: 2, mirostat_tau: v, ..off.clone() },
+                other => panic!("{other}"),
+            };
+            let mut s = Sampler::new(p.clone()).unwrap();
+            let mut cand = s.candidates(&logits).unwrap();
+            if p.mirostat != 0 {
+                cand.truncate(s.mirostat_keep(&cand, logits.len()));
+            }
+            let mut kept: Vec<u64> = cand.iter().map(|c| u64::from(c.0)).collect();
+            kept.sort_unstable();
+            let want: Vec<u64> = c["kept"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+            assert_eq!(kept, want, "{c}");
+        }
+    }
+
+    #[test]
+    fn mirostat_learns_its_target_surprise() {
+        // on a flat distribution a low target keeps few tokens: mu falls from 2 tau as the draws
+        // are more surprising than tau
+        let flat = vec![0.0; 64];
+        let p = SamplingParams {
+            mirostat: 2,
+            mirostat_tau: 3.0,
+            mirostat_eta: 0.5,
+            temperature: 1.0,
+            ..SamplingParams::default()
+        };
+        let mut s = Sampler::new(p).unwrap();
+        assert_eq!(s.mu, 6.0);
+        let t = s.sample(&flat).unwrap();
+        assert!(t < 64);
+        // every token has surprise 6 = mu: all kept, drawn surprise 6, mu = 6 - 0.5 * (6 - 3)
+        assert_eq!(s.mu, 4.5);
+        s.sample(&flat).unwrap();
+        // none has surprise <= 4.5: one kept, surprise 0, mu = 4.5 - 0.5 * (0 - 3)
+        assert_eq!(s.mu, 6.0);
+        // temperature 0 with mirostat is greedy, as llama.cpp's temperature before it
+        let g = SamplingParams { mirostat: 1, temperature: 0.0, ..SamplingParams::default() };
+        assert_eq!(Sampler::new(g).unwrap().sample(&logits()).unwrap(), 1);
+    }
+
+    #[test]
+    fn typical_and_xtc_apply_at_temperature_zero_too() {
+        // XTC drops the two tokens above 0.2 but the less likely: greedy then takes token 4
+        let logits = logits();
+        let p = SamplingParams { xtc_probability: 1.0, xtc_threshold: 0.2, ..SamplingParams::greedy() };
+        let mut s = Sampler::new(p).unwrap();
+        let cand = s.candidates(&logits).unwrap();
+        assert!(!cand.iter().any(|c| c.0 == 1), "{cand:?}");
+        assert_eq!(
+            Sampler::new(SamplingParams { xtc_probability: 1.0, xtc_threshold: 0.2, ..SamplingParams::greedy() })
+                .unwrap()
+                .sample(&logits)
+                .unwrap(),
+            cand[0].0
+        );
     }
 
     #[test]

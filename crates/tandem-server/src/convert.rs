@@ -78,6 +78,13 @@ fn sampling(p: Option<pb::SamplingParams>, defaults: &SamplingDefaults) -> Sampl
         frequency_penalty: p.frequency_penalty.unwrap_or(d.frequency_penalty),
         penalty_last_n: p.penalty_last_n.map_or(d.penalty_last_n, |n| n as usize),
         seed: p.seed.unwrap_or(d.seed),
+        typical_p: p.typical_p.unwrap_or(d.typical_p),
+        top_n_sigma: p.top_n_sigma.unwrap_or(d.top_n_sigma),
+        xtc_probability: p.xtc_probability.unwrap_or(d.xtc_probability),
+        xtc_threshold: p.xtc_threshold.unwrap_or(d.xtc_threshold),
+        mirostat: p.mirostat.map_or(d.mirostat, |m| m.min(255) as u8),
+        mirostat_tau: p.mirostat_tau.unwrap_or(d.mirostat_tau),
+        mirostat_eta: p.mirostat_eta.unwrap_or(d.mirostat_eta),
         logit_bias: match p.logit_bias.is_empty() {
             true => d.logit_bias,
             false => {

@@ -82,6 +82,8 @@ pub struct Common {
     pub frequency_penalty: Option<f32>,
     /// `{"15043": -100}` or llama-server's `[[15043, -1.5], ["Hello", false]]`.
     pub logit_bias: Option<Value>,
+    #[serde(flatten)]
+    pub more: MoreSamplers,
     pub stop: Option<Stop>,
     pub seed: Option<i64>,
     pub n: Option<u32>,
@@ -187,6 +189,8 @@ pub struct LlamaCompletionRequest {
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     pub logit_bias: Option<Value>,
+    #[serde(flatten)]
+    pub more: MoreSamplers,
     pub stop: Option<Stop>,
     pub seed: Option<i64>,
     #[serde(default)]
@@ -290,6 +294,37 @@ fn prompt(p: PromptField) -> Result<Prompt, BadParam> {
     }
 }
 
+/// llama-server's samplers beyond OpenAI's, on every completion route.
+#[derive(Deserialize, Debug, Default)]
+pub struct MoreSamplers {
+    pub typical_p: Option<f32>,
+    pub top_n_sigma: Option<f32>,
+    pub xtc_probability: Option<f32>,
+    pub xtc_threshold: Option<f32>,
+    pub mirostat: Option<u32>,
+    pub mirostat_tau: Option<f32>,
+    pub mirostat_eta: Option<f32>,
+    /// DRY is not implemented: only 0 (off) is taken, rather than answering as if it were.
+    pub dry_multiplier: Option<f32>,
+}
+
+impl MoreSamplers {
+    /// `p` with the samplers given.
+    fn apply(self, p: &mut SamplingParams) -> Result<(), BadParam> {
+        if let Some(m) = self.dry_multiplier.filter(|&m| m != 0.0) {
+            return Err(BadParam(format!("dry_multiplier {m}: tandem has no DRY sampler; leave it at 0 (off)")));
+        }
+        p.typical_p = self.typical_p.unwrap_or(p.typical_p);
+        p.top_n_sigma = self.top_n_sigma.unwrap_or(p.top_n_sigma);
+        p.xtc_probability = self.xtc_probability.unwrap_or(p.xtc_probability);
+        p.xtc_threshold = self.xtc_threshold.unwrap_or(p.xtc_threshold);
+        p.mirostat = self.mirostat.map_or(p.mirostat, |m| m.min(255) as u8);
+        p.mirostat_tau = self.mirostat_tau.unwrap_or(p.mirostat_tau);
+        p.mirostat_eta = self.mirostat_eta.unwrap_or(p.mirostat_eta);
+        Ok(())
+    }
+}
+
 /// llama-server's `repeat_last_n`: -1 is the whole context.
 fn penalty_last_n(given: Option<i64>, default: usize) -> Result<usize, BadParam> {
     match given {
@@ -368,6 +403,7 @@ fn common(c: Common, p: Prompt, arrived: Instant, defaults: &SamplingDefaults) -
         seed: seed(c.seed, defaults),
         ..d
     };
+    c.more.apply(&mut req.sampling)?;
     logit_bias(c.logit_bias, &mut req)?;
     req.max_tokens = c.max_completion_tokens.or(c.max_tokens).unwrap_or(0);
     req.stop = stops(c.stop)?;
@@ -520,8 +556,9 @@ pub fn llama_completion_request(
         frequency_penalty: r.frequency_penalty.unwrap_or(d.frequency_penalty),
         penalty_last_n: penalty_last_n(r.repeat_last_n, d.penalty_last_n)?,
         seed: seed(r.seed, defaults),
-        logit_bias: d.logit_bias,
+        ..d
     };
+    r.more.apply(&mut req.sampling)?;
     logit_bias(r.logit_bias, &mut req)?;
     // n_predict -1 = until the server's cap or the context (llama-server); other negatives are
     // mistakes, not "unlimited"
