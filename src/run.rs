@@ -46,8 +46,9 @@ pub struct RunArgs {
     /// Take the prompt and stop strings as they are.
     #[arg(long = "no-escape")]
     pub no_escape: bool,
-    /// llama-cli's one prompt without conversation (also -no-cnv): what `tandem run` does without --chat.
-    #[arg(long = "no-conversation", conflicts_with = "chat")]
+    /// llama-cli's text completion without conversation (also -no-cnv): the prompt as it is,
+    /// without the chat template, as --raw.
+    #[arg(long = "no-conversation", conflicts_with_all = ["chat", "chat_template", "chat_template_file", "system"])]
     pub no_conversation: bool,
     /// llama-cli's single turn of conversation (also -st): what `tandem run` does without --chat.
     #[arg(long = "single-turn", conflicts_with = "chat")]
@@ -208,7 +209,7 @@ impl Session<'_> {
 
 /// The template to render prompts with: `--chat-template`, else the model's (`None` = raw).
 fn template(args: &RunArgs, tok: &Tokenizer) -> anyhow::Result<Option<ChatTemplate>> {
-    if args.raw {
+    if args.raw || args.no_conversation {
         return Ok(None);
     }
     let given = args.template.given()?;

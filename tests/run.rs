@@ -236,7 +236,8 @@ fn llama_cpp_special_values_mean_what_they_mean_there() {
 }
 
 /// llama.cpp processes escapes in the prompt by default (`-e`; `--no-escape` turns it off), and
-/// llama-cli's `-no-cnv`, `-st`, `--no-warmup`, `--numa` and `--prio` are accepted.
+/// llama-cli's `-no-cnv` (text completion: no chat template), `-st` (one chat turn), `--no-warmup`,
+/// `--numa` and `--prio` are accepted.
 #[test]
 fn escapes_and_llama_cli_flags() {
     let greedy = ["-n", "6", "--temp", "0", "--raw"];
@@ -245,12 +246,16 @@ fn escapes_and_llama_cli_flags() {
     assert_eq!(stdout(&run(&[&["-e", "-p", r"Question:\nAnswer:"], &greedy[..]].concat())), real);
     let raw = run(&[&["--no-escape", "-p", r"Question:\nAnswer:"], &greedy[..]].concat());
     assert_ne!(stdout(&raw), real, "a backslash and an n are other tokens than a newline");
-    let o =
-        run(&[&["-no-cnv", "-st", "--no-warmup", "--numa", "distribute", "--prio", "2", "-p", "hi"], &greedy[..]]
-            .concat());
+    let o = run(&[&["--no-warmup", "--numa", "distribute", "--prio", "2", "-p", "hi"], &greedy[..]].concat());
     let err = String::from_utf8_lossy(&o.stderr).to_string();
     assert!(o.status.success(), "{err}");
     for flag in ["--no-warmup", "--numa distribute", "--prio 2"] {
         assert!(err.contains(&format!("note: {flag}")), "{flag}: {err}");
     }
+    let chat = ["-n", "6", "--temp", "0", "-p", "The capital of France is"];
+    let templated = stdout(&run(&chat));
+    let raw = stdout(&run(&[&chat[..], &["--raw"]].concat()));
+    assert_ne!(templated, raw, "the chat template changes the prompt");
+    assert_eq!(stdout(&run(&[&chat[..], &["-no-cnv"]].concat())), raw);
+    assert_eq!(stdout(&run(&[&chat[..], &["-st"]].concat())), templated);
 }
