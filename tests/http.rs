@@ -227,6 +227,27 @@ async fn llama_server_completion_tokenize_and_detokenize() {
     let content: String = chunks.iter().map(|c| c["content"].as_str().unwrap_or("")).collect();
     assert_eq!(content, r["content"].as_str().unwrap());
     assert!(last["tokens_cached"].as_u64().unwrap() > 0, "the second run reads the prompt from the cache: {last}");
+
+    // n_probs: llama-server's completion_probabilities, whole and per streamed chunk
+    let probs = json!({"prompt": PROMPTS[0], "n_predict": 3, "temperature": 0, "n_probs": 2, "ignore_eos": true});
+    let (status, p) = post_json(s.addr, "/completion", probs.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{p}");
+    let positions = p["completion_probabilities"].as_array().unwrap_or_else(|| panic!("{p}"));
+    assert_eq!(positions.len(), 3, "{p}");
+    for pos in positions {
+        let top = pos["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2, "{pos}");
+        // greedy: the sampled token is the most likely one
+        assert_eq!(pos["id"], top[0]["id"], "{pos}");
+        assert!(pos["logprob"].as_f64().unwrap() <= 0.0 && top[1]["logprob"].as_f64() <= top[0]["logprob"].as_f64());
+        assert_eq!(pos["bytes"].as_array().unwrap().len(), pos["token"].as_str().unwrap().len(), "{pos}");
+    }
+    let mut streamed = probs;
+    streamed["stream"] = true.into();
+    let (_, text) = call(s.addr, "POST", "/completion", &streamed.to_string()).await;
+    let chunks: Vec<Value> = sse_data(&text).iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    let each: Vec<&Value> = chunks.iter().filter_map(|c| c["completion_probabilities"].get(0)).collect();
+    assert_eq!(each, positions.iter().collect::<Vec<_>>(), "{text}");
 }
 
 /// The token ids a streamed `/completion` sends.

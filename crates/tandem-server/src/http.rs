@@ -553,19 +553,27 @@ async fn llama_completion(
     let stream = r.stream;
     let req = openai::llama_completion_request(r, arrived, state.sampling())?;
     let stops = req.stop.clone();
+    let n_probs = req.logprobs as usize;
     let (_, rx) = submit(&state, req, "cmpl", key.map(|k| k.0)).await?;
     let model = model_name(&state);
     if !stream {
         let c = collect(rx).await?;
-        return Ok(Json(openai::llama_final(&c.text, &c.finish, &stops, &model)).into_response());
+        let mut body = openai::llama_final(&c.text, &c.finish, &stops, &model);
+        if n_probs > 0 {
+            body["completion_probabilities"] = c.logprobs.iter().map(|p| openai::llama_probs(p, n_probs)).collect();
+        }
+        return Ok(Json(body).into_response());
     }
     // llama-server streams `{"content", "stop": false}` chunks, then the stats with `stop: true`
     Ok(sse(rx, Vec::new(), move |ev| match ev {
-        Event::Token { id, text, .. } => {
-            if text.is_empty() {
-                return (Vec::new(), false);
+        Event::Token { id, text, logprobs } => {
+            let mut chunk = json!({"content": text, "tokens": [id], "stop": false});
+            match logprobs {
+                Some(p) if n_probs > 0 => chunk["completion_probabilities"] = json!([openai::llama_probs(&p, n_probs)]),
+                _ if text.is_empty() => return (Vec::new(), false),
+                _ => {}
             }
-            (vec![json!({"content": text, "tokens": [id], "stop": false}).to_string()], false)
+            (vec![chunk.to_string()], false)
         }
         Event::Finished { text, finish } => {
             (vec![openai::llama_final(&text, &finish, &stops, &model).to_string()], true)

@@ -606,6 +606,16 @@ pub fn chat_logprob(p: &PositionLogprobs, top: usize) -> Value {
     v
 }
 
+/// llama-server's `completion_probabilities` entry of one position (`n_probs`): the sampled
+/// token and the `n` most likely, each with its id, text, bytes and log-probability (never
+/// `-inf`, which JSON cannot hold: the lowest f32, as llama-server).
+pub fn llama_probs(p: &PositionLogprobs, n: usize) -> Value {
+    let entry = |t: &tandem_engine::TokenLogprob| json!({"id": t.id, "token": t.text, "bytes": t.text.as_bytes(), "logprob": t.logprob.max(f32::MIN)});
+    let mut v = entry(&p.sampled);
+    v["top_logprobs"] = p.top.iter().take(n).map(entry).collect();
+    v
+}
+
 /// llama-server's `/completion` answer (or its last streamed chunk), `content` given.
 pub fn llama_final(content: &str, f: &Finish, stop_strings: &[String], model: &str) -> Value {
     let u = &f.usage;
