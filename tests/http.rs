@@ -367,7 +367,8 @@ async fn bad_requests_get_openai_errors() {
         (chat, json!({"messages": msgs, "temperature": 1e40}), StatusCode::BAD_REQUEST, "temperature"),
         (chat, json!({"messages": msgs, "logprobs": true, "top_logprobs": 100}), StatusCode::BAD_REQUEST, "logprobs"),
         ("/v1/completions", json!({"prompt": {"a": 1}}), StatusCode::BAD_REQUEST, "invalid JSON body"),
-        ("/v1/completions", json!({"prompt": ["a", "b"]}), StatusCode::BAD_REQUEST, "batches"),
+        ("/v1/completions", json!({"prompt": ["a", "b"], "stream": true}), StatusCode::BAD_REQUEST, "stream: one"),
+        ("/completion", json!({"prompt": ["a", "b"]}), StatusCode::BAD_REQUEST, "batches are not supported here"),
         ("/completion", json!({"prompt": "a", "n_predict": 1.5}), StatusCode::BAD_REQUEST, "invalid JSON body"),
     ];
     for (path, body, want, text) in cases {
@@ -388,6 +389,44 @@ async fn bad_requests_get_openai_errors() {
     // the server is still fine
     let (status, _) = call(s.addr, "GET", "/health", "").await;
     assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_list_and_n_give_one_choice_each() {
+    let s = serve(512, EngineConfig { n_parallel: 2, ..EngineConfig::default() }).await;
+    let one = |prompt: &str, seed: u64| json!({"prompt": prompt, "max_tokens": 5, "temperature": 1.0, "seed": seed, "ignore_eos": true});
+    let mut alone = Vec::new();
+    for (p, seed) in [(PROMPTS[0], 7), (PROMPTS[0], 8), (PROMPTS[1], 7), (PROMPTS[1], 8)] {
+        let (_, r) = post_json(s.addr, "/v1/completions", one(p, seed)).await;
+        alone.push(r);
+    }
+    let mut batch = one(PROMPTS[0], 7);
+    batch["prompt"] = json!([PROMPTS[0], PROMPTS[1]]);
+    batch["n"] = 2.into();
+    let (status, r) = post_json(s.addr, "/v1/completions", batch).await;
+    assert_eq!(status, StatusCode::OK, "{r}");
+    let choices = r["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4, "{r}");
+    for (i, (c, a)) in choices.iter().zip(&alone).enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"], a["choices"][0]["text"], "choice {i}: {r}");
+    }
+    let sum = |k: &str| alone.iter().map(|a| a["usage"][k].as_u64().unwrap()).sum::<u64>();
+    assert_eq!(r["usage"]["prompt_tokens"], sum("prompt_tokens"));
+    assert_eq!(r["usage"]["completion_tokens"], 20);
+    // more choices than the slots and the queue hold: 429, and the server goes on
+    let tight = serve(512, EngineConfig { n_parallel: 1, queue_size: 1, ..EngineConfig::default() }).await;
+    let endless = json!({"prompt": ["a", "b", "c"], "ignore_eos": true, "max_tokens": 400});
+    let (status, v) = post_json(tight.addr, "/v1/completions", endless).await;
+    assert_error(status, &v, StatusCode::TOO_MANY_REQUESTS, "queue is full");
+    // the two it had submitted are aborted: the engine lets them go
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while tight.t.engine.handle().pending() > 0 {
+        assert!(std::time::Instant::now() < deadline, "the aborted choices still hold the slots");
+        tokio::task::yield_now().await;
+    }
+    let (status, v) = post_json(tight.addr, "/v1/completions", json!({"prompt": ["a", "b"], "max_tokens": 2})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -354,7 +354,7 @@ async fn chat(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let openai::Parsed { req, stream, include_usage, tools } =
+    let openai::Parsed { req, stream, include_usage, tools, .. } =
         openai::chat_request(parse(body)?, arrived, state.sampling())?;
     let top = req.logprobs as usize;
     let want_logprobs = req.logprobs > 0;
@@ -506,9 +506,12 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let openai::Parsed { req, stream, include_usage, .. } =
+    let openai::Parsed { req, stream, include_usage, more, .. } =
         openai::completion_request(parse(body)?, arrived, state.sampling())?;
     let want_logprobs = req.logprobs > 0;
+    if !more.is_empty() {
+        return completions_batch(&state, std::iter::once(req).chain(more).collect(), key.map(|k| k.0)).await;
+    }
     let (id, rx) = submit(&state, req, "cmpl", key.map(|k| k.0)).await?;
     let model = model_name(&state);
     let created = now_secs();
@@ -541,6 +544,52 @@ async fn completions(
         }
         Event::Failed(f) => (error_data(&f), true),
     }))
+}
+
+/// `/v1/completions` with several choices (a prompt list, `n` > 1): every choice is submitted
+/// first, so they run side by side on the slots, then each is collected into `choices[index]`
+/// with the usage summed. A choice the queue cannot take fails the request (429), and the choices
+/// already submitted are aborted.
+async fn completions_batch(
+    state: &Arc<State>,
+    reqs: Vec<tandem_engine::Request>,
+    key: Option<KeyIndex>,
+) -> Result<Response, ApiError> {
+    let want_logprobs = reqs[0].logprobs > 0;
+    let mut rxs = Vec::with_capacity(reqs.len());
+    let mut ids = Vec::with_capacity(reqs.len());
+    for req in reqs {
+        match submit(state, req, "cmpl", key).await {
+            Ok((id, rx)) => {
+                ids.push(id);
+                rxs.push(rx);
+            }
+            Err(e) => {
+                if let Ok(engine) = state.engine() {
+                    ids.iter().for_each(|id| _ = engine.abort(id));
+                }
+                return Err(e);
+            }
+        }
+    }
+    let (mut choices, mut prompt, mut cached, mut completion) = (Vec::with_capacity(rxs.len()), 0u64, 0u64, 0u64);
+    for (index, rx) in rxs.into_iter().enumerate() {
+        let c = collect(rx).await?;
+        let lp = if want_logprobs { completion_logprobs(&c.logprobs, &mut 0) } else { Value::Null };
+        choices.push(json!({"index": index, "text": c.text, "logprobs": lp,
+                            "finish_reason": openai::finish_reason(&c.finish)}));
+        let u = &c.finish.usage;
+        (prompt, cached, completion) = (
+            prompt + u64::from(u.prompt_tokens),
+            cached + u64::from(u.cached_tokens),
+            completion + u64::from(u.completion_tokens),
+        );
+    }
+    Ok(Json(json!({"id": ids[0], "object": "text_completion", "created": now_secs(), "model": model_name(state),
+                   "choices": choices,
+                   "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                             "prompt_tokens_details": {"cached_tokens": cached}}}))
+    .into_response())
 }
 
 async fn llama_completion(

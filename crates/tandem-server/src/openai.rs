@@ -30,6 +30,7 @@ pub enum PromptField {
     Text(String),
     Tokens(Vec<u32>),
     Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
 }
 
 /// A chat message's content: text or a list of parts (`{"type": "text", "text": ...}`).
@@ -236,6 +237,9 @@ pub struct Parsed {
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk carries the usage.
     pub include_usage: bool,
+    /// The other choices of a `/v1/completions` request with a prompt list or `n` > 1, in
+    /// choice order after `req` (never with `stream`).
+    pub more: Vec<Request>,
 }
 
 /// A parameter the engine cannot take; the message names it.
@@ -289,9 +293,30 @@ fn prompt(p: PromptField) -> Result<Prompt, BadParam> {
         PromptField::Tokens(ids) => Ok(Prompt::Tokens(ids)),
         PromptField::Texts(mut v) if v.len() == 1 => Ok(Prompt::Text(v.remove(0))),
         PromptField::Texts(v) => {
-            Err(BadParam(format!("prompt: a list of {} texts; batches are not supported, send one", v.len())))
+            Err(BadParam(format!("prompt: a list of {} texts; batches are not supported here, send one", v.len())))
         }
+        PromptField::TokenLists(v) => Err(BadParam(format!(
+            "prompt: a list of {} token lists; batches are not supported here, send one",
+            v.len()
+        ))),
     }
+}
+
+/// Most choices (prompts times `n`) one `/v1/completions` request may ask for.
+pub const MAX_CHOICES: usize = 1024;
+
+/// OpenAI's prompt list: one or more texts or token lists.
+fn prompts(p: PromptField) -> Result<Vec<Prompt>, BadParam> {
+    let v: Vec<Prompt> = match p {
+        PromptField::Text(t) => vec![Prompt::Text(t)],
+        PromptField::Tokens(ids) => vec![Prompt::Tokens(ids)],
+        PromptField::Texts(v) => v.into_iter().map(Prompt::Text).collect(),
+        PromptField::TokenLists(v) => v.into_iter().map(Prompt::Tokens).collect(),
+    };
+    if v.is_empty() {
+        return Err(BadParam("prompt: an empty list".into()));
+    }
+    Ok(v)
 }
 
 /// llama-server's samplers beyond OpenAI's, on every completion route.
@@ -383,11 +408,6 @@ fn logit_bias(given: Option<Value>, req: &mut Request) -> Result<(), BadParam> {
 }
 
 fn common(c: Common, p: Prompt, arrived: Instant, defaults: &SamplingDefaults) -> Result<Request, BadParam> {
-    if let Some(n) = c.n {
-        if n != 1 {
-            return Err(BadParam(format!("n = {n}: only 1 is supported")));
-        }
-    }
     let d = defaults.params.clone();
     let mut req = Request::new(p);
     req.arrived = arrived;
@@ -413,6 +433,9 @@ fn common(c: Common, p: Prompt, arrived: Instant, defaults: &SamplingDefaults) -
 }
 
 pub fn chat_request(r: ChatRequest, arrived: Instant, d: &SamplingDefaults) -> Result<Parsed, BadParam> {
+    if let Some(n) = r.common.n.filter(|&n| n != 1) {
+        return Err(BadParam(format!("n = {n}: chat completions take only 1 (/v1/completions takes more)")));
+    }
     let offered = match &r.tool_choice {
         Some(Value::String(c)) if c == "none" => Vec::new(),
         Some(Value::String(c)) if c != "auto" && c != "required" => {
@@ -525,16 +548,42 @@ pub fn chat_request(r: ChatRequest, arrived: Instant, d: &SamplingDefaults) -> R
     let tools = !offered.is_empty();
     // call markers are control tokens in some vocabularies (Kimi K2's)
     req.special_text = tools;
-    Ok(Parsed { req, tools, stream, include_usage })
+    Ok(Parsed { req, tools, stream, include_usage, more: Vec::new() })
 }
 
 pub fn completion_request(r: CompletionRequest, arrived: Instant, d: &SamplingDefaults) -> Result<Parsed, BadParam> {
     let include_usage = r.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let stream = r.common.stream;
-    let p = prompt(r.prompt)?;
-    let mut req = common(r.common, p, arrived, d)?;
+    let n = r.common.n.unwrap_or(1) as usize;
+    let mut prompts = prompts(r.prompt)?;
+    let choices = prompts.len().saturating_mul(n);
+    if n == 0 {
+        return Err(BadParam("n = 0: must be 1 or more".into()));
+    }
+    if choices > MAX_CHOICES {
+        return Err(BadParam(format!("{} prompts x n = {n}: at most {MAX_CHOICES} choices a request", prompts.len())));
+    }
+    if stream && choices > 1 {
+        return Err(BadParam(format!(
+            "stream: one prompt and n = 1 only ({choices} choices asked); send a prompt list or n > 1 without stream"
+        )));
+    }
+    let first = prompts.remove(0);
+    let mut req = common(r.common, first.clone(), arrived, d)?;
     req.logprobs = r.logprobs.unwrap_or(0);
-    Ok(Parsed { req, tools: false, stream, include_usage })
+    // every choice is its own request, run side by side on the slots: choice i * n + j is prompt
+    // i with seed + j, so n > 1 gives n draws and the same seed the same choices
+    let base = req.sampling.seed;
+    let mut more = Vec::with_capacity(choices - 1);
+    for (i, p) in std::iter::once(first).chain(prompts).enumerate() {
+        for j in (if i == 0 { 1 } else { 0 })..n {
+            let mut c = req.clone();
+            c.prompt = p.clone();
+            c.sampling.seed = base.wrapping_add(j as u64);
+            more.push(c);
+        }
+    }
+    Ok(Parsed { req, tools: false, stream, include_usage, more })
 }
 
 pub fn llama_completion_request(
@@ -687,10 +736,29 @@ mod tests {
 
     #[test]
     fn bad_values_are_refused_with_the_parameter_named() {
-        let r: CompletionRequest = serde_json::from_str(r#"{"prompt":"a","n":2}"#).unwrap();
-        assert!(completion_request(r, Instant::now(), &Default::default()).err().unwrap().0.contains("n = 2"));
-        let r: CompletionRequest = serde_json::from_str(r#"{"prompt":["a","b"]}"#).unwrap();
-        assert!(completion_request(r, Instant::now(), &Default::default()).err().unwrap().0.contains("prompt"));
+        let cmpl =
+            |v: Value| completion_request(serde_json::from_value(v).unwrap(), Instant::now(), &Default::default());
+        // a prompt list and n: one request per choice, prompt-major, seeds counting up
+        let p = cmpl(json!({"prompt": ["a", "b"], "n": 2, "seed": 7})).ok().unwrap();
+        let all: Vec<&Request> = std::iter::once(&p.req).chain(&p.more).collect();
+        let got: Vec<(Prompt, u64)> = all.iter().map(|r| (r.prompt.clone(), r.sampling.seed)).collect();
+        let (a, b) = (Prompt::Text("a".into()), Prompt::Text("b".into()));
+        assert_eq!(got, vec![(a.clone(), 7), (a, 8), (b.clone(), 7), (b, 8)]);
+        let p = cmpl(json!({"prompt": [[1, 2], [3]]})).ok().unwrap();
+        assert_eq!((p.req.prompt, p.more[0].prompt.clone()), (Prompt::Tokens(vec![1, 2]), Prompt::Tokens(vec![3])));
+        for (v, says) in [
+            (json!({"prompt": "a", "n": 0}), "n = 0"),
+            (json!({"prompt": ["a", "b"], "n": 600}), "at most 1024 choices"),
+            (json!({"prompt": ["a", "b"], "stream": true}), "stream: one prompt"),
+            (json!({"prompt": "a", "n": 2, "stream": true}), "stream: one prompt"),
+        ] {
+            assert!(cmpl(v.clone()).err().unwrap().0.contains(says), "{v}");
+        }
+        let chat = json!({"messages": [{"role": "user", "content": "hi"}], "n": 2});
+        let e = chat_request(serde_json::from_value(chat).unwrap(), Instant::now(), &Default::default());
+        assert!(e.err().unwrap().0.contains("n = 2"));
+        let r: LlamaCompletionRequest = serde_json::from_value(json!({"prompt": ["a", "b"]})).unwrap();
+        assert!(llama_completion_request(r, Instant::now(), &Default::default()).err().unwrap().0.contains("prompt"));
         let many: Vec<String> = (0..17).map(|i| i.to_string()).collect();
         let r: LlamaCompletionRequest = serde_json::from_value(json!({"prompt": "a", "stop": many})).unwrap();
         assert!(llama_completion_request(r, Instant::now(), &Default::default()).err().unwrap().0.contains("stop"));
