@@ -305,6 +305,10 @@ fn prompt(p: PromptField) -> Result<Prompt, BadParam> {
 /// Most choices (prompts times `n`) one `/v1/completions` request may ask for.
 pub const MAX_CHOICES: usize = 1024;
 
+/// Most bytes of prompts (each prompt's text, or 4 a token, times `n`) the choices of one request
+/// may hold: each choice holds its own copy.
+pub const MAX_CHOICE_BYTES: usize = 64 << 20;
+
 /// OpenAI's prompt list: one or more texts or token lists.
 fn prompts(p: PromptField) -> Result<Vec<Prompt>, BadParam> {
     let v: Vec<Prompt> = match p {
@@ -563,6 +567,20 @@ pub fn completion_request(r: CompletionRequest, arrived: Instant, d: &SamplingDe
     if choices > MAX_CHOICES {
         return Err(BadParam(format!("{} prompts x n = {n}: at most {MAX_CHOICES} choices a request", prompts.len())));
     }
+    let bytes: usize = prompts
+        .iter()
+        .map(|p| match p {
+            Prompt::Text(t) => t.len(),
+            Prompt::Tokens(ids) => 4 * ids.len(),
+            _ => 0,
+        })
+        .sum::<usize>()
+        .saturating_mul(n);
+    if bytes > MAX_CHOICE_BYTES {
+        return Err(BadParam(format!(
+            "prompt: {bytes} bytes of prompts over {choices} choices; at most {MAX_CHOICE_BYTES} a request"
+        )));
+    }
     if stream && choices > 1 {
         return Err(BadParam(format!(
             "stream: one prompt and n = 1 only ({choices} choices asked); send a prompt list or n > 1 without stream"
@@ -749,6 +767,7 @@ mod tests {
         for (v, says) in [
             (json!({"prompt": "a", "n": 0}), "n = 0"),
             (json!({"prompt": ["a", "b"], "n": 600}), "at most 1024 choices"),
+            (json!({"prompt": "x".repeat(1 << 20), "n": 100}), "104857600 bytes of prompts over 100 choices"),
             (json!({"prompt": ["a", "b"], "stream": true}), "stream: one prompt"),
             (json!({"prompt": "a", "n": 2, "stream": true}), "stream: one prompt"),
         ] {
