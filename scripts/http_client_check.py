@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Checks tandem's HTTP API with the clients people already use: the official `openai` package
-(chat streaming and non-streaming, completions, models list) and an aiohttp batch client sending
+(chat streaming and non-streaming, completions, a prompt list with n, logit_bias, models list) and
+an aiohttp batch client sending
 concurrent llama-server `/completion` requests. Exits non-zero on the first failure.
 
     python scripts/http_client_check.py --base-url http://127.0.0.1:8080 --concurrent 50
@@ -8,7 +9,9 @@ concurrent llama-server `/completion` requests. Exits non-zero on the first fail
 
 import argparse
 import asyncio
+import json
 import sys
+import urllib.request
 
 import aiohttp
 import openai
@@ -61,6 +64,27 @@ def check_openai(base_url):
         check(False, "n=2 was accepted")
     except openai.BadRequestError as e:
         print(f"n=2: {e.status_code} {e.message}")
+
+    # a batch: a prompt list with n = 2, seeded, and logit_bias, as the client types them
+    prompts = ["The quick brown fox", "Once upon a time"]
+    batch = client.completions.create(model=model, prompt=prompts, n=2, max_tokens=4, temperature=0.8, seed=3)
+    check([c.index for c in batch.choices] == [0, 1, 2, 3], f"batch indexes: {batch}")
+    again = client.completions.create(model=model, prompt=prompts[1], max_tokens=4, temperature=0.8, seed=4)
+    check(batch.choices[3].text == again.choices[0].text, f"choice 3 is prompt 1 with seed 4: {batch} {again}")
+    check(batch.usage.completion_tokens <= 16, f"batch usage: {batch.usage}")
+    print(f"batch: {[c.text for c in batch.choices]!r}")
+    def post(path, body):
+        req = urllib.request.Request(f"{base_url}{path}", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req) as r:
+            return json.load(r)
+
+    zebra = post("/tokenize", {"content": " zebra"})["tokens"][-1]
+    piece = post("/detokenize", {"tokens": [zebra]})["content"]
+    lifted = client.completions.create(model=model, prompt=prompts[0], max_tokens=2, temperature=0,
+                                       logit_bias={str(zebra): 100})
+    check(lifted.choices[0].text == piece * 2, f"logit_bias +100 on {piece!r}: {lifted}")
+    print(f"logit_bias: {lifted.choices[0].text!r}")
 
 
 async def check_batch(base_url, n):
