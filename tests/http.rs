@@ -258,15 +258,18 @@ async fn streamed_ids(addr: SocketAddr, body: &Value) -> Vec<u64> {
     chunks.filter(|c| c["stop"] == false).map(|c| c["tokens"][0].as_u64().unwrap()).collect()
 }
 
+/// A streamed greedy `/completion` of 4 tokens of `prompt`, with the fields of `extra`.
+fn greedy_stream(prompt: &str, extra: Value) -> Value {
+    let mut b = json!({"prompt": prompt, "n_predict": 4, "temperature": 0, "ignore_eos": true, "stream": true});
+    b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    b
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logit_bias_bans_and_lifts_tokens() {
     let s = serve(512, EngineConfig::default()).await;
-    let base = json!({"prompt": PROMPTS[0], "n_predict": 4, "temperature": 0, "ignore_eos": true, "stream": true});
-    let with = |bias: Value| {
-        let mut b = base.clone();
-        b["logit_bias"] = bias;
-        b
-    };
+    let base = greedy_stream(PROMPTS[0], json!({}));
+    let with = |bias: Value| greedy_stream(PROMPTS[0], json!({"logit_bias": bias}));
     let greedy = streamed_ids(s.addr, &base).await;
     assert!(!greedy.is_empty()); // tokens whose text is held back (part of a character) send no id
                                  // llama-server's array form, false = a ban
@@ -301,12 +304,8 @@ async fn logit_bias_bans_and_lifts_tokens() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llama_servers_other_samplers_are_read() {
     let s = serve(512, EngineConfig::default()).await;
-    let base = json!({"prompt": PROMPTS[1], "n_predict": 4, "temperature": 0, "ignore_eos": true, "stream": true});
-    let with = |extra: Value| {
-        let mut b = base.clone();
-        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        b
-    };
+    let base = greedy_stream(PROMPTS[1], json!({}));
+    let with = |extra: Value| greedy_stream(PROMPTS[1], extra);
     let greedy = streamed_ids(s.addr, &base).await;
     // mirostat 2 with a target surprise of 0 keeps only the most likely token, every step
     let m = with(json!({"temperature": 1.0, "seed": 5, "mirostat": 2, "mirostat_tau": 0.0, "mirostat_eta": 0.1}));
