@@ -59,11 +59,14 @@ def check_openai(base_url):
     streamed = "".join(p.choices[0].text for p in parts if p.choices)
     check(streamed == comp.choices[0].text, f"streamed completion {streamed!r} != {comp.choices[0].text!r}")
 
+    two = client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=4, temperature=0.8, seed=5)
+    check([c.index for c in two.choices] == [0, 1], f"chat n=2: {two}")
+    print(f"chat n=2: {[c.message.content for c in two.choices]!r}")
     try:
-        client.chat.completions.create(model=model, messages=messages, n=2)
-        check(False, "n=2 was accepted")
+        client.chat.completions.create(model=model, messages=messages, n=2, stream=True)
+        check(False, "n=2 with stream was accepted")
     except openai.BadRequestError as e:
-        print(f"n=2: {e.status_code} {e.message}")
+        print(f"n=2 streamed: {e.status_code} {e.message}")
 
     # a batch: a prompt list with n = 2, seeded, and logit_bias, as the client types them
     prompts = ["The quick brown fox", "Once upon a time"]

@@ -341,7 +341,8 @@ async fn bad_requests_get_openai_errors() {
     let chat = "/v1/chat/completions";
     let msgs = json!([{"role": "user", "content": "hi"}]);
     let cases: Vec<(&str, Value, StatusCode, &str)> = vec![
-        (chat, json!({"messages": msgs, "n": 2}), StatusCode::BAD_REQUEST, "n = 2"),
+        (chat, json!({"messages": msgs, "n": 2, "stream": true}), StatusCode::BAD_REQUEST, "stream: one prompt"),
+        (chat, json!({"messages": msgs, "n": 0}), StatusCode::BAD_REQUEST, "n = 0"),
         (chat, json!({"messages": msgs, "temperature": -1}), StatusCode::BAD_REQUEST, "temperature"),
         (chat, json!({"messages": msgs, "top_p": 0}), StatusCode::BAD_REQUEST, "top_p"),
         (chat, json!({"messages": msgs, "max_tokens": -3}), StatusCode::BAD_REQUEST, "invalid JSON body"),
@@ -413,6 +414,19 @@ async fn a_prompt_list_and_n_give_one_choice_each() {
     let sum = |k: &str| alone.iter().map(|a| a["usage"][k].as_u64().unwrap()).sum::<u64>();
     assert_eq!(r["usage"]["prompt_tokens"], sum("prompt_tokens"));
     assert_eq!(r["usage"]["completion_tokens"], 20);
+    // chat: n choices, choice j the seed + j
+    let chat = |seed: u64, n: u32| {
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 1.0, "seed": seed,
+               "n": n})
+    };
+    let (status, both) = post_json(s.addr, "/v1/chat/completions", chat(7, 2)).await;
+    assert_eq!(status, StatusCode::OK, "{both}");
+    assert_eq!(both["object"], "chat.completion");
+    for (j, seed) in [(0usize, 7), (1, 8)] {
+        let (_, alone) = post_json(s.addr, "/v1/chat/completions", chat(seed, 1)).await;
+        assert_eq!(both["choices"][j]["index"], j);
+        assert_eq!(both["choices"][j]["message"], alone["choices"][0]["message"], "{both} {alone}");
+    }
     // more choices than the slots and the queue hold: 429, and the server goes on
     let tight = serve(512, EngineConfig { n_parallel: 1, queue_size: 1, ..EngineConfig::default() }).await;
     let endless = json!({"prompt": ["a", "b", "c"], "ignore_eos": true, "max_tokens": 400});

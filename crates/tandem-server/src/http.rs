@@ -354,7 +354,7 @@ async fn chat(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let openai::Parsed { req, stream, include_usage, tools, .. } =
+    let openai::Parsed { req, stream, include_usage, tools, more } =
         openai::chat_request(parse(body)?, arrived, state.sampling())?;
     let top = req.logprobs as usize;
     let want_logprobs = req.logprobs > 0;
@@ -381,6 +381,21 @@ async fn chat(
         }
         _ => false,
     };
+    if !more.is_empty() {
+        let reqs = std::iter::once(req).chain(more).collect();
+        let (ids, rxs) = submit_all(&state, reqs, "chatcmpl", key.map(|k| k.0)).await?;
+        let (mut choices, mut usage) = (Vec::with_capacity(rxs.len()), Vec::with_capacity(rxs.len()));
+        for (index, rx) in rxs.into_iter().enumerate() {
+            let c = collect(rx).await?;
+            let mut choice = chat_choice(&c, Splitter::new(format, opens), tools, &state, want_logprobs.then_some(top));
+            choice["index"] = index.into();
+            choices.push(choice);
+            usage.push(c.finish.usage);
+        }
+        return Ok(Json(json!({"id": ids[0], "object": "chat.completion", "created": now_secs(),
+                               "model": model_name(&state), "choices": choices, "usage": summed_usage(&usage)}))
+        .into_response());
+    }
     let mut split = Splitter::new(format, opens);
     let (id, rx) = submit(&state, req, "chatcmpl", key.map(|k| k.0)).await?;
     let model = model_name(&state);
@@ -393,37 +408,9 @@ async fn chat(
     let mut call_id = move || ids.new_id("call");
     if !stream {
         let c = collect(rx).await?;
-        let (mut reasoning, mut content) = split.push(&c.text);
-        let (r, t) = split.finish();
-        reasoning += &r;
-        content += &t;
-        let calls = if tools {
-            let (text, calls) = crate::tools::parse(&content);
-            content = text;
-            calls
-        } else {
-            Vec::new()
-        };
         let mut body = chunk(Value::Null, Value::Null, Value::Null);
         body["object"] = "chat.completion".into();
-        let choice = &mut body["choices"][0];
-        choice.as_object_mut().map(|o| o.remove("delta"));
-        choice["message"] = json!({"role": "assistant", "content": content});
-        if !reasoning.is_empty() {
-            choice["message"]["reasoning_content"] = reasoning.into();
-        }
-        choice["finish_reason"] = openai::finish_reason(&c.finish).into();
-        if !calls.is_empty() {
-            choice["message"]["tool_calls"] = crate::tools::openai_calls(&calls, &mut call_id, false);
-            if choice["message"]["content"] == "" {
-                choice["message"]["content"] = Value::Null;
-            }
-            choice["finish_reason"] = "tool_calls".into();
-        }
-        if want_logprobs {
-            choice["logprobs"] =
-                json!({"content": c.logprobs.iter().map(|p| openai::chat_logprob(p, top)).collect::<Vec<_>>()});
-        }
+        body["choices"][0] = chat_choice(&c, split, tools, &state, want_logprobs.then_some(top));
         body["usage"] = openai::usage(&c.finish.usage);
         return Ok(Json(body).into_response());
     }
@@ -546,20 +533,19 @@ async fn completions(
     }))
 }
 
-/// `/v1/completions` with several choices (a prompt list, `n` > 1): every choice is submitted
-/// first, so they run side by side on the slots, then each is collected into `choices[index]`
-/// with the usage summed. A choice the queue cannot take fails the request (429), and the choices
-/// already submitted are aborted.
-async fn completions_batch(
+/// Submits every choice of a request with several (a prompt list, `n` > 1) before reading any,
+/// so they run side by side on the slots. A choice the queue cannot take fails the request (429),
+/// and the choices already submitted are aborted.
+async fn submit_all(
     state: &Arc<State>,
     reqs: Vec<tandem_engine::Request>,
+    prefix: &str,
     key: Option<KeyIndex>,
-) -> Result<Response, ApiError> {
-    let want_logprobs = reqs[0].logprobs > 0;
+) -> Result<(Vec<String>, Vec<mpsc::UnboundedReceiver<Event>>), ApiError> {
     let mut rxs = Vec::with_capacity(reqs.len());
     let mut ids = Vec::with_capacity(reqs.len());
     for req in reqs {
-        match submit(state, req, "cmpl", key).await {
+        match submit(state, req, prefix, key).await {
             Ok((id, rx)) => {
                 ids.push(id);
                 rxs.push(rx);
@@ -572,23 +558,68 @@ async fn completions_batch(
             }
         }
     }
-    let (mut choices, mut prompt, mut cached, mut completion) = (Vec::with_capacity(rxs.len()), 0u64, 0u64, 0u64);
+    Ok((ids, rxs))
+}
+
+/// The usage of several choices, summed.
+fn summed_usage(all: &[tandem_engine::Usage]) -> Value {
+    let sum = |f: fn(&tandem_engine::Usage) -> u32| all.iter().map(|u| u64::from(f(u))).sum::<u64>();
+    let (prompt, completion) = (sum(|u| u.prompt_tokens), sum(|u| u.completion_tokens));
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": sum(|u| u.cached_tokens)}})
+}
+
+/// One chat completion choice (index 0) of a whole generation: the thinking apart from the
+/// answer, tool calls parsed when tools were offered, the log-probabilities when asked (`top`).
+fn chat_choice(c: &Collected, mut split: Splitter, tools: bool, state: &Arc<State>, top: Option<usize>) -> Value {
+    let (mut reasoning, mut content) = split.push(&c.text);
+    let (r, t) = split.finish();
+    reasoning += &r;
+    content += &t;
+    let calls = if tools {
+        let (text, calls) = crate::tools::parse(&content);
+        content = text;
+        calls
+    } else {
+        Vec::new()
+    };
+    let mut choice = json!({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": null,
+                            "finish_reason": openai::finish_reason(&c.finish)});
+    if !reasoning.is_empty() {
+        choice["message"]["reasoning_content"] = reasoning.into();
+    }
+    if !calls.is_empty() {
+        choice["message"]["tool_calls"] = crate::tools::openai_calls(&calls, &mut || state.new_id("call"), false);
+        if choice["message"]["content"] == "" {
+            choice["message"]["content"] = Value::Null;
+        }
+        choice["finish_reason"] = "tool_calls".into();
+    }
+    if let Some(top) = top {
+        choice["logprobs"] =
+            json!({"content": c.logprobs.iter().map(|p| openai::chat_logprob(p, top)).collect::<Vec<_>>()});
+    }
+    choice
+}
+
+/// `/v1/completions` with several choices: each collected into `choices[index]`, usage summed.
+async fn completions_batch(
+    state: &Arc<State>,
+    reqs: Vec<tandem_engine::Request>,
+    key: Option<KeyIndex>,
+) -> Result<Response, ApiError> {
+    let want_logprobs = reqs[0].logprobs > 0;
+    let (ids, rxs) = submit_all(state, reqs, "cmpl", key).await?;
+    let (mut choices, mut usage) = (Vec::with_capacity(rxs.len()), Vec::with_capacity(rxs.len()));
     for (index, rx) in rxs.into_iter().enumerate() {
         let c = collect(rx).await?;
         let lp = if want_logprobs { completion_logprobs(&c.logprobs, &mut 0) } else { Value::Null };
         choices.push(json!({"index": index, "text": c.text, "logprobs": lp,
                             "finish_reason": openai::finish_reason(&c.finish)}));
-        let u = &c.finish.usage;
-        (prompt, cached, completion) = (
-            prompt + u64::from(u.prompt_tokens),
-            cached + u64::from(u.cached_tokens),
-            completion + u64::from(u.completion_tokens),
-        );
+        usage.push(c.finish.usage);
     }
     Ok(Json(json!({"id": ids[0], "object": "text_completion", "created": now_secs(), "model": model_name(state),
-                   "choices": choices,
-                   "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                             "prompt_tokens_details": {"cached_tokens": cached}}}))
+                   "choices": choices, "usage": summed_usage(&usage)}))
     .into_response())
 }
 

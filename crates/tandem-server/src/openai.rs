@@ -437,9 +437,7 @@ fn common(c: Common, p: Prompt, arrived: Instant, defaults: &SamplingDefaults) -
 }
 
 pub fn chat_request(r: ChatRequest, arrived: Instant, d: &SamplingDefaults) -> Result<Parsed, BadParam> {
-    if let Some(n) = r.common.n.filter(|&n| n != 1) {
-        return Err(BadParam(format!("n = {n}: chat completions take only 1 (/v1/completions takes more)")));
-    }
+    let n = r.common.n.unwrap_or(1) as usize;
     let offered = match &r.tool_choice {
         Some(Value::String(c)) if c == "none" => Vec::new(),
         Some(Value::String(c)) if c != "auto" && c != "required" => {
@@ -552,30 +550,35 @@ pub fn chat_request(r: ChatRequest, arrived: Instant, d: &SamplingDefaults) -> R
     let tools = !offered.is_empty();
     // call markers are control tokens in some vocabularies (Kimi K2's)
     req.special_text = tools;
-    Ok(Parsed { req, tools, stream, include_usage, more: Vec::new() })
+    let more = more_choices(&req, &[], n, stream)?;
+    Ok(Parsed { req, tools, stream, include_usage, more })
 }
 
-pub fn completion_request(r: CompletionRequest, arrived: Instant, d: &SamplingDefaults) -> Result<Parsed, BadParam> {
-    let include_usage = r.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let stream = r.common.stream;
-    let n = r.common.n.unwrap_or(1) as usize;
-    let mut prompts = prompts(r.prompt)?;
-    let choices = prompts.len().saturating_mul(n);
+/// The bytes a prompt holds (4 a token), for [`MAX_CHOICE_BYTES`].
+fn prompt_bytes(p: &Prompt) -> usize {
+    match p {
+        Prompt::Text(t) => t.len(),
+        Prompt::Tokens(ids) => 4 * ids.len(),
+        Prompt::Chat(m) => m.iter().map(|(r, c)| r.len() + c.len()).sum(),
+        Prompt::Messages { messages, tools } => {
+            messages.iter().chain(tools).map(|v| serde_json::to_string(v).map_or(0, |s| s.len())).sum()
+        }
+    }
+}
+
+/// The choices after `req` of a request for `n` choices of `req`'s prompt and of each of
+/// `prompts`: choice i * n + j is prompt i with seed + j, so n > 1 gives n draws and the same
+/// seed the same choices. Each is its own engine request, run side by side on the slots.
+fn more_choices(req: &Request, prompts: &[Prompt], n: usize, stream: bool) -> Result<Vec<Request>, BadParam> {
+    let count = prompts.len() + 1;
+    let choices = count.saturating_mul(n);
     if n == 0 {
         return Err(BadParam("n = 0: must be 1 or more".into()));
     }
     if choices > MAX_CHOICES {
-        return Err(BadParam(format!("{} prompts x n = {n}: at most {MAX_CHOICES} choices a request", prompts.len())));
+        return Err(BadParam(format!("{count} prompt(s) x n = {n}: at most {MAX_CHOICES} choices a request")));
     }
-    let bytes: usize = prompts
-        .iter()
-        .map(|p| match p {
-            Prompt::Text(t) => t.len(),
-            Prompt::Tokens(ids) => 4 * ids.len(),
-            _ => 0,
-        })
-        .sum::<usize>()
-        .saturating_mul(n);
+    let bytes = (prompt_bytes(&req.prompt) + prompts.iter().map(prompt_bytes).sum::<usize>()).saturating_mul(n);
     if bytes > MAX_CHOICE_BYTES {
         return Err(BadParam(format!(
             "prompt: {bytes} bytes of prompts over {choices} choices; at most {MAX_CHOICE_BYTES} a request"
@@ -586,14 +589,9 @@ pub fn completion_request(r: CompletionRequest, arrived: Instant, d: &SamplingDe
             "stream: one prompt and n = 1 only ({choices} choices asked); send a prompt list or n > 1 without stream"
         )));
     }
-    let first = prompts.remove(0);
-    let mut req = common(r.common, first.clone(), arrived, d)?;
-    req.logprobs = r.logprobs.unwrap_or(0);
-    // every choice is its own request, run side by side on the slots: choice i * n + j is prompt
-    // i with seed + j, so n > 1 gives n draws and the same seed the same choices
     let base = req.sampling.seed;
     let mut more = Vec::with_capacity(choices - 1);
-    for (i, p) in std::iter::once(first).chain(prompts).enumerate() {
+    for (i, p) in std::iter::once(&req.prompt).chain(prompts).enumerate() {
         for j in (if i == 0 { 1 } else { 0 })..n {
             let mut c = req.clone();
             c.prompt = p.clone();
@@ -601,6 +599,25 @@ pub fn completion_request(r: CompletionRequest, arrived: Instant, d: &SamplingDe
             more.push(c);
         }
     }
+    Ok(more)
+}
+
+pub fn completion_request(r: CompletionRequest, arrived: Instant, d: &SamplingDefaults) -> Result<Parsed, BadParam> {
+    let include_usage = r.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let stream = r.common.stream;
+    let n = r.common.n.unwrap_or(1) as usize;
+    let mut prompts = prompts(r.prompt)?;
+    if prompts.len().saturating_mul(n) > MAX_CHOICES {
+        // before any copy is made
+        return Err(BadParam(format!(
+            "{} prompt(s) x n = {n}: at most {MAX_CHOICES} choices a request",
+            prompts.len()
+        )));
+    }
+    let first = prompts.remove(0);
+    let mut req = common(r.common, first, arrived, d)?;
+    req.logprobs = r.logprobs.unwrap_or(0);
+    let more = more_choices(&req, &prompts, n, stream)?;
     Ok(Parsed { req, tools: false, stream, include_usage, more })
 }
 
@@ -773,9 +790,16 @@ mod tests {
         ] {
             assert!(cmpl(v.clone()).err().unwrap().0.contains(says), "{v}");
         }
-        let chat = json!({"messages": [{"role": "user", "content": "hi"}], "n": 2});
-        let e = chat_request(serde_json::from_value(chat).unwrap(), Instant::now(), &Default::default());
-        assert!(e.err().unwrap().0.contains("n = 2"));
+        let chat = |v: Value| chat_request(serde_json::from_value(v).unwrap(), Instant::now(), &Default::default());
+        let msgs = json!([{"role": "user", "content": "hi"}]);
+        let p = chat(json!({"messages": msgs, "n": 3, "seed": 5})).ok().unwrap();
+        let seeds: Vec<u64> = std::iter::once(&p.req).chain(&p.more).map(|r| r.sampling.seed).collect();
+        assert_eq!(seeds, vec![5, 6, 7]);
+        assert!(p.more.iter().all(|r| r.prompt == p.req.prompt));
+        let e = chat(json!({"messages": msgs, "n": 2, "stream": true})).err().unwrap().0;
+        assert!(e.contains("stream: one prompt"), "{e}");
+        let big = json!([{"role": "user", "content": "x".repeat(1 << 20)}]);
+        assert!(chat(json!({"messages": big, "n": 100})).err().unwrap().0.contains("bytes of prompts"));
         let r: LlamaCompletionRequest = serde_json::from_value(json!({"prompt": ["a", "b"]})).unwrap();
         assert!(llama_completion_request(r, Instant::now(), &Default::default()).err().unwrap().0.contains("prompt"));
         let many: Vec<String> = (0..17).map(|i| i.to_string()).collect();
