@@ -327,7 +327,7 @@ pub struct LlamaServerFlags {
     /// llama-server's /slots endpoint (ignored: see /metrics for the slots).
     #[arg(long = "slots")]
     pub slots: bool,
-    /// llama-server's /props changes (ignored).
+    /// llama-server's POST /props to change settings (ignored: GET /props answers, POST does not).
     #[arg(long = "props")]
     pub props: bool,
     /// llama-server's context shift off (what tandem does: a full context ends the request).
@@ -364,7 +364,7 @@ impl LlamaServerFlags {
         };
         note(self.no_webui, "--no-webui: tandem serves no web UI".into());
         note(self.slots, "--slots: ignored; tandem has no /slots endpoint (its /metrics counts the slots)".into());
-        note(self.props, "--props: ignored; tandem has no /props endpoint".into());
+        note(self.props, "--props: ignored; GET /props answers, POST /props (changing settings) does not".into());
         note(
             self.no_context_shift,
             "--no-context-shift: what tandem does: a full context ends the request (finish length)".into(),

@@ -443,6 +443,27 @@ async fn a_prompt_list_and_n_give_one_choice_each() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn props_describe_the_slots_context_and_template() {
+    let s = serve(512, EngineConfig { n_parallel: 2, max_tokens: 100, ..EngineConfig::default() }).await;
+    let (status, text) = call(s.addr, "GET", "/props", "").await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let p: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(p["total_slots"], 2, "{p}");
+    assert_eq!(p["default_generation_settings"]["n_ctx"], 512, "{p}");
+    let params = &p["default_generation_settings"]["params"];
+    assert_eq!((params["n_predict"].as_i64(), params["top_k"].as_u64()), (Some(100), Some(40)), "{p}");
+    assert_eq!(params["temperature"].as_f64().map(|t| t as f32), Some(0.8));
+    // the template in use: the model's
+    let model_template = s.t.engine.handle().tokenizer().chat_template().map(str::to_string);
+    assert_eq!(p["chat_template"].as_str().map(str::to_string), model_template, "{p}");
+    let (_, bos) =
+        post_json(s.addr, "/detokenize", json!({"tokens": [s.t.engine.handle().tokenizer().special_ids().bos]})).await;
+    assert_eq!(p["bos_token"], bos["content"], "{p}");
+    let (status, _) = call(s.addr, "POST", "/props", "{}").await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_is_429_a_draining_server_503() {
     let config = EngineConfig { n_parallel: 1, queue_size: 0, ..EngineConfig::default() };
     let s = serve(4096, config).await;

@@ -262,6 +262,11 @@ impl EngineHandle {
         &self.0.info
     }
 
+    /// The Jinja text of the chat template in use (the model's, a flag's or the fallback).
+    pub fn chat_template(&self) -> Option<String> {
+        self.0.template.as_ref().map(ChatTemplate::source)
+    }
+
     pub fn stats(&self) -> &Arc<Stats> {
         &self.0.stats
     }

@@ -49,6 +49,7 @@ pub(crate) fn router(state: Arc<State>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/apply-template", post(apply_template))
         .route("/detokenize", post(detokenize))
+        .route("/props", get(props))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -212,6 +213,38 @@ async fn models(AxState(state): AxState<Arc<State>>) -> Result<Json<Value>, ApiE
             "owned_by": "tandem",
             "meta": {"n_ctx": engine.info().n_ctx, "n_vocab": engine.info().n_vocab},
         }],
+    })))
+}
+
+/// llama-server's `GET /props`: the slots, the context, the sampling a request gets for what it
+/// leaves out, the chat template and the special tokens.
+async fn props(AxState(state): AxState<Arc<State>>) -> Result<Json<Value>, ApiError> {
+    let engine = state.engine()?;
+    let p = &state.sampling().params;
+    let tok = engine.tokenizer();
+    let max = engine.config().max_tokens;
+    Ok(Json(json!({
+        "default_generation_settings": {
+            "n_ctx": engine.info().n_ctx,
+            "params": {
+                "n_predict": if max == 0 { -1 } else { i64::from(max) },
+                "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+                "typical_p": p.typical_p, "top_n_sigma": p.top_n_sigma,
+                "xtc_probability": p.xtc_probability, "xtc_threshold": p.xtc_threshold,
+                "repeat_penalty": p.repeat_penalty,
+                "repeat_last_n": if p.penalty_last_n == usize::MAX { -1 } else { p.penalty_last_n as i64 },
+                "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+                "mirostat": p.mirostat, "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta,
+                "seed": state.sampling().seed.map_or(-1, |s| s as i64),
+            },
+        },
+        "total_slots": engine.config().n_parallel,
+        "model_alias": model_name(&state),
+        "chat_template": engine.chat_template().unwrap_or_default(),
+        "bos_token": tok.bos_text(),
+        "eos_token": tok.eos_text(),
+        "modalities": {"vision": false, "audio": false},
+        "build_info": concat!("tandem ", env!("CARGO_PKG_VERSION")),
     })))
 }
 

@@ -101,6 +101,11 @@ impl ChatTemplate {
         Ok(ChatTemplate { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
     }
 
+    /// The Jinja text it was parsed from.
+    pub fn source(&self) -> String {
+        self.env.get_template(NAME).map(|t| t.source().to_string()).unwrap_or_default()
+    }
+
     /// Renders `messages` (OpenAI-shaped JSON objects); `tools` is passed as the `tools` variable.
     /// The render's budget ([`render_fuel`]) stops a template that loops or grows without end
     /// with an error.
