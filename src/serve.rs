@@ -65,7 +65,7 @@ pub struct ServeArgs {
     /// The model name GetModelInfo reports [default: general.name].
     #[arg(short = 'a', long = "alias", value_name = "NAME")]
     pub alias: Option<String>,
-    /// llama-server's switch for /metrics (ignored: use --metrics-port).
+    /// Serve Prometheus metrics at /metrics of the HTTP API's ports too, as llama-server's --metrics.
     #[arg(long)]
     pub metrics: bool,
     #[command(flatten)]
@@ -258,7 +258,8 @@ fn server_options(args: &ServeArgs) -> anyhow::Result<tandem_server::Options> {
     let params = args.sampling.params(tandem_engine::SamplingParams::default())?;
     let sampling = tandem_server::SamplingDefaults { params, seed: args.sampling.given_seed() };
     log(&sampling_line(&sampling));
-    Ok(tandem_server::Options { api_keys: keys, limits, tls, reasoning_format, sampling })
+    let metrics_on_api = args.metrics;
+    Ok(tandem_server::Options { api_keys: keys, limits, tls, reasoning_format, sampling, metrics_on_api })
 }
 
 /// The sampling a request gets for what it leaves out, as a log line.
@@ -390,9 +391,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     for note in args.engine.notes() {
         log(&format!("note: {note}"));
     }
-    if args.metrics {
-        log("note: --metrics: ignored; give --metrics-port PORT to serve /metrics");
-    }
+
     for note in args.llama_server.notes() {
         log(&format!("note: {note}"));
     }
@@ -412,7 +411,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     log(&format!("gRPC on {} ({tls}health NOT_SERVING until the model is ready)", server.local_addr()));
     let http_addr = server.serve_http(http)?;
     let scheme = if args.ssl_cert_file.is_some() { "https" } else { "http" };
-    log(&format!("HTTP on {scheme}://{http_addr} (OpenAI /v1/chat/completions, /v1/completions, /v1/models; llama-server /completion, /tokenize, /detokenize, /health)"));
+    log(&format!("HTTP on {scheme}://{http_addr} (OpenAI /v1/chat/completions, /v1/completions, /v1/models; llama-server /completion, /tokenize, /detokenize, /props, /health{})", if args.metrics { ", /metrics" } else { "" }));
     if let Some(m) = server.metrics_addr() {
         log(&format!("metrics on {scheme}://{m}/metrics"));
     }

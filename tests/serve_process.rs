@@ -94,8 +94,22 @@ async fn no_model_serves_the_demo_model_from_a_llama_server_command_line() {
     let out = serve_util::generate(&mut client, endless("Hello", 100)).await.unwrap();
     assert_eq!(out.ids.len(), 8);
     assert_eq!(out.finish().length_limit(), pb::LengthLimit::Server);
+    // --metrics: /metrics on the HTTP API's port, as llama-server
+    let http = s.log.iter().find_map(|l| l.split("HTTP on http://").nth(1)).expect("the HTTP line");
+    let metrics = http_get(http.split_whitespace().next().unwrap(), "/metrics").await;
+    assert!(metrics.starts_with("HTTP/1.1 200") && metrics.contains("tandem_requests"), "{metrics}");
     s.signal(libc::SIGINT);
     assert_eq!(s.exit_code(), 0);
+}
+
+/// A GET over HTTP/1.1 with the connection closed after it: the whole response.
+async fn http_get(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    c.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).await.unwrap();
+    let mut out = String::new();
+    c.read_to_string(&mut out).await.unwrap();
+    out
 }
 
 fn smollm2() -> String {

@@ -34,9 +34,13 @@ pub const MAX_BODY_BYTES: usize = 16 << 20;
 /// Most token ids a /detokenize call may send.
 const MAX_DETOKENIZE_IDS: usize = 1 << 20;
 
-/// The API's routes, behind [`guard`].
+/// The API's routes, behind [`guard`]; `/metrics` too with `--metrics`.
 pub(crate) fn router(state: Arc<State>) -> Router {
-    Router::new()
+    let routes = match state.metrics_on_api() {
+        true => Router::new().route("/metrics", get(crate::metrics::metrics)),
+        false => Router::new(),
+    };
+    routes
         .route("/health", get(health))
         .route("/v1/health", get(health))
         .route("/v1/models", get(models))

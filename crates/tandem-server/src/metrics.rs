@@ -135,16 +135,22 @@ fn device_ledgers(o: &mut String, devices: &[(String, tandem_engine::Counts)]) {
     each(o, "tandem_device_host_syncs_total", "Times the host waited for a device.", &|c| c.syncs);
 }
 
-/// `/metrics` (behind the API key, when keys are set).
-pub(crate) fn router(state: Arc<State>) -> axum::Router {
+/// `GET /metrics` (behind the API key, when keys are set).
+pub(crate) async fn metrics(
+    axum::extract::State(state): axum::extract::State<Arc<State>>,
+    headers: axum::http::HeaderMap,
+) -> axum::response::Response {
     use axum::http::{header, StatusCode};
     use axum::response::IntoResponse;
-    let metrics = |axum::extract::State(state): axum::extract::State<Arc<State>>, headers: header::HeaderMap| async move {
-        match state.authorize(headers.get(header::AUTHORIZATION).map(|v| v.as_bytes())) {
-            Ok(_) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], render(&state)).into_response(),
-            Err(msg) => (StatusCode::UNAUTHORIZED, format!("{msg}\n")).into_response(),
-        }
-    };
+    match state.authorize(headers.get(header::AUTHORIZATION).map(|v| v.as_bytes())) {
+        Ok(_) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], render(&state)).into_response(),
+        Err(msg) => (StatusCode::UNAUTHORIZED, format!("{msg}\n")).into_response(),
+    }
+}
+
+/// The metrics port's routes: `/metrics`.
+pub(crate) fn router(state: Arc<State>) -> axum::Router {
+    use axum::http::StatusCode;
     axum::Router::new()
         .route("/metrics", axum::routing::get(metrics))
         .fallback(|| async { (StatusCode::NOT_FOUND, "not found: metrics are at /metrics\n") })

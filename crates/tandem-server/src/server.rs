@@ -70,6 +70,8 @@ pub struct Options {
     pub reasoning_format: crate::reasoning::ReasoningFormat,
     /// What a request gets for a sampling parameter it leaves out.
     pub sampling: SamplingDefaults,
+    /// `--metrics` (llama-server's): `GET /metrics` on the HTTP API's ports too.
+    pub metrics_on_api: bool,
 }
 
 /// What a request gets for a sampling parameter it leaves out: llama.cpp's defaults, or the

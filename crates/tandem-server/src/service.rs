@@ -45,6 +45,7 @@ pub struct State {
     conn_stats: OnceLock<crate::ServerStats>,
     reasoning: crate::reasoning::ReasoningFormat,
     sampling: crate::SamplingDefaults,
+    metrics_on_api: bool,
 }
 
 /// The API key a call was made with: its index in `--api-key`s (requests' extension).
@@ -63,7 +64,13 @@ impl State {
             conn_stats: OnceLock::new(),
             reasoning: options.reasoning_format,
             sampling: options.sampling.clone(),
+            metrics_on_api: options.metrics_on_api,
         }
+    }
+
+    /// `GET /metrics` is served on the HTTP API's ports too (`--metrics`).
+    pub(crate) fn metrics_on_api(&self) -> bool {
+        self.metrics_on_api
     }
 
     /// What a request gets for a sampling parameter it leaves out.
