@@ -225,7 +225,7 @@ impl Sampler {
         // and no draw picks them)
         let mut cand: Vec<(u32, f32)> =
             logits.iter().enumerate().filter(|c| *c.1 > f32::NEG_INFINITY).map(|(i, &l)| (i as u32, l)).collect();
-        let p = self.params.clone();
+        let p = &self.params;
         if p.mirostat != 0 {
             cand.sort_unstable_by(by_logit);
             return Ok(cand);
@@ -260,10 +260,10 @@ impl Sampler {
             let keep = cand.iter().take_while(|c| c.1 >= threshold).count();
             cand.truncate(keep.max(1));
         }
-        if self.xtc_on() && cand.len() >= 2 && self.uniform() as f32 <= p.xtc_probability {
+        if self.xtc_on() && cand.len() >= 2 && self.uniform() as f32 <= self.params.xtc_probability {
             // every token at least as likely as the threshold but the last of them goes
             let probs = softmax_f32(&cand);
-            let last = probs.iter().take_while(|&&q| q >= p.xtc_threshold).count().saturating_sub(1);
+            let last = probs.iter().take_while(|&&q| q >= self.params.xtc_threshold).count().saturating_sub(1);
             cand.drain(..last);
         }
         Ok(cand)

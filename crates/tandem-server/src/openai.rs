@@ -237,7 +237,7 @@ pub struct Parsed {
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk carries the usage.
     pub include_usage: bool,
-    /// The other choices of a `/v1/completions` request with a prompt list or `n` > 1, in
+    /// The other choices of a request with `n` > 1 or (`/v1/completions`) a prompt list, in
     /// choice order after `req` (never with `stream`).
     pub more: Vec<Request>,
 }
@@ -607,13 +607,6 @@ pub fn completion_request(r: CompletionRequest, arrived: Instant, d: &SamplingDe
     let stream = r.common.stream;
     let n = r.common.n.unwrap_or(1) as usize;
     let mut prompts = prompts(r.prompt)?;
-    if prompts.len().saturating_mul(n) > MAX_CHOICES {
-        // before any copy is made
-        return Err(BadParam(format!(
-            "{} prompt(s) x n = {n}: at most {MAX_CHOICES} choices a request",
-            prompts.len()
-        )));
-    }
     let first = prompts.remove(0);
     let mut req = common(r.common, first, arrived, d)?;
     req.logprobs = r.logprobs.unwrap_or(0);
