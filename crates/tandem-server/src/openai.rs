@@ -67,15 +67,14 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// The fields `/v1/chat/completions` and `/v1/completions` share (others are ignored).
+/// The sampling and output fields of every completion route: OpenAI's and llama-server's
+/// extensions, which llama-server accepts on the OpenAI routes too.
 #[derive(Deserialize, Debug, Default)]
-pub struct Common {
-    pub max_tokens: Option<u32>,
-    pub max_completion_tokens: Option<u32>,
+pub struct Sampling {
     pub temperature: Option<f32>,
+    /// llama-server: 0 or less keeps every token.
+    pub top_k: Option<i64>,
     pub top_p: Option<f32>,
-    /// llama-server's extensions, accepted on the OpenAI routes too.
-    pub top_k: Option<u32>,
     pub min_p: Option<f32>,
     pub repeat_penalty: Option<f32>,
     pub repeat_last_n: Option<i64>,
@@ -87,10 +86,6 @@ pub struct Common {
     pub more: MoreSamplers,
     pub stop: Option<Stop>,
     pub seed: Option<i64>,
-    pub n: Option<u32>,
-    #[serde(default)]
-    pub stream: bool,
-    pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub ignore_eos: bool,
     /// OpenAI's structured output: `{"type": "text" | "json_object" | "json_schema", "json_schema":
@@ -99,6 +94,19 @@ pub struct Common {
     /// llama-server's extensions: a JSON schema, a GBNF grammar.
     pub json_schema: Option<Value>,
     pub grammar: Option<String>,
+}
+
+/// The fields `/v1/chat/completions` and `/v1/completions` share (others are ignored).
+#[derive(Deserialize, Debug, Default)]
+pub struct Common {
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
 }
 
 /// The output constraint of OpenAI's `response_format` or llama-server's `json_schema` / `grammar`.
@@ -181,29 +189,13 @@ pub struct CompletionRequest {
 pub struct LlamaCompletionRequest {
     pub prompt: PromptField,
     pub n_predict: Option<i64>,
-    pub temperature: Option<f32>,
-    pub top_k: Option<i64>,
-    pub top_p: Option<f32>,
-    pub min_p: Option<f32>,
-    pub repeat_penalty: Option<f32>,
-    pub repeat_last_n: Option<i64>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub logit_bias: Option<Value>,
-    #[serde(flatten)]
-    pub more: MoreSamplers,
-    pub stop: Option<Stop>,
-    pub seed: Option<i64>,
     #[serde(default)]
     pub stream: bool,
     /// Always on in tandem: the prompt cache is per slot (accepted for compatibility).
     pub cache_prompt: Option<bool>,
     pub n_probs: Option<u32>,
-    #[serde(default)]
-    pub ignore_eos: bool,
-    pub json_schema: Option<Value>,
-    pub grammar: Option<String>,
-    pub response_format: Option<Value>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
 }
 
 #[derive(Deserialize, Debug)]
@@ -411,28 +403,34 @@ fn logit_bias(given: Option<Value>, req: &mut Request) -> Result<(), BadParam> {
     Ok(())
 }
 
-fn common(c: Common, p: Prompt, arrived: Instant, defaults: &SamplingDefaults) -> Result<Request, BadParam> {
+/// A request for `p` sampled as `s` asks, the server's flags filling what it leaves out.
+fn sampled(s: Sampling, p: Prompt, arrived: Instant, defaults: &SamplingDefaults) -> Result<Request, BadParam> {
     let d = defaults.params.clone();
     let mut req = Request::new(p);
     req.arrived = arrived;
     req.sampling = SamplingParams {
-        temperature: c.temperature.unwrap_or(d.temperature),
-        top_k: c.top_k.map_or(d.top_k, |k| k as usize),
-        top_p: c.top_p.unwrap_or(d.top_p),
-        min_p: c.min_p.unwrap_or(d.min_p),
-        repeat_penalty: c.repeat_penalty.unwrap_or(d.repeat_penalty),
-        presence_penalty: c.presence_penalty.unwrap_or(d.presence_penalty),
-        frequency_penalty: c.frequency_penalty.unwrap_or(d.frequency_penalty),
-        penalty_last_n: penalty_last_n(c.repeat_last_n, d.penalty_last_n)?,
-        seed: seed(c.seed, defaults),
+        temperature: s.temperature.unwrap_or(d.temperature),
+        top_k: s.top_k.map_or(d.top_k, |k| usize::try_from(k.max(0)).unwrap_or(usize::MAX)),
+        top_p: s.top_p.unwrap_or(d.top_p),
+        min_p: s.min_p.unwrap_or(d.min_p),
+        repeat_penalty: s.repeat_penalty.unwrap_or(d.repeat_penalty),
+        presence_penalty: s.presence_penalty.unwrap_or(d.presence_penalty),
+        frequency_penalty: s.frequency_penalty.unwrap_or(d.frequency_penalty),
+        penalty_last_n: penalty_last_n(s.repeat_last_n, d.penalty_last_n)?,
+        seed: seed(s.seed, defaults),
         ..d
     };
-    c.more.apply(&mut req.sampling)?;
-    logit_bias(c.logit_bias, &mut req)?;
+    s.more.apply(&mut req.sampling)?;
+    logit_bias(s.logit_bias, &mut req)?;
+    req.stop = stops(s.stop)?;
+    req.ignore_eos = s.ignore_eos;
+    req.constraint = constraint(s.response_format, s.json_schema, s.grammar)?;
+    Ok(req)
+}
+
+fn common(c: Common, p: Prompt, arrived: Instant, defaults: &SamplingDefaults) -> Result<Request, BadParam> {
+    let mut req = sampled(c.sampling, p, arrived, defaults)?;
     req.max_tokens = c.max_completion_tokens.or(c.max_tokens).unwrap_or(0);
-    req.stop = stops(c.stop)?;
-    req.ignore_eos = c.ignore_eos;
-    req.constraint = constraint(c.response_format, c.json_schema, c.grammar)?;
     Ok(req)
 }
 
@@ -619,24 +617,7 @@ pub fn llama_completion_request(
     arrived: Instant,
     defaults: &SamplingDefaults,
 ) -> Result<Request, BadParam> {
-    let d = defaults.params.clone();
-    let mut req = Request::new(prompt(r.prompt)?);
-    req.arrived = arrived;
-    req.sampling = SamplingParams {
-        temperature: r.temperature.unwrap_or(d.temperature),
-        // llama-server: top_k <= 0 keeps every token
-        top_k: r.top_k.map_or(d.top_k, |k| k.max(0) as usize),
-        top_p: r.top_p.unwrap_or(d.top_p),
-        min_p: r.min_p.unwrap_or(d.min_p),
-        repeat_penalty: r.repeat_penalty.unwrap_or(d.repeat_penalty),
-        presence_penalty: r.presence_penalty.unwrap_or(d.presence_penalty),
-        frequency_penalty: r.frequency_penalty.unwrap_or(d.frequency_penalty),
-        penalty_last_n: penalty_last_n(r.repeat_last_n, d.penalty_last_n)?,
-        seed: seed(r.seed, defaults),
-        ..d
-    };
-    r.more.apply(&mut req.sampling)?;
-    logit_bias(r.logit_bias, &mut req)?;
+    let mut req = sampled(r.sampling, prompt(r.prompt)?, arrived, defaults)?;
     // n_predict -1 = until the server's cap or the context (llama-server); other negatives are
     // mistakes, not "unlimited"
     req.max_tokens = match r.n_predict {
@@ -649,10 +630,7 @@ pub fn llama_completion_request(
         }
         Some(n) => n.min(u32::MAX as i64) as u32,
     };
-    req.stop = stops(r.stop)?;
     req.logprobs = r.n_probs.unwrap_or(0);
-    req.ignore_eos = r.ignore_eos;
-    req.constraint = constraint(r.response_format, r.json_schema, r.grammar)?;
     let _ = r.cache_prompt;
     Ok(req)
 }
@@ -751,12 +729,15 @@ mod tests {
         let r: ChatRequest = serde_json::from_str(
             r#"{"model":"x","messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],
                 "max_tokens":7,"temperature":0,"stop":"END","seed":3,"stream":true,
-                "stream_options":{"include_usage":true},"logprobs":true,"top_logprobs":2}"#,
+                "stream_options":{"include_usage":true},"logprobs":true,"top_logprobs":2,
+                "top_k":-1,"ignore_eos":true,"grammar":"root ::= \"a\""}"#,
         )
         .unwrap();
         let Parsed { req, stream, include_usage, .. } =
             chat_request(r, Instant::now(), &Default::default()).ok().unwrap();
         assert!(stream && include_usage);
+        // llama-server's extensions on the OpenAI route: top_k -1 keeps every token
+        assert!(req.ignore_eos && req.constraint.is_some() && req.sampling.top_k == 0);
         assert_eq!(req.prompt, Prompt::Chat(vec![("user".into(), "hi".into())]));
         assert_eq!((req.max_tokens, req.sampling.temperature, req.sampling.seed, req.logprobs), (7, 0.0, 3, 2));
         assert_eq!(req.stop, ["END"]);
