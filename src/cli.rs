@@ -149,6 +149,11 @@ pub struct LoadArgs {
     /// may take (MemAvailable, or a container's memory limit).
     #[arg(long = "read-ahead", value_name = "WHEN", value_enum, default_value_t = crate::load::ReadAhead::Auto)]
     pub read_ahead: crate::load::ReadAhead,
+    /// Change the model's metadata before it is read, as llama.cpp: KEY=TYPE:VALUE with TYPE
+    /// int, float, bool or str (e.g. deepseek2.expert_used_count=int:6); repeat the flag or
+    /// separate with commas. The model's checks apply to the values as to the file's.
+    #[arg(long = "override-kv", value_name = "KEY=TYPE:VALUE,...", value_delimiter = ',')]
+    pub override_kv: Vec<String>,
 }
 
 impl LoadArgs {
@@ -159,6 +164,12 @@ impl LoadArgs {
 
     pub fn load_options(&self) -> tandem_gguf::LoadOptions {
         tandem_gguf::LoadOptions { mmap: !self.no_mmap, mlock: self.mlock }
+    }
+
+    /// `--override-kv`'s keys and values; a malformed one is an error naming the flag.
+    pub fn overrides(&self) -> anyhow::Result<Vec<(String, tandem_gguf::Value)>> {
+        let parse = |s: &String| tandem_gguf::parse_kv_override(s).map_err(|e| anyhow::anyhow!("--override-kv {e}"));
+        self.override_kv.iter().map(parse).collect()
     }
 }
 

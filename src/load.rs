@@ -7,7 +7,7 @@
 use crate::cli::{ModelArgs, PlacementArgs, RuntimeArgs};
 use anyhow::{bail, Context as _};
 use std::collections::{BTreeSet, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tandem_gguf::{GgufModel, LoadOptions};
 use tandem_model::{CacheType, Context, ContextParams, Exec, MlaMode, Model};
@@ -58,6 +58,8 @@ pub struct LoadSpec {
     pub wants_gpu: bool,
     /// Show a progress bar while repacking.
     pub progress: bool,
+    /// Metadata values that replace the file's (`--override-kv`).
+    pub overrides: Vec<(String, tandem_gguf::Value)>,
 }
 
 impl LoadSpec {
@@ -92,6 +94,7 @@ impl LoadSpec {
             plan,
             wants_gpu: wants_gpu(placement),
             progress: false,
+            overrides: model.load.overrides()?,
         })
     }
 
@@ -100,7 +103,7 @@ impl LoadSpec {
         let (gguf, name) = match &self.path {
             Some(p) => {
                 let opts = LoadOptions { mmap: self.mmap, mlock: self.mlock };
-                (GgufModel::open(p, opts)?, p.display().to_string())
+                (open_gguf(p, opts, &self.overrides)?, p.display().to_string())
             }
             None => (tandem_model::demo::demo_model()?, "the demo model".to_string()),
         };
@@ -112,6 +115,22 @@ impl LoadSpec {
         }
         Ok(Opened { spec: self.clone(), name, model: Arc::new(model), n_ctx })
     }
+}
+
+/// The model's files opened, `overrides` set in its metadata (each said on stderr, as llama.cpp
+/// says them).
+pub fn open_gguf(
+    path: &Path,
+    opts: LoadOptions,
+    overrides: &[(String, tandem_gguf::Value)],
+) -> anyhow::Result<GgufModel> {
+    let mut gguf = GgufModel::open(path, opts)?;
+    for (key, value) in overrides {
+        let was = gguf.metadata().get(key).map_or("absent".to_string(), |v| format!("{} {v}", v.type_description()));
+        tracing::info!("metadata override: {key} = {} {value} (the file: {was})", value.type_description());
+        gguf.metadata_mut().set(key, value.clone());
+    }
+    Ok(gguf)
 }
 
 /// A model bound to its files, ready for executors.

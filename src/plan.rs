@@ -10,7 +10,7 @@ use crate::load::{mla_cache_budget, mla_cache_line, mla_rows_bytes, repacking, r
 use anyhow::Context as _;
 use clap::Args;
 use std::io::Write;
-use tandem_gguf::{GgufModel, LoadOptions};
+use tandem_gguf::LoadOptions;
 use tandem_plan::ModelInfo;
 
 #[derive(Args, Debug, Clone)]
@@ -70,7 +70,7 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     let path = args.model.path();
     // Headers only: always mapped, never read whole and never locked; --no-mmap and --mlock
     // change the estimate, not how the plan reads the file.
-    let gguf = GgufModel::open(path, LoadOptions { mmap: true, mlock: false })?;
+    let gguf = crate::load::open_gguf(path, LoadOptions { mmap: true, mlock: false }, &args.model.load.overrides()?)?;
     let model = ModelInfo::from_gguf(&gguf, &path.display().to_string())?;
     let req = request(&args.engine.placement, &args.model, &args.engine.runtime)?;
     let plan = tandem_plan::plan(&model, &req)?;

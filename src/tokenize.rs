@@ -7,7 +7,6 @@ use clap::Args;
 use serde::Serialize;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use tandem_gguf::GgufModel;
 use tandem_tokenizer::Tokenizer;
 
 #[derive(Args, Debug, Clone)]
@@ -78,7 +77,8 @@ struct Output<'a> {
 
 pub fn run(args: &TokenizeArgs) -> anyhow::Result<()> {
     let text = input_text(&args.text, &args.file, "text")?;
-    let gguf = GgufModel::open(args.model.path(), args.model.load.load_options())?;
+    let gguf =
+        crate::load::open_gguf(args.model.path(), args.model.load.load_options(), &args.model.load.overrides()?)?;
     let tok = Tokenizer::from_gguf(&gguf)?;
     let ids = tok.encode(&text, !args.no_bos, args.parse_special)?;
     let pieces = ids.iter().map(|&id| tok.token_to_piece(id, true).map(show_piece)).collect::<Result<Vec<_>, _>>()?;

@@ -233,6 +233,10 @@ impl GgufFile {
         &self.metadata
     }
 
+    pub(crate) fn metadata_mut(&mut self) -> &mut Metadata {
+        &mut self.metadata
+    }
+
     /// Tensor infos in file order.
     pub fn tensors(&self) -> &[TensorInfo] {
         &self.tensors

@@ -24,7 +24,7 @@ mod writer;
 pub use error::{Error, Result};
 pub use file::{GgufFile, LoadOptions};
 pub use ggml_type::{GgmlType, QK_K};
-pub use metadata::Metadata;
+pub use metadata::{parse_kv_override, Metadata};
 pub use model::{
     parse_split_name, split_path, GgufModel, TensorRef, KEY_SPLIT_COUNT, KEY_SPLIT_NO, KEY_SPLIT_TENSORS_COUNT,
 };

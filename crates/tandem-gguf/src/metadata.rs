@@ -51,6 +51,35 @@ macro_rules! array_getter {
     };
 }
 
+/// llama.cpp's `--override-kv KEY=TYPE:VALUE`: TYPE is `int` (an i64), `float` (an f64),
+/// `bool` (`true` or `false`) or `str`; the key and a string are at most 127 bytes, as llama.cpp
+/// has them. The error says what is wrong with `spec`.
+pub fn parse_kv_override(spec: &str) -> std::result::Result<(String, Value), String> {
+    const MAX: usize = 127;
+    let bad = |why: &str| format!("'{spec}': {why} (KEY=TYPE:VALUE, TYPE one of int, float, bool, str)");
+    let (key, typed) = spec.split_once('=').ok_or_else(|| bad("no '='"))?;
+    if key.is_empty() || key.len() > MAX {
+        return Err(bad("the key must be 1 to 127 bytes"));
+    }
+    let (ty, text) = typed.split_once(':').ok_or_else(|| bad("no ':' after the type"))?;
+    let value = match ty {
+        "int" => Value::I64(text.trim().parse().map_err(|_| bad(&format!("'{text}' is not an integer")))?),
+        "float" => match text.trim().parse::<f64>() {
+            Ok(x) if x.is_finite() => Value::F64(x),
+            _ => return Err(bad(&format!("'{text}' is not a finite number"))),
+        },
+        "bool" => match text {
+            "true" => Value::Bool(true),
+            "false" => Value::Bool(false),
+            _ => return Err(bad(&format!("'{text}' is not true or false"))),
+        },
+        "str" if text.len() > MAX => return Err(bad("a string of at most 127 bytes")),
+        "str" => Value::String(text.to_string()),
+        _ => return Err(bad(&format!("unknown type '{ty}'"))),
+    };
+    Ok((key.to_string(), value))
+}
+
 impl Metadata {
     pub(crate) fn new(path: String, entries: Vec<(String, Value)>) -> Metadata {
         let index = entries.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)).collect();
@@ -81,6 +110,18 @@ impl Metadata {
 
     pub fn contains(&self, key: &str) -> bool {
         self.index.contains_key(key)
+    }
+
+    /// Sets `key` to `value`, replacing the file's value or adding the key (llama.cpp's
+    /// `--override-kv`); whatever reads the metadata checks it as it checks the file's.
+    pub fn set(&mut self, key: &str, value: Value) {
+        match self.index.get(key) {
+            Some(&i) => self.entries[i].1 = value,
+            None => {
+                self.index.insert(key.to_string(), self.entries.len());
+                self.entries.push((key.to_string(), value));
+            }
+        }
     }
 
     fn missing(&self, key: &str) -> Error {
@@ -139,5 +180,45 @@ impl Metadata {
         (0..a.len())
             .map(|i| a.get(i).and_then(|e| e.as_i128()).and_then(|e| u32::try_from(e).ok()).ok_or_else(bad))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overrides_parse_as_llama_cpp_writes_them() {
+        let ok = |s: &str| parse_kv_override(s).unwrap();
+        assert_eq!(ok("deepseek2.expert_used_count=int:6"), ("deepseek2.expert_used_count".into(), Value::I64(6)));
+        assert_eq!(ok("a.b=float:-0.5").1, Value::F64(-0.5));
+        assert_eq!(ok("tokenizer.ggml.add_bos_token=bool:false").1, Value::Bool(false));
+        assert_eq!(ok("general.name=str:a=b:c").1, Value::String("a=b:c".into()));
+        for (bad, says) in [
+            ("novalue", "no '='"),
+            ("=int:1", "1 to 127 bytes"),
+            ("k=6", "no ':'"),
+            ("k=int:six", "not an integer"),
+            ("k=int:99999999999999999999", "not an integer"),
+            ("k=float:nan", "finite"),
+            ("k=bool:1", "true or false"),
+            ("k=u32:1", "unknown type 'u32'"),
+        ] {
+            let e = parse_kv_override(bad).unwrap_err();
+            assert!(e.contains(says) && e.contains(bad), "{bad}: {e}");
+        }
+        assert!(parse_kv_override(&format!("k=str:{}", "x".repeat(128))).is_err());
+        assert!(parse_kv_override(&format!("{}=int:1", "k".repeat(128))).is_err());
+    }
+
+    #[test]
+    fn a_set_value_replaces_or_adds_and_is_read_as_the_files() {
+        let mut m = Metadata::new("f.gguf".into(), vec![("n".into(), Value::U32(8)), ("s".into(), Value::Bool(true))]);
+        m.set("n", Value::I64(6));
+        m.set("new", Value::F64(0.25));
+        assert_eq!((m.get_u32("n").unwrap(), m.get_f32("new").unwrap(), m.len()), (6, 0.25, 3));
+        m.set("n", Value::I64(-1));
+        assert!(m.get_u32("n").unwrap_err().to_string().contains("'n': expected u32, found i64 -1"));
+        assert_eq!(m.entries()[0].0, "n");
     }
 }

@@ -166,6 +166,12 @@ impl GgufModel {
         self.shards[0].metadata()
     }
 
+    /// The model's metadata to change before it is read (llama.cpp's `--override-kv`, see
+    /// [`Metadata::set`]).
+    pub fn metadata_mut(&mut self) -> &mut Metadata {
+        self.shards[0].metadata_mut()
+    }
+
     /// Number of tensors across all shards.
     pub fn tensor_count(&self) -> usize {
         self.order.len()
