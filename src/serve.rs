@@ -68,6 +68,12 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics at /metrics of the HTTP API's ports too, as llama-server's --metrics.
     #[arg(long)]
     pub metrics: bool,
+    /// Serve GET /slots, each slot's state (the default, as llama-server's).
+    #[arg(long = "slots", overrides_with = "no_slots")]
+    pub slots: bool,
+    /// GET /slots answers 501 (llama-server's --no-slots).
+    #[arg(long = "no-slots", overrides_with = "slots")]
+    pub no_slots: bool,
     #[command(flatten)]
     pub llama_server: LlamaServerFlags,
     /// What requests get for the sampling parameters they leave out (llama-server's flags).
@@ -259,7 +265,8 @@ fn server_options(args: &ServeArgs) -> anyhow::Result<tandem_server::Options> {
     let sampling = tandem_server::SamplingDefaults { params, seed: args.sampling.given_seed() };
     log(&sampling_line(&sampling));
     let metrics_on_api = args.metrics;
-    Ok(tandem_server::Options { api_keys: keys, limits, tls, reasoning_format, sampling, metrics_on_api })
+    let no_slots = args.no_slots;
+    Ok(tandem_server::Options { api_keys: keys, limits, tls, reasoning_format, sampling, metrics_on_api, no_slots })
 }
 
 /// The sampling a request gets for what it leaves out, as a log line.
@@ -325,9 +332,6 @@ pub struct LlamaServerFlags {
     /// llama-server's web UI switch (ignored: tandem serves no web UI).
     #[arg(long = "no-webui")]
     pub no_webui: bool,
-    /// llama-server's /slots endpoint (ignored: see /metrics for the slots).
-    #[arg(long = "slots")]
-    pub slots: bool,
     /// llama-server's POST /props to change settings (ignored: GET /props answers, POST does not).
     #[arg(long = "props")]
     pub props: bool,
@@ -364,7 +368,6 @@ impl LlamaServerFlags {
             }
         };
         note(self.no_webui, "--no-webui: tandem serves no web UI".into());
-        note(self.slots, "--slots: ignored; tandem has no /slots endpoint (its /metrics counts the slots)".into());
         note(self.props, "--props: ignored; GET /props answers, POST /props (changing settings) does not".into());
         note(
             self.no_context_shift,

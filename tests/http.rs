@@ -463,6 +463,49 @@ async fn props_describe_the_slots_context_and_template() {
     assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
 }
 
+/// llama-server's `GET /slots`: each slot idle or at work (its request, sampling and counts),
+/// `fail_on_no_slot` answering 503 when all are busy, and 501 with `--no-slots`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slots_show_each_slot_at_work() {
+    let s = serve(2048, EngineConfig { n_parallel: 2, queue_size: 4, ..EngineConfig::default() }).await;
+    let slots = || async {
+        let (status, text) = call(s.addr, "GET", "/slots", "").await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        serde_json::from_str::<Value>(&text).unwrap()
+    };
+    let idle = slots().await;
+    assert_eq!(idle.as_array().map(Vec::len), Some(2), "{idle}");
+    for (i, slot) in idle.as_array().unwrap().iter().enumerate() {
+        assert_eq!((slot["id"].as_u64(), slot["n_ctx"].as_u64()), (Some(i as u64), Some(2048)), "{slot}");
+        assert_eq!((slot["is_processing"].as_bool(), slot["id_task"].as_i64()), (Some(false), Some(-1)), "{slot}");
+    }
+    let endless =
+        |prompt: &str| json!({"prompt": prompt, "ignore_eos": true, "temperature": 0, "top_k": 7, "stream": true});
+    let mut first = first_frame(s.addr, "/completion", endless(PROMPTS[1])).await;
+    first.frame().await.unwrap().unwrap();
+    let (status, _) = call(s.addr, "GET", "/slots?fail_on_no_slot=1", "").await;
+    assert_eq!(status, StatusCode::OK, "one slot is free");
+    let one = slots().await;
+    let busy: Vec<&Value> = one.as_array().unwrap().iter().filter(|v| v["is_processing"] == true).collect();
+    assert_eq!(busy.len(), 1, "{one}");
+    let b = busy[0];
+    assert!(b["id_task"].as_str().is_some_and(|id| !id.is_empty()), "{b}");
+    assert_eq!((b["params"]["temperature"].as_f64(), b["params"]["top_k"].as_u64()), (Some(0.0), Some(7)), "{b}");
+    assert_eq!(b["next_token"]["n_remain"], -1, "no limit but the context: {b}");
+    assert!(b["next_token"]["n_decoded"].as_u64().is_some_and(|n| n >= 1), "{b}");
+    assert!(b["n_prompt_tokens"].as_u64().is_some_and(|n| n > 1) && b["n_cached_tokens"].as_u64() > Some(0), "{b}");
+    let second = first_frame(s.addr, "/completion", endless(PROMPTS[2])).await;
+    let (status, text) = call(s.addr, "GET", "/slots?fail_on_no_slot=1", "").await;
+    assert_error(status, &serde_json::from_str(&text).unwrap(), StatusCode::SERVICE_UNAVAILABLE, "no slot available");
+    drop((first, second));
+
+    let options = tandem_server::Options { no_slots: true, ..Default::default() };
+    let mut t = serve_util::start_with("llama-tiny.gguf", 256, EngineConfig::default(), options).await;
+    let addr = t.server.serve_http(TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap();
+    let (status, text) = call(addr, "GET", "/slots", "").await;
+    assert_error(status, &serde_json::from_str(&text).unwrap(), StatusCode::NOT_IMPLEMENTED, "does not support slots");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_is_429_a_draining_server_503() {
     let config = EngineConfig { n_parallel: 1, queue_size: 0, ..EngineConfig::default() };

@@ -62,6 +62,7 @@ async fn no_model_serves_the_demo_model_from_a_llama_server_command_line() {
         "-fa",
         "on",
         "--metrics",
+        "--slots",
         "-a",
         "demo",
         "-ctk",
@@ -72,7 +73,6 @@ async fn no_model_serves_the_demo_model_from_a_llama_server_command_line() {
         "1",
         // flags of llama-server deployments tandem has no use for: a note each
         "--no-webui",
-        "--slots",
         "-kvu",
         "--cache-reuse",
         "256",
@@ -83,7 +83,7 @@ async fn no_model_serves_the_demo_model_from_a_llama_server_command_line() {
         "4",
     ]);
     assert!(s.log.iter().any(|l| l.contains("built-in demo model") && l.contains("not meaningful")), "{:?}", s.log);
-    for flag in ["--no-webui", "--slots", "-kvu", "--cache-reuse 256", "--no-context-shift", "--threads-http"] {
+    for flag in ["--no-webui", "-kvu", "--cache-reuse 256", "--no-context-shift", "--threads-http"] {
         assert!(s.log.iter().any(|l| l.contains(&format!("note: {flag}"))), "{flag}: {:?}", s.log);
     }
     let mut client = s.client().await;
@@ -98,6 +98,8 @@ async fn no_model_serves_the_demo_model_from_a_llama_server_command_line() {
     let http = s.log.iter().find_map(|l| l.split("HTTP on http://").nth(1)).expect("the HTTP line");
     let metrics = http_get(http.split_whitespace().next().unwrap(), "/metrics").await;
     assert!(metrics.starts_with("HTTP/1.1 200") && metrics.contains("tandem_requests"), "{metrics}");
+    let slots = http_get(http.split_whitespace().next().unwrap(), "/slots").await;
+    assert!(slots.starts_with("HTTP/1.1 200") && slots.contains(r#""is_processing":false"#), "{slots}");
     s.signal(libc::SIGINT);
     assert_eq!(s.exit_code(), 0);
 }

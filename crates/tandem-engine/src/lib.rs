@@ -19,7 +19,7 @@ pub use request::{
     Usage,
 };
 pub use sampling::{argmax, Sampler, SamplingParams, StopMatcher, StopOutput};
-pub use stats::Stats;
+pub use stats::{SlotView, Stats};
 pub use tandem_model::Counts;
 pub use tandem_tokenizer::TemplateSource;
 

@@ -4,7 +4,7 @@
 //! one chunk. Between steps it takes new requests, aborts, disconnects and deadlines.
 
 use crate::handle::Shared;
-use crate::request::{Failure, FinishReason};
+use crate::request::{Failure, FinishReason, LengthLimit};
 use crate::slot::{end_queued, Active, End, Job, Next};
 use std::collections::VecDeque;
 use std::sync::mpsc::Receiver;
@@ -299,6 +299,26 @@ impl Scheduler {
         s.waiting.set(self.queue.len() as u64);
         let used: usize = self.slots.iter().map(|s| self.ctx.seq_len(s.seq)).sum::<usize>();
         s.kv_used_tokens.set((used + self.ctx.seq_len(self.sys_seq)) as u64);
+        let mut views = s.slots.lock().unwrap_or_else(|e| e.into_inner());
+        views.resize_with(self.slots.len(), Default::default);
+        for (v, slot) in views.iter_mut().zip(&self.slots) {
+            v.n_cached = slot.cache.len();
+            let Some(a) = &slot.active else {
+                v.request = None;
+                continue;
+            };
+            // what a request keeps is copied once, when it arrives in the slot
+            if v.request.as_deref() != Some(a.job.id.as_str()) {
+                v.request = Some(a.job.id.clone());
+                v.sampling = Some(a.job.req.sampling.clone());
+                v.stop.clone_from(&a.job.req.stop);
+            }
+            v.n_prompt_tokens = a.job.tokens.len();
+            v.n_prompt_cached = a.cached;
+            v.n_prompt_processed = a.prefilled;
+            v.n_decoded = a.generated;
+            v.n_remain = (a.limit.1 != LengthLimit::Context).then(|| a.limit.0.saturating_sub(a.generated));
+        }
     }
 
     /// One batch: a token for every generating slot, then prompt chunks.

@@ -116,6 +116,27 @@ pub struct Stats {
     pub steps: Counter,
     /// Each device's ledger (launches, copies, host waits) after the last step; the CPU first.
     pub devices: std::sync::Mutex<Vec<(String, tandem_model::Counts)>>,
+    /// Each slot after the last step (llama-server's `GET /slots`).
+    pub slots: std::sync::Mutex<Vec<SlotView>>,
+}
+
+/// One slot as of the last step.
+#[derive(Clone, Debug, Default)]
+pub struct SlotView {
+    /// The request at work in the slot; `None` when it is idle.
+    pub request: Option<String>,
+    /// Positions in the slot's KV cache (when idle: the prompt cache the next request may reuse).
+    pub n_cached: usize,
+    /// The request's prompt tokens, those reused from the cache and those in the cache so far.
+    pub n_prompt_tokens: usize,
+    pub n_prompt_cached: usize,
+    pub n_prompt_processed: usize,
+    pub n_decoded: u32,
+    /// Tokens it may still generate before its length limit; `None`: only the context limits it.
+    pub n_remain: Option<u32>,
+    /// The sampling of the slot's current (or, when idle, last) request.
+    pub sampling: Option<crate::SamplingParams>,
+    pub stop: Vec<String>,
 }
 
 impl Default for Stats {
@@ -140,6 +161,7 @@ impl Default for Stats {
             kv_capacity_tokens: Gauge::default(),
             steps: Counter::default(),
             devices: std::sync::Mutex::default(),
+            slots: std::sync::Mutex::default(),
         }
     }
 }
@@ -148,6 +170,11 @@ impl Stats {
     /// Each device's ledger as of the last step.
     pub fn device_counts(&self) -> Vec<(String, tandem_model::Counts)> {
         self.devices.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Each slot as of the last step.
+    pub fn slot_views(&self) -> Vec<SlotView> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Share of prompt tokens served from the prompt cache (0 before any prompt).

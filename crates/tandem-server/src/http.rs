@@ -54,6 +54,7 @@ pub(crate) fn router(state: Arc<State>) -> Router {
         .route("/apply-template", post(apply_template))
         .route("/detokenize", post(detokenize))
         .route("/props", get(props))
+        .route("/slots", get(slots))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -110,6 +111,7 @@ impl ApiError {
             StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
             StatusCode::SERVICE_UNAVAILABLE => "unavailable_error",
             StatusCode::CONFLICT => "conflict_error",
+            StatusCode::NOT_IMPLEMENTED => "not_supported_error",
             _ => "server_error",
         };
         ApiError { status, kind, message: message.into() }
@@ -222,25 +224,30 @@ async fn models(AxState(state): AxState<Arc<State>>) -> Result<Json<Value>, ApiE
 
 /// llama-server's `GET /props`: the slots, the context, the sampling a request gets for what it
 /// leaves out, the chat template and the special tokens.
+/// Sampling parameters in llama-server's `params` shape (`n_predict` -1: no limit but the
+/// server's and the context; `seed` -1: a new one each request).
+fn params_json(p: &tandem_engine::SamplingParams, n_predict: Option<u32>, seed: Option<u64>) -> Value {
+    json!({
+        "n_predict": n_predict.map_or(-1, i64::from),
+        "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+        "typical_p": p.typical_p, "top_n_sigma": p.top_n_sigma,
+        "xtc_probability": p.xtc_probability, "xtc_threshold": p.xtc_threshold,
+        "repeat_penalty": p.repeat_penalty,
+        "repeat_last_n": if p.penalty_last_n == usize::MAX { -1 } else { p.penalty_last_n as i64 },
+        "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+        "mirostat": p.mirostat, "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta,
+        "seed": seed.map_or(-1, |s| s as i64),
+    })
+}
+
 async fn props(AxState(state): AxState<Arc<State>>) -> Result<Json<Value>, ApiError> {
     let engine = state.engine()?;
-    let p = &state.sampling().params;
     let tok = engine.tokenizer();
     let max = engine.config().max_tokens;
     Ok(Json(json!({
         "default_generation_settings": {
             "n_ctx": engine.info().n_ctx,
-            "params": {
-                "n_predict": if max == 0 { -1 } else { i64::from(max) },
-                "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
-                "typical_p": p.typical_p, "top_n_sigma": p.top_n_sigma,
-                "xtc_probability": p.xtc_probability, "xtc_threshold": p.xtc_threshold,
-                "repeat_penalty": p.repeat_penalty,
-                "repeat_last_n": if p.penalty_last_n == usize::MAX { -1 } else { p.penalty_last_n as i64 },
-                "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
-                "mirostat": p.mirostat, "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta,
-                "seed": state.sampling().seed.map_or(-1, |s| s as i64),
-            },
+            "params": params_json(&state.sampling().params, (max > 0).then_some(max), state.sampling().seed),
         },
         "total_slots": engine.config().n_parallel,
         "model_alias": model_name(&state),
@@ -250,6 +257,55 @@ async fn props(AxState(state): AxState<Arc<State>>) -> Result<Json<Value>, ApiEr
         "modalities": {"vision": false, "audio": false},
         "build_info": concat!("tandem ", env!("CARGO_PKG_VERSION")),
     })))
+}
+
+#[derive(serde::Deserialize)]
+struct SlotsQuery {
+    fail_on_no_slot: Option<String>,
+}
+
+/// llama-server's `GET /slots`: each slot as of the engine's last step, without prompt text;
+/// `?fail_on_no_slot=1` answers 503 when every slot is busy; 501 with `--no-slots`.
+async fn slots(
+    AxState(state): AxState<Arc<State>>,
+    axum::extract::Query(q): axum::extract::Query<SlotsQuery>,
+) -> Result<Json<Value>, ApiError> {
+    if !state.slots_on() {
+        return Err(ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "This server does not support slots endpoint. Start it without `--no-slots`",
+        ));
+    }
+    let engine = state.engine()?;
+    let views = engine.stats().slot_views();
+    if q.fail_on_no_slot.is_some_and(|v| !v.is_empty()) && views.iter().all(|v| v.request.is_some()) {
+        return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no slot available"));
+    }
+    let n_ctx = engine.info().n_ctx;
+    let slots = views.iter().enumerate().map(|(id, v)| {
+        json!({
+            "id": id,
+            "id_task": v.request.as_deref().map_or(json!(-1), |r| json!(r)),
+            "n_ctx": n_ctx,
+            "speculative": false,
+            "is_processing": v.request.is_some(),
+            "n_cached_tokens": v.n_cached,
+            "n_prompt_tokens": v.n_prompt_tokens,
+            "n_prompt_tokens_cache": v.n_prompt_cached,
+            "n_prompt_tokens_processed": v.n_prompt_processed,
+            "params": v.sampling.as_ref().map(|p| {
+                let mut j = params_json(p, v.n_remain.map(|r| r + v.n_decoded), Some(p.seed));
+                j["stop"] = json!(v.stop);
+                j
+            }),
+            "next_token": {
+                "has_next_token": v.request.is_some(),
+                "n_remain": v.n_remain.map_or(-1, i64::from),
+                "n_decoded": v.n_decoded,
+            },
+        })
+    });
+    Ok(Json(Value::Array(slots.collect())))
 }
 
 /// The engine's reply channel for one HTTP request.

@@ -72,6 +72,8 @@ pub struct Options {
     pub sampling: SamplingDefaults,
     /// `--metrics` (llama-server's): `GET /metrics` on the HTTP API's ports too.
     pub metrics_on_api: bool,
+    /// `--no-slots` (llama-server's): `GET /slots` answers 501.
+    pub no_slots: bool,
 }
 
 /// What a request gets for a sampling parameter it leaves out: llama.cpp's defaults, or the

@@ -46,6 +46,7 @@ pub struct State {
     reasoning: crate::reasoning::ReasoningFormat,
     sampling: crate::SamplingDefaults,
     metrics_on_api: bool,
+    no_slots: bool,
 }
 
 /// The API key a call was made with: its index in `--api-key`s (requests' extension).
@@ -65,12 +66,18 @@ impl State {
             reasoning: options.reasoning_format,
             sampling: options.sampling.clone(),
             metrics_on_api: options.metrics_on_api,
+            no_slots: options.no_slots,
         }
     }
 
     /// `GET /metrics` is served on the HTTP API's ports too (`--metrics`).
     pub(crate) fn metrics_on_api(&self) -> bool {
         self.metrics_on_api
+    }
+
+    /// `GET /slots` answers (not `--no-slots`).
+    pub(crate) fn slots_on(&self) -> bool {
+        !self.no_slots
     }
 
     /// What a request gets for a sampling parameter it leaves out.
