@@ -323,6 +323,22 @@ pub struct SamplingArgs {
     /// Mirostat's target entropy, tau [default: 5].
     #[arg(long = "mirostat-ent", value_name = "TAU", allow_negative_numbers = true)]
     pub mirostat_ent: Option<f32>,
+    /// DRY: penalise a token that would extend a repeat of the last tokens (0 = off) [default: 0].
+    #[arg(long = "dry-multiplier", value_name = "X", allow_negative_numbers = true)]
+    pub dry_multiplier: Option<f32>,
+    /// DRY's base: the penalty is multiplier * base^(repeat length - allowed length) [default: 1.75].
+    #[arg(long = "dry-base", value_name = "X", allow_negative_numbers = true)]
+    pub dry_base: Option<f32>,
+    /// DRY: repeats up to this long go unpenalised [default: 2].
+    #[arg(long = "dry-allowed-length", value_name = "N", allow_negative_numbers = true)]
+    pub dry_allowed_length: Option<i64>,
+    /// DRY: how many recent tokens it looks at (0 = off, -1 = the whole context) [default: 64].
+    #[arg(long = "dry-penalty-last-n", value_name = "N", allow_negative_numbers = true)]
+    pub dry_penalty_last_n: Option<i64>,
+    /// A DRY sequence breaker, in place of the defaults ('\n', ':', '"', '*'); repeatable;
+    /// "none" for none.
+    #[arg(long = "dry-sequence-breaker", value_name = "STRING")]
+    pub dry_sequence_breaker: Vec<String>,
 }
 
 /// llama.cpp's `--logit-bias` value: a token id, `+` or `-`, and the bias (`inf` allowed).
@@ -385,6 +401,26 @@ impl SamplingArgs {
             },
             mirostat_tau: self.mirostat_ent.unwrap_or(d.mirostat_tau),
             mirostat_eta: self.mirostat_lr.unwrap_or(d.mirostat_eta),
+            dry_multiplier: self.dry_multiplier.unwrap_or(d.dry_multiplier),
+            // below 1 keeps the default, as llama.cpp's --dry-base
+            dry_base: self.dry_base.filter(|&b| b >= 1.0).unwrap_or(d.dry_base),
+            dry_allowed_length: match self.dry_allowed_length {
+                None => d.dry_allowed_length,
+                Some(n) => {
+                    u32::try_from(n).map_err(|_| anyhow::anyhow!("--dry-allowed-length {n}: must be 0 or more"))?
+                }
+            },
+            dry_penalty_last_n: match self.dry_penalty_last_n {
+                None => d.dry_penalty_last_n,
+                Some(-1) => u32::MAX,
+                Some(n) => u32::try_from(n).map_err(|_| {
+                    anyhow::anyhow!("--dry-penalty-last-n {n}: must be -1 (the whole context), 0 (off) or more")
+                })?,
+            },
+            dry_sequence_breakers: match self.dry_sequence_breaker.as_slice() {
+                [] => d.dry_sequence_breakers,
+                given => given.iter().filter(|b| *b != "none").cloned().collect(),
+            },
         };
         p.validate().map_err(|e| anyhow::anyhow!("{e} (from the sampling flags)"))?;
         Ok(p)

@@ -11,7 +11,7 @@ use clap::Args;
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use tandem_engine::{Sampler, SamplingParams, StopMatcher};
+use tandem_engine::{DryBreakers, Sampler, SamplingParams, StopMatcher};
 use tandem_model::{Batch, Context};
 use tandem_tokenizer::{message, ChatTemplate, StreamDecoder, Tokenizer};
 
@@ -260,6 +260,10 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let ctx = open_context(&args.model, &args.engine.runtime, &args.engine.placement)?;
     let tok = Tokenizer::from_gguf(ctx.model().gguf())?;
     args.sampling.check_vocab(tok.n_vocab())?;
+    let sampler = match params.dry_on() {
+        true => sampler.with_dry_breakers(std::sync::Arc::new(DryBreakers::new(&tok, &params.dry_sequence_breakers)?)),
+        false => sampler,
+    };
     let tmpl = template(args, &tok)?;
     if args.sampling.seed.is_none_or(|s| s < 0) && params.temperature > 0.0 {
         tracing::info!("seed: {}", params.seed);

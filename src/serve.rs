@@ -277,7 +277,8 @@ fn sampling_line(s: &tandem_server::SamplingDefaults) -> String {
     format!(
         "request defaults: temp {}, top_k {}, top_p {}, min_p {}, repeat_penalty {} (last {last}), \
          presence_penalty {}, frequency_penalty {}, seed {seed}, logit_bias of {} token(s), typical_p {}, \
-         top_n_sigma {}, xtc {} above {}, mirostat {} (tau {}, eta {})",
+         top_n_sigma {}, xtc {} above {}, mirostat {} (tau {}, eta {}), dry {} (base {}, allowed {}, last {}, \
+         breakers {:?})",
         p.temperature,
         p.top_k,
         p.top_p,
@@ -292,7 +293,12 @@ fn sampling_line(s: &tandem_server::SamplingDefaults) -> String {
         p.xtc_threshold,
         p.mirostat,
         p.mirostat_tau,
-        p.mirostat_eta
+        p.mirostat_eta,
+        p.dry_multiplier,
+        p.dry_base,
+        p.dry_allowed_length,
+        p.dry_penalty_last_n,
+        p.dry_sequence_breakers
     )
 }
 

@@ -317,8 +317,28 @@ async fn llama_servers_other_samplers_are_read() {
     let off = with(json!({"typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0, "mirostat": 0,
                           "dry_multiplier": 0.0}));
     assert_eq!(streamed_ids(s.addr, &off).await, greedy);
+    // DRY that bans any continuation of a repeat (allowed length 1, no breakers it will meet):
+    // no pair of tokens in prompt and answer comes twice, where greedy repeats pairs
+    let prompt: Vec<u64> = vec![1, 7, 9, 7, 9, 7, 9, 7];
+    let pairs_repeat = |answer: &[u64]| {
+        let all: Vec<u64> = prompt.iter().chain(answer).copied().collect();
+        (prompt.len()..all.len()).any(|j| (1..j).any(|i| all[i - 1] == all[j - 1] && all[i] == all[j]))
+    };
+    let long = |extra: Value| {
+        let mut b = json!({"prompt": prompt, "n_predict": 24, "temperature": 0, "ignore_eos": true, "stream": true});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let plain = streamed_ids(s.addr, &long(json!({}))).await;
+    assert!(pairs_repeat(&plain), "greedy does not repeat here, the check would test nothing: {plain:?}");
+    let dry = json!({"dry_multiplier": 1e4, "dry_allowed_length": 1, "dry_penalty_last_n": -1,
+                     "dry_sequence_breakers": ["\u{1}"]});
+    let answer = streamed_ids(s.addr, &long(dry)).await;
+    assert!(!pairs_repeat(&answer) && answer.len() >= 20, "{answer:?}");
     for (extra, says) in [
-        (json!({"dry_multiplier": 0.8}), "dry_multiplier 0.8: tandem has no DRY sampler"),
+        (json!({"dry_sequence_breakers": []}), "dry_sequence_breakers: must be a non-empty array"),
+        (json!({"dry_allowed_length": -2}), "dry_allowed_length -2"),
+        (json!({"dry_multiplier": -1.0}), "dry_multiplier = -1"),
         (json!({"mirostat": 3}), "mirostat = 3"),
         (json!({"typical_p": -0.5}), "typical_p = -0.5"),
     ] {

@@ -358,6 +358,16 @@ async fn the_logit_bias_flag_is_a_default_a_request_replaces() {
     let mut own = endless("Hello there", 3);
     own.sampling = Some(pb::SamplingParams { logit_bias: [(200, 100.0)].into(), ..Default::default() });
     assert_eq!(serve_util::generate(&mut client, own).await.unwrap().ids, vec![200; 3]);
+    // DRY outweighs the flag's bias once 100 would repeat the pair 100 100
+    let mut dry = endless("Hello there", 3);
+    dry.sampling = Some(pb::SamplingParams {
+        dry_multiplier: Some(1e4),
+        dry_allowed_length: Some(1),
+        dry_sequence_breakers: vec!["\u{1}".into()],
+        ..Default::default()
+    });
+    let ids = serve_util::generate(&mut client, dry).await.unwrap().ids;
+    assert!(ids[..2] == [100, 100] && ids[2] != 100, "{ids:?}");
     s.signal(libc::SIGINT);
     assert_eq!(s.exit_code(), 0);
 }
@@ -373,6 +383,9 @@ fn sampling_flags_no_sampler_can_use_are_one_line_errors() {
         ("-l", "15043+inf", "logit_bias of token 15043 = inf"),
         ("--mirostat", "3", "--mirostat 3: must be 0 (off), 1 or 2"),
         ("--xtc-probability", "2", "xtc_probability = 2"),
+        ("--dry-multiplier", "-1", "dry_multiplier = -1"),
+        ("--dry-allowed-length", "-1", "--dry-allowed-length -1: must be 0 or more"),
+        ("--dry-penalty-last-n", "-2", "--dry-penalty-last-n -2"),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
             .args(["serve", "--port", "0", "--http-port", "0", flag, value])

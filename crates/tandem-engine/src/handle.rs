@@ -99,6 +99,9 @@ pub(crate) struct Shared {
     /// Why the engine can no longer run (a model file changed while mapped).
     broken: Mutex<Option<String>>,
     grammars: std::sync::OnceLock<std::result::Result<crate::grammar::Grammars, String>>,
+    /// The DRY sequence breakers last processed against the vocabulary (most requests give the
+    /// same ones).
+    dry_breakers: Mutex<Option<(Vec<String>, Arc<crate::DryBreakers>)>>,
 }
 
 impl Shared {
@@ -199,6 +202,7 @@ impl Engine {
             stopped: AtomicBool::new(false),
             broken: Mutex::new(None),
             grammars: std::sync::OnceLock::new(),
+            dry_breakers: Mutex::new(None),
             config,
         });
         let scheduler = Scheduler::new(ctx, shared.clone(), sys_seq, sys);
@@ -504,6 +508,22 @@ impl EngineHandle {
             }
             sampling.logit_bias.extend(ids.into_iter().map(|t| (t, *bias)));
         }
-        Sampler::new(sampling)
+        let dry = sampling.dry_on().then(|| self.dry_breakers(&sampling.dry_sequence_breakers)).transpose()?;
+        let sampler = Sampler::new(sampling)?;
+        Ok(match dry {
+            Some(b) => sampler.with_dry_breakers(b),
+            None => sampler,
+        })
+    }
+
+    /// DRY's `breakers` processed against the vocabulary, the last ones kept for the next request.
+    fn dry_breakers(&self, breakers: &[String]) -> Result<Arc<crate::DryBreakers>> {
+        let mut last = self.0.dry_breakers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, processed)) = last.as_ref().filter(|(b, _)| b.as_slice() == breakers) {
+            return Ok(processed.clone());
+        }
+        let processed = Arc::new(crate::DryBreakers::new(&self.0.tokenizer, breakers)?);
+        *last = Some((breakers.to_vec(), processed.clone()));
+        Ok(processed)
     }
 }

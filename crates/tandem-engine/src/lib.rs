@@ -18,7 +18,7 @@ pub use request::{
     Event, Failure, Finish, FinishReason, LengthLimit, PositionLogprobs, Prompt, Request, Sink, Timings, TokenLogprob,
     Usage,
 };
-pub use sampling::{argmax, Sampler, SamplingParams, StopMatcher, StopOutput};
+pub use sampling::{argmax, DryBreakers, Sampler, SamplingParams, StopMatcher, StopOutput, DRY_SEQUENCE_BREAKERS};
 pub use stats::{SlotView, Stats};
 pub use tandem_model::Counts;
 pub use tandem_tokenizer::TemplateSource;

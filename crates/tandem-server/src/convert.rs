@@ -85,6 +85,14 @@ fn sampling(p: Option<pb::SamplingParams>, defaults: &SamplingDefaults) -> Sampl
         mirostat: p.mirostat.map_or(d.mirostat, |m| m.min(255) as u8),
         mirostat_tau: p.mirostat_tau.unwrap_or(d.mirostat_tau),
         mirostat_eta: p.mirostat_eta.unwrap_or(d.mirostat_eta),
+        dry_multiplier: p.dry_multiplier.unwrap_or(d.dry_multiplier),
+        dry_base: p.dry_base.filter(|&b| b >= 1.0).unwrap_or(d.dry_base),
+        dry_allowed_length: p.dry_allowed_length.unwrap_or(d.dry_allowed_length),
+        dry_penalty_last_n: p.dry_penalty_last_n.unwrap_or(d.dry_penalty_last_n),
+        dry_sequence_breakers: match p.dry_sequence_breakers.is_empty() {
+            true => d.dry_sequence_breakers,
+            false => p.dry_sequence_breakers,
+        },
         logit_bias: match p.logit_bias.is_empty() {
             true => d.logit_bias,
             false => {

@@ -236,6 +236,9 @@ fn params_json(p: &tandem_engine::SamplingParams, n_predict: Option<u32>, seed: 
         "repeat_last_n": if p.penalty_last_n == usize::MAX { -1 } else { p.penalty_last_n as i64 },
         "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
         "mirostat": p.mirostat, "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta,
+        "dry_multiplier": p.dry_multiplier, "dry_base": p.dry_base, "dry_allowed_length": p.dry_allowed_length,
+        "dry_penalty_last_n": if p.dry_penalty_last_n == u32::MAX { -1 } else { i64::from(p.dry_penalty_last_n) },
+        "dry_sequence_breakers": p.dry_sequence_breakers,
         "seed": seed.map_or(-1, |s| s as i64),
     })
 }

@@ -325,16 +325,17 @@ pub struct MoreSamplers {
     pub mirostat: Option<u32>,
     pub mirostat_tau: Option<f32>,
     pub mirostat_eta: Option<f32>,
-    /// DRY is not implemented: only 0 (off) is taken, rather than answering as if it were.
     pub dry_multiplier: Option<f32>,
+    pub dry_base: Option<f32>,
+    pub dry_allowed_length: Option<i64>,
+    /// -1: the whole context (newer llama-server's reading).
+    pub dry_penalty_last_n: Option<i64>,
+    pub dry_sequence_breakers: Option<Vec<String>>,
 }
 
 impl MoreSamplers {
     /// `p` with the samplers given.
     fn apply(self, p: &mut SamplingParams) -> Result<(), BadParam> {
-        if let Some(m) = self.dry_multiplier.filter(|&m| m != 0.0) {
-            return Err(BadParam(format!("dry_multiplier {m}: tandem has no DRY sampler; leave it at 0 (off)")));
-        }
         p.typical_p = self.typical_p.unwrap_or(p.typical_p);
         p.top_n_sigma = self.top_n_sigma.unwrap_or(p.top_n_sigma);
         p.xtc_probability = self.xtc_probability.unwrap_or(p.xtc_probability);
@@ -342,6 +343,26 @@ impl MoreSamplers {
         p.mirostat = self.mirostat.map_or(p.mirostat, |m| m.min(255) as u8);
         p.mirostat_tau = self.mirostat_tau.unwrap_or(p.mirostat_tau);
         p.mirostat_eta = self.mirostat_eta.unwrap_or(p.mirostat_eta);
+        p.dry_multiplier = self.dry_multiplier.unwrap_or(p.dry_multiplier);
+        // below 1: the server's, as llama-server
+        p.dry_base = self.dry_base.filter(|&b| b >= 1.0).unwrap_or(p.dry_base);
+        if let Some(n) = self.dry_allowed_length {
+            p.dry_allowed_length =
+                u32::try_from(n).map_err(|_| BadParam(format!("dry_allowed_length {n}: must be 0 or more")))?;
+        }
+        p.dry_penalty_last_n = match self.dry_penalty_last_n {
+            None => p.dry_penalty_last_n,
+            Some(-1) => u32::MAX,
+            Some(n) => u32::try_from(n).map_err(|_| {
+                BadParam(format!("dry_penalty_last_n {n}: must be -1 (the whole context), 0 (off) or more"))
+            })?,
+        };
+        if let Some(b) = self.dry_sequence_breakers {
+            if b.is_empty() {
+                return Err(BadParam("dry_sequence_breakers: must be a non-empty array of strings".into()));
+            }
+            p.dry_sequence_breakers = b;
+        }
         Ok(())
     }
 }

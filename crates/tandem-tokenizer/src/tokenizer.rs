@@ -67,6 +67,12 @@ impl Tokenizer {
         self.vocab.add_bos
     }
 
+    /// Whether text gets a leading space before tokenizing (SentencePiece); llama.cpp's
+    /// detokenizer then drops one leading space of the first piece.
+    pub fn add_space_prefix(&self) -> bool {
+        self.vocab.add_space_prefix
+    }
+
     pub fn add_eos(&self) -> bool {
         self.vocab.add_eos
     }
