@@ -436,6 +436,10 @@ pub struct TemplateArgs {
     /// A file of Jinja to use as the chat template.
     #[arg(long = "chat-template-file", value_name = "FILE")]
     pub chat_template_file: Option<PathBuf>,
+    /// More variables for the chat template, a JSON object, e.g. '{"thinking": true}' (a
+    /// request's chat_template_kwargs go over them).
+    #[arg(long = "chat-template-kwargs", value_name = "JSON")]
+    pub chat_template_kwargs: Option<String>,
 }
 
 impl TemplateArgs {
@@ -449,6 +453,16 @@ impl TemplateArgs {
         match &self.chat_template {
             Some(v) => Ok(Some(tandem_tokenizer::resolve_template_arg(v).map_err(anyhow::Error::msg)?)),
             None => Ok(None),
+        }
+    }
+
+    /// `--chat-template-kwargs` as an object (none: empty); anything else is an error.
+    pub fn kwargs(&self) -> anyhow::Result<serde_json::Map<String, serde_json::Value>> {
+        let Some(text) = &self.chat_template_kwargs else { return Ok(serde_json::Map::new()) };
+        match serde_json::from_str(text) {
+            Ok(serde_json::Value::Object(m)) => Ok(m),
+            Ok(other) => anyhow::bail!("--chat-template-kwargs: {other} is not a JSON object"),
+            Err(e) => anyhow::bail!("--chat-template-kwargs: not JSON ({e})"),
         }
     }
 }

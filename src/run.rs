@@ -230,8 +230,13 @@ fn template(args: &RunArgs, tok: &Tokenizer) -> anyhow::Result<Option<ChatTempla
 
 /// Renders the conversation; a BOS the template writes is dropped when the tokenizer adds one
 /// anyway (as llama.cpp does), so the prompt never starts with two.
-fn render(tmpl: &ChatTemplate, tok: &Tokenizer, messages: &[serde_json::Value]) -> anyhow::Result<String> {
-    let s = tmpl.render(messages, None, true)?;
+fn render(
+    tmpl: &ChatTemplate,
+    tok: &Tokenizer,
+    messages: &[serde_json::Value],
+    kwargs: &serde_json::Map<String, serde_json::Value>,
+) -> anyhow::Result<String> {
+    let s = tmpl.render_with(messages, None, true, kwargs)?;
     let bos = tok.bos_text();
     Ok(match s.strip_prefix(bos) {
         Some(rest) if tok.add_bos() && !bos.is_empty() => rest.to_string(),
@@ -265,6 +270,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         false => sampler,
     };
     let tmpl = template(args, &tok)?;
+    let kwargs = args.template.kwargs()?;
     if args.sampling.seed.is_none_or(|s| s < 0) && params.temperature > 0.0 {
         tracing::info!("seed: {}", params.seed);
     }
@@ -282,7 +288,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let mut turn = |s: &mut Session, messages: &mut Vec<serde_json::Value>, user: &str| -> anyhow::Result<()> {
         messages.push(message("user", user));
         let prompt = match &tmpl {
-            Some(t) => render(t, &s.tok, messages)?,
+            Some(t) => render(t, &s.tok, messages, &kwargs)?,
             None => user.to_string(),
         };
         let ids = s.tok.encode(&prompt, true, true)?;

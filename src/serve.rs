@@ -171,6 +171,7 @@ fn load(args: &ServeArgs) -> anyhow::Result<(Engine, ModelDescription)> {
         system_prompt,
         log_prompts: args.log_prompts,
         chat_template: args.template.given()?,
+        template_kwargs: args.template.kwargs()?,
     };
     let engine = Engine::start(ctx, tok, config)?;
     let info = engine.handle().info().clone();

@@ -687,6 +687,45 @@ async fn a_model_without_a_template_chats_in_chatml_and_flags_choose_another() {
     }
 }
 
+/// `--chat-template-kwargs` and a request's `chat_template_kwargs`, as llama-server: variables a
+/// template reads (here a DeepSeek-V3.1-style `thinking` switch), the request's over the
+/// server's, never replacing the messages; a prompt left in an open `<think>` answers in
+/// `reasoning_content`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_template_kwargs_switch_thinking() {
+    let template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}\
+                    {% if add_generation_prompt %}<assistant>{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}";
+    let kwargs = json!({"thinking": true}).as_object().unwrap().clone();
+    let config = EngineConfig {
+        chat_template: Some((template.into(), tandem_tokenizer::TemplateSource::Given)),
+        template_kwargs: kwargs,
+        ..EngineConfig::default()
+    };
+    let s = serve(512, config).await;
+    let chat = |kwargs: Value| {
+        json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0,
+               "ignore_eos": true, "chat_template_kwargs": kwargs})
+    };
+    for (kwargs, want) in [
+        (Value::Null, "<user>Hi<assistant><think>"),
+        (json!({"thinking": false}), "<user>Hi<assistant></think>"),
+        (json!({"messages": [], "add_generation_prompt": false}), "<user>Hi<assistant><think>"),
+    ] {
+        let (status, v) = post_json(s.addr, "/apply-template", chat(kwargs.clone())).await;
+        assert_eq!((status, v["prompt"].as_str()), (StatusCode::OK, Some(want)), "{kwargs}: {v}");
+    }
+    let (_, thinking) = post_json(s.addr, "/v1/chat/completions", chat(Value::Null)).await;
+    let (_, answering) = post_json(s.addr, "/v1/chat/completions", chat(json!({"thinking": false}))).await;
+    let m = (&thinking["choices"][0]["message"], &answering["choices"][0]["message"]);
+    assert!(m.0["reasoning_content"].as_str().is_some_and(|r| !r.is_empty()), "{thinking}");
+    assert!(
+        m.1["reasoning_content"].is_null() && m.1["content"].as_str().is_some_and(|c| !c.is_empty()),
+        "{answering}"
+    );
+    let (status, v) = post_json(s.addr, "/apply-template", chat(json!(["not", "an object"]))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+}
+
 /// Structured output on the real SmolLM2 through the `openai` package: 20 json_schema answers at
 /// temperature 0.8 that parse and validate (jsonschema), json_object, and a yes/no GBNF grammar
 /// on /completion (scripts/structured_output_check.py).

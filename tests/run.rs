@@ -196,6 +196,8 @@ fn bad_input_gets_a_one_line_error() {
     std::fs::write(&bad, b"caf\xe9 au lait").unwrap();
     let e = error_line(&run(&["-f", bad.to_str().unwrap()]));
     assert!(e.contains("bad.txt") && e.contains("not valid UTF-8"), "{e}");
+    let e = error_line(&run(&["-p", "hi", "--chat-template-kwargs", "[1]"]));
+    assert!(e.contains("--chat-template-kwargs: [1] is not a JSON object"), "{e}");
     let e = error_line(&run(&["-p", "hi", "--top-p", "0"]));
     assert!(e.contains("top_p"), "{e}");
     let e = error_line(&tandem(&["run", "-m", "/nonexistent.gguf", "-p", "hi"]));

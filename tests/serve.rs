@@ -280,6 +280,19 @@ async fn unary_calls_chat_logprobs_and_reflection() {
         n += 1;
     }
     assert_eq!(n, 9);
+    // chat_template_kwargs_json: a JSON object of template variables, anything else refused
+    for (kwargs, ok) in [(r#"{"thinking": true}"#, true), ("[1]", false), ("{", false)] {
+        let chat = pb::ChatRequest {
+            messages: vec![pb::ChatMessage { role: "user".into(), content: "Hello".into(), ..Default::default() }],
+            options: Some(pb::GenerationOptions { max_tokens: 2, ..Default::default() }),
+            chat_template_kwargs_json: kwargs.into(),
+            ..Default::default()
+        };
+        match t.client.chat(chat).await {
+            Ok(_) => assert!(ok, "{kwargs} was taken"),
+            Err(e) => assert!(!ok && e.code() == tonic::Code::InvalidArgument, "{kwargs}: {e}"),
+        }
+    }
 
     use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
     use tonic_reflection::pb::v1::{server_reflection_request::MessageRequest, ServerReflectionRequest};

@@ -36,6 +36,9 @@ pub struct EngineConfig {
     /// Prompt text may appear in the log (a prompt-cache divergence shows the text around it);
     /// else only positions and hashes do, as users' prompts are not the operator's to read.
     pub log_prompts: bool,
+    /// Variables for the chat template (`--chat-template-kwargs`, e.g. `{"thinking": true}`);
+    /// a request's `chat_template_kwargs` go over them.
+    pub template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Default for EngineConfig {
@@ -49,6 +52,7 @@ impl Default for EngineConfig {
             system_prompt: None,
             log_prompts: false,
             chat_template: None,
+            template_kwargs: serde_json::Map::new(),
         }
     }
 }
@@ -330,9 +334,7 @@ impl EngineHandle {
             Some(Constraint::ToolCall { tools, name, parallel }) => {
                 // a forced call follows a thinking block the prompt left open
                 let think_open = match &req.prompt {
-                    Prompt::Messages { messages, tools } => {
-                        self.render_messages(messages, tools)?.trim_end().ends_with("<think>")
-                    }
+                    p @ Prompt::Messages { .. } => self.render_prompt(p)?.trim_end().ends_with("<think>"),
                     _ => false,
                 };
                 let lark = crate::tool_format::call_grammar(
@@ -436,23 +438,46 @@ impl EngineHandle {
                 let text = self.render_chat(messages)?;
                 tok.encode(&text, true, true)?
             }
-            Prompt::Messages { messages, tools } => {
+            Prompt::Messages { messages, .. } => {
                 if messages.is_empty() {
                     return Err(Error::InvalidRequest("the chat has no messages".into()));
                 }
-                let text = self.render_messages(messages, tools)?;
-                tok.encode(&text, true, true)?
+                tok.encode(&self.render_prompt(prompt)?, true, true)?
             }
         })
     }
 
+    /// A chat prompt as the chat template renders it with an assistant prompt; an error for
+    /// text and tokens.
+    pub fn render_prompt(&self, prompt: &Prompt) -> Result<String> {
+        match prompt {
+            Prompt::Chat(messages) => self.render_chat(messages),
+            Prompt::Messages { messages, tools, kwargs } => self.render_messages(messages, tools, kwargs),
+            Prompt::Text(_) | Prompt::Tokens(_) => Err(Error::InvalidRequest("the prompt has no messages".into())),
+        }
+    }
+
     /// Renders OpenAI-shaped messages (tool calls and results included) and the tools offered
-    /// with the chat template and an assistant prompt.
-    pub fn render_messages(&self, messages: &[serde_json::Value], tools: &[serde_json::Value]) -> Result<String> {
+    /// with the chat template and an assistant prompt, the template's variables the engine's
+    /// (`--chat-template-kwargs`) with `kwargs` over them.
+    pub fn render_messages(
+        &self,
+        messages: &[serde_json::Value],
+        tools: &[serde_json::Value],
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
         let s = &*self.0;
         let Some(t) = &s.template else { return Err(Error::NoChatTemplate) };
         let tools = (!tools.is_empty()).then_some(tools);
-        let text = t.render(messages, tools, true)?;
+        let text = match (s.config.template_kwargs.is_empty(), kwargs.is_empty()) {
+            (true, _) => t.render_with(messages, tools, true, kwargs)?,
+            (false, true) => t.render_with(messages, tools, true, &s.config.template_kwargs)?,
+            (false, false) => {
+                let mut all = s.config.template_kwargs.clone();
+                all.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
+                t.render_with(messages, tools, true, &all)?
+            }
+        };
         let bos = s.tokenizer.bos_text();
         Ok(match text.strip_prefix(bos) {
             Some(rest) if s.tokenizer.add_bos() && !bos.is_empty() => rest.to_string(),
@@ -466,7 +491,7 @@ impl EngineHandle {
         let s = &*self.0;
         let Some(t) = &s.template else { return Err(Error::NoChatTemplate) };
         let msgs: Vec<_> = messages.iter().map(|(r, c)| message(r, c)).collect();
-        let text = t.render(&msgs, None, true)?;
+        let text = t.render_with(&msgs, None, true, &s.config.template_kwargs)?;
         let bos = s.tokenizer.bos_text();
         Ok(match text.strip_prefix(bos) {
             Some(rest) if s.tokenizer.add_bos() && !bos.is_empty() => rest.to_string(),

@@ -19,8 +19,13 @@ pub enum Prompt {
     /// Chat messages `(role, content)`, rendered with the model's chat template.
     Chat(Vec<(String, String)>),
     /// OpenAI-shaped chat messages (assistant `tool_calls`, `role: tool` results, ...) and the
-    /// tools offered (OpenAI's `tools`), rendered with the chat template.
-    Messages { messages: Vec<serde_json::Value>, tools: Vec<serde_json::Value> },
+    /// tools offered (OpenAI's `tools`), rendered with the chat template; `kwargs` are more
+    /// variables for the template (llama.cpp's `chat_template_kwargs`), over the engine's.
+    Messages {
+        messages: Vec<serde_json::Value>,
+        tools: Vec<serde_json::Value>,
+        kwargs: serde_json::Map<String, serde_json::Value>,
+    },
 }
 
 /// One generation request.

@@ -190,7 +190,9 @@ pub fn chat_request(
             return Err(Status::invalid_argument(format!("tool_choice names {name:?}, which is not among the tools")))
         }
     };
-    let rich = !r.tools.is_empty() || r.messages.iter().any(|m| !m.tool_calls.is_empty() || m.role == "tool");
+    let rich = !r.tools.is_empty()
+        || !r.chat_template_kwargs_json.trim().is_empty()
+        || r.messages.iter().any(|m| !m.tool_calls.is_empty() || m.role == "tool");
     if !rich {
         let messages = r.messages.into_iter().map(|m| (m.role, m.content)).collect();
         return request(r.request_id, Prompt::Chat(messages), r.sampling, r.options, deadline, arrived, d);
@@ -230,8 +232,17 @@ pub fn chat_request(
     let offered = !tools.is_empty();
     let parallel = r.parallel_tool_calls;
     let call = forced.map(|name| tandem_engine::Constraint::ToolCall { tools: tools.clone(), name, parallel });
-    let mut req =
-        request(r.request_id, Prompt::Messages { messages, tools }, r.sampling, r.options, deadline, arrived, d)?;
+    let kwargs = match r.chat_template_kwargs_json.trim() {
+        "" => serde_json::Map::new(),
+        text => match json("chat_template_kwargs_json", text)? {
+            serde_json::Value::Object(m) => m,
+            other => {
+                return Err(Status::invalid_argument(format!("chat_template_kwargs_json: {other} is not an object")))
+            }
+        },
+    };
+    let prompt = Prompt::Messages { messages, tools, kwargs };
+    let mut req = request(r.request_id, prompt, r.sampling, r.options, deadline, arrived, d)?;
     if let Some(c) = call {
         if req.constraint.is_some() {
             return Err(Status::invalid_argument(

@@ -457,19 +457,10 @@ async fn chat(
     let format = state.reasoning_format();
     // does the template leave a <think> block open for the answer (DeepSeek-R1's does)?
     let opens = match (&req.prompt, format) {
-        (tandem_engine::Prompt::Chat(messages), ReasoningFormat::Deepseek) => {
+        (p @ (tandem_engine::Prompt::Chat(_) | tandem_engine::Prompt::Messages { .. }), ReasoningFormat::Deepseek) => {
             let engine = state.engine()?.clone();
-            let messages = messages.clone();
-            tokio::task::spawn_blocking(move || engine.render_chat(&messages))
-                .await
-                .ok()
-                .and_then(|r| r.ok())
-                .is_some_and(|p| Splitter::prompt_opens(&p))
-        }
-        (tandem_engine::Prompt::Messages { messages, tools }, ReasoningFormat::Deepseek) => {
-            let engine = state.engine()?.clone();
-            let (messages, tools) = (messages.clone(), tools.clone());
-            tokio::task::spawn_blocking(move || engine.render_messages(&messages, &tools))
+            let p = p.clone();
+            tokio::task::spawn_blocking(move || engine.render_prompt(&p))
                 .await
                 .ok()
                 .and_then(|r| r.ok())
@@ -807,13 +798,9 @@ async fn apply_template(
 ) -> Result<Json<Value>, ApiError> {
     let parsed = openai::chat_request(parse(body)?, Instant::now(), state.sampling())?;
     let engine = state.engine()?.clone();
-    let prompt = tokio::task::spawn_blocking(move || match parsed.req.prompt {
-        tandem_engine::Prompt::Chat(messages) => engine.render_chat(&messages),
-        tandem_engine::Prompt::Messages { messages, tools } => engine.render_messages(&messages, &tools),
-        _ => Err(tandem_engine::Error::InvalidRequest("no messages".into())),
-    })
-    .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("rendering: {e}")))?
-    .map_err(|e| ApiError::from(&e))?;
+    let prompt = tokio::task::spawn_blocking(move || engine.render_prompt(&parsed.req.prompt))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("rendering: {e}")))?
+        .map_err(|e| ApiError::from(&e))?;
     Ok(Json(json!({"prompt": prompt})))
 }

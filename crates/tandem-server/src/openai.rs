@@ -168,6 +168,9 @@ pub struct ChatRequest {
     /// With a forced call, several calls may follow one another (llama-server's default: one).
     #[serde(default)]
     pub parallel_tool_calls: bool,
+    /// More variables for the chat template, over the server's `--chat-template-kwargs` (e.g.
+    /// `{"thinking": false}`), as llama-server.
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<u32>,
@@ -498,7 +501,10 @@ pub fn chat_request(r: ChatRequest, arrived: Instant, d: &SamplingDefaults) -> R
         _ => None,
     };
     // tool calls and results need the messages as they are, for the template
-    let rich = !offered.is_empty() || r.messages.iter().any(|m| m.tool_calls.is_some() || m.role == "tool");
+    let kwargs = r.chat_template_kwargs.unwrap_or_default();
+    let rich = !offered.is_empty()
+        || !kwargs.is_empty()
+        || r.messages.iter().any(|m| m.tool_calls.is_some() || m.role == "tool");
     let mut messages = Vec::with_capacity(r.messages.len());
     let mut rich_messages = Vec::new();
     for m in r.messages {
@@ -549,7 +555,7 @@ pub fn chat_request(r: ChatRequest, arrived: Instant, d: &SamplingDefaults) -> R
     let include_usage = r.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let stream = r.common.stream;
     let prompt = if rich {
-        Prompt::Messages { messages: rich_messages, tools: offered.clone() }
+        Prompt::Messages { messages: rich_messages, tools: offered.clone(), kwargs }
     } else {
         Prompt::Chat(messages)
     };
@@ -579,8 +585,10 @@ fn prompt_bytes(p: &Prompt) -> usize {
         Prompt::Text(t) => t.len(),
         Prompt::Tokens(ids) => 4 * ids.len(),
         Prompt::Chat(m) => m.iter().map(|(r, c)| r.len() + c.len()).sum(),
-        Prompt::Messages { messages, tools } => {
-            messages.iter().chain(tools).map(|v| serde_json::to_string(v).map_or(0, |s| s.len())).sum()
+        Prompt::Messages { messages, tools, kwargs } => {
+            let json =
+                messages.iter().chain(tools).map(|v| serde_json::to_string(v).map_or(0, |s| s.len())).sum::<usize>();
+            json + kwargs.iter().map(|(k, v)| k.len() + v.to_string().len()).sum::<usize>()
         }
     }
 }

@@ -362,14 +362,7 @@ impl Service {
         }
         let engine = self.state.engine()?.clone();
         let prompt = req.prompt.clone();
-        let rendered = tokio::task::spawn_blocking(move || match &prompt {
-            tandem_engine::Prompt::Chat(m) => engine.render_chat(m).ok(),
-            tandem_engine::Prompt::Messages { messages, tools } => engine.render_messages(messages, tools).ok(),
-            _ => None,
-        })
-        .await
-        .ok()
-        .flatten();
+        let rendered = tokio::task::spawn_blocking(move || engine.render_prompt(&prompt).ok()).await.ok().flatten();
         Ok(Some(Splitter::new(format, rendered.is_some_and(|p| Splitter::prompt_opens(&p)))))
     }
 }

@@ -110,6 +110,19 @@ impl ChatTemplate {
     /// The render's budget ([`render_fuel`]) stops a template that loops or grows without end
     /// with an error.
     pub fn render(&self, messages: &[Json], tools: Option<&[Json]>, add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, tools, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`ChatTemplate::render`] with more variables for the template (llama.cpp's
+    /// `chat_template_kwargs`, e.g. `enable_thinking` or `thinking`); they cannot replace
+    /// `messages`, `tools`, `add_generation_prompt` or the BOS and EOS texts.
+    pub fn render_with(
+        &self,
+        messages: &[Json],
+        tools: Option<&[Json]>,
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, Json>,
+    ) -> Result<String> {
         let mut env = self.env.clone();
         env.set_fuel(Some(render_fuel(messages, tools)));
         let tmpl = env.get_template(NAME).map_err(Error::from)?;
@@ -119,6 +132,7 @@ impl ChatTemplate {
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.as_str(),
             eos_token => self.eos_token.as_str(),
+            ..Value::from(Serde(extra))
         };
         Ok(tmpl.render(ctx)?)
     }
