@@ -3,6 +3,7 @@
 //! request / event types the servers use ([`request`]). It sees models through tandem-model and
 //! text through tandem-tokenizer, nothing lower.
 
+mod dry;
 pub mod grammar;
 mod handle;
 pub mod request;
@@ -12,13 +13,14 @@ mod slot;
 pub mod stats;
 pub mod tool_format;
 
+pub use dry::DryBreakers;
 pub use grammar::Constraint;
 pub use handle::{Engine, EngineConfig, EngineHandle, EngineInfo};
 pub use request::{
     Event, Failure, Finish, FinishReason, LengthLimit, PositionLogprobs, Prompt, Request, Sink, Timings, TokenLogprob,
     Usage,
 };
-pub use sampling::{argmax, DryBreakers, Sampler, SamplingParams, StopMatcher, StopOutput, DRY_SEQUENCE_BREAKERS};
+pub use sampling::{argmax, Sampler, SamplingParams, StopMatcher, StopOutput, DRY_SEQUENCE_BREAKERS};
 pub use stats::{SlotView, Stats};
 pub use tandem_model::Counts;
 pub use tandem_tokenizer::TemplateSource;
