@@ -25,10 +25,12 @@ if ! "$venv/bin/python" -c 'import grpc_tools' 2>/dev/null; then
 fi
 export TANDEM_GRPC_PYTHON="$PWD/$venv/bin/python"
 # tests/http.rs checks the HTTP API with the official openai package and an aiohttp batch client
-# (scripts/http_client_check.py), and structured output validated with jsonschema
-# (scripts/structured_output_check.py).
-if ! "$venv/bin/python" -c 'import openai, aiohttp, jsonschema' 2>/dev/null; then
-    "$venv/bin/pip" install --quiet --disable-pip-version-check "openai==3.57.0" "aiohttp==3.14.5" "jsonschema==4.25.1"
+# (scripts/http_client_check.py), structured output validated with jsonschema
+# (scripts/structured_output_check.py), and the Messages API with the official anthropic package
+# (scripts/anthropic_client_check.py).
+if ! "$venv/bin/python" -c 'import openai, aiohttp, jsonschema, anthropic' 2>/dev/null; then
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "openai==3.57.0" "aiohttp==3.14.5" \
+        "jsonschema==4.25.1" "anthropic==2.17.0"
 fi
 export TANDEM_HTTP_PYTHON="$PWD/$venv/bin/python"
 

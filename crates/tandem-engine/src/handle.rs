@@ -180,6 +180,8 @@ impl Engine {
         let tool_format = crate::tool_format::ToolFormat::of_template(&source);
         let stats = Arc::new(Stats::default());
         stats.kv_capacity_tokens.set((n_ctx * config.n_parallel) as u64);
+        // every slot idle until the scheduler's first step says otherwise
+        *stats.slots.lock().unwrap_or_else(|e| e.into_inner()) = vec![Default::default(); config.n_parallel];
         let (tx, rx) = channel();
         let info = EngineInfo { n_vocab: ctx.model().n_vocab(), n_ctx, system_prompt_tokens: sys.len() };
         // the longest text one token stands for: a prompt of more bytes than twice that per

@@ -55,6 +55,8 @@ pub(crate) fn router(state: Arc<State>) -> Router {
         .route("/detokenize", post(detokenize))
         .route("/props", get(props))
         .route("/slots", get(slots))
+        .route("/v1/messages", post(crate::anthropic::messages))
+        .route("/v1/messages/count_tokens", post(crate::anthropic::count_tokens))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -68,7 +70,9 @@ pub(crate) fn router(state: Arc<State>) -> Router {
 async fn guard(AxState(state): AxState<Arc<State>>, mut req: axum::extract::Request, next: Next) -> Response {
     let path = req.uri().path();
     if path != "/health" && path != "/v1/health" {
-        match state.authorize(req.headers().get(header::AUTHORIZATION).map(|v| v.as_bytes())) {
+        // Anthropic's clients send x-api-key (as llama-server, Authorization wins when both are there)
+        let given = req.headers().get(header::AUTHORIZATION).or_else(|| req.headers().get("x-api-key"));
+        match state.authorize(given.map(|v| v.as_bytes())) {
             Ok(Some(k)) => {
                 req.extensions_mut().insert(k);
             }
@@ -121,8 +125,29 @@ impl ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, message)
     }
 
+    pub(crate) fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)
+    }
+
+    pub(crate) fn message(&self) -> &str {
+        &self.message
+    }
+
     fn body(&self) -> Value {
         json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.status.as_u16()}})
+    }
+
+    /// The error as Anthropic's API answers it: `{"type": "error", "error": {"type", "message"}}`.
+    pub(crate) fn anthropic(self) -> Response {
+        let kind = match self.status {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
+            s if s.is_client_error() => "invalid_request_error",
+            _ => "api_error",
+        };
+        (self.status, Json(json!({"type": "error", "error": {"type": kind, "message": self.message}}))).into_response()
     }
 }
 
@@ -171,7 +196,7 @@ impl From<tonic::Status> for ApiError {
     }
 }
 
-fn failure(f: &Failure) -> ApiError {
+pub(crate) fn failure(f: &Failure) -> ApiError {
     match f {
         Failure::DeadlineExceeded => ApiError::new(StatusCode::GATEWAY_TIMEOUT, f.to_string()),
         Failure::Unavailable(m) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, m.clone()),
@@ -180,7 +205,7 @@ fn failure(f: &Failure) -> ApiError {
 }
 
 /// The body as JSON of type `T`; an unreadable, oversized or malformed body is a 4xx.
-fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+pub(crate) fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
     let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
     serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("invalid JSON body: {e}")))
 }
@@ -204,7 +229,7 @@ fn now_secs() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-fn model_name(state: &State) -> String {
+pub(crate) fn model_name(state: &State) -> String {
     state.model_name().unwrap_or_default().to_string()
 }
 
@@ -340,7 +365,7 @@ impl Sink for HttpSink {
 }
 
 /// Submits `req` (tokenizing off the async threads) under a fresh random id `PREFIX-HEX`.
-async fn submit(
+pub(crate) async fn submit(
     state: &Arc<State>,
     mut req: Request,
     prefix: &str,
@@ -359,13 +384,13 @@ async fn submit(
 }
 
 /// A whole generation, for the non-streaming answers.
-struct Collected {
-    text: String,
+pub(crate) struct Collected {
+    pub text: String,
     logprobs: Vec<PositionLogprobs>,
-    finish: Finish,
+    pub finish: Finish,
 }
 
-async fn collect(mut rx: mpsc::UnboundedReceiver<Event>) -> Result<Collected, ApiError> {
+pub(crate) async fn collect(mut rx: mpsc::UnboundedReceiver<Event>) -> Result<Collected, ApiError> {
     let mut text = String::new();
     let mut logprobs = Vec::new();
     loop {
@@ -388,20 +413,20 @@ async fn collect(mut rx: mpsc::UnboundedReceiver<Event>) -> Result<Collected, Ap
 /// channel's receiver, which tells the engine to free the slot.
 struct EventStream<F> {
     rx: mpsc::UnboundedReceiver<Event>,
-    pending: VecDeque<String>,
+    pending: VecDeque<SseEvent>,
     done: bool,
-    /// Translates an event into `data:` payloads; true when it was the last.
+    /// Translates an event into server-sent events; true when it was the last.
     translate: F,
 }
 
-impl<F: FnMut(Event) -> (Vec<String>, bool) + Send + Unpin> Stream for EventStream<F> {
+impl<F: FnMut(Event) -> (Vec<SseEvent>, bool) + Send + Unpin> Stream for EventStream<F> {
     type Item = Result<SseEvent, Infallible>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = &mut *self;
         loop {
-            if let Some(data) = this.pending.pop_front() {
-                return Poll::Ready(Some(Ok(SseEvent::default().data(data))));
+            if let Some(event) = this.pending.pop_front() {
+                return Poll::Ready(Some(Ok(event)));
             }
             if this.done {
                 return Poll::Ready(None);
@@ -419,9 +444,23 @@ impl<F: FnMut(Event) -> (Vec<String>, bool) + Send + Unpin> Stream for EventStre
     }
 }
 
-fn sse<F>(rx: mpsc::UnboundedReceiver<Event>, first: Vec<String>, translate: F) -> Response
+/// An OpenAI-style stream: every event a `data:` payload.
+fn sse<F>(rx: mpsc::UnboundedReceiver<Event>, first: Vec<String>, mut translate: F) -> Response
 where
     F: FnMut(Event) -> (Vec<String>, bool) + Send + Unpin + 'static,
+{
+    let data = |v: Vec<String>| v.into_iter().map(|d| SseEvent::default().data(d)).collect::<Vec<_>>();
+    let first = data(first);
+    sse_events(rx, first, move |ev| {
+        let (out, last) = translate(ev);
+        (data(out), last)
+    })
+}
+
+/// A stream of server-sent events (Anthropic's have names).
+pub(crate) fn sse_events<F>(rx: mpsc::UnboundedReceiver<Event>, first: Vec<SseEvent>, translate: F) -> Response
+where
+    F: FnMut(Event) -> (Vec<SseEvent>, bool) + Send + Unpin + 'static,
 {
     Sse::new(EventStream { rx, pending: first.into(), done: false, translate }).into_response()
 }
@@ -455,19 +494,7 @@ async fn chat(
     let top = req.logprobs as usize;
     let want_logprobs = req.logprobs > 0;
     let format = state.reasoning_format();
-    // does the template leave a <think> block open for the answer (DeepSeek-R1's does)?
-    let opens = match (&req.prompt, format) {
-        (p @ (tandem_engine::Prompt::Chat(_) | tandem_engine::Prompt::Messages { .. }), ReasoningFormat::Deepseek) => {
-            let engine = state.engine()?.clone();
-            let p = p.clone();
-            tokio::task::spawn_blocking(move || engine.render_prompt(&p))
-                .await
-                .ok()
-                .and_then(|r| r.ok())
-                .is_some_and(|p| Splitter::prompt_opens(&p))
-        }
-        _ => false,
-    };
+    let opens = prompt_opens(&state, &req.prompt).await?;
     if !more.is_empty() {
         let reqs = std::iter::once(req).chain(more).collect();
         let (ids, rxs) = submit_all(&state, reqs, "chatcmpl", key.map(|k| k.0)).await?;
@@ -555,6 +582,24 @@ async fn chat(
         }
         Event::Failed(f) => (error_data(&f), true),
     }))
+}
+
+/// Whether the chat template leaves a `<think>` block open for the answer (DeepSeek-R1's does),
+/// when thinking is split from the answer.
+pub(crate) async fn prompt_opens(state: &Arc<State>, prompt: &tandem_engine::Prompt) -> Result<bool, ApiError> {
+    use tandem_engine::Prompt;
+    Ok(match (prompt, state.reasoning_format()) {
+        (p @ (Prompt::Chat(_) | Prompt::Messages { .. }), ReasoningFormat::Deepseek) => {
+            let engine = state.engine()?.clone();
+            let p = p.clone();
+            tokio::task::spawn_blocking(move || engine.render_prompt(&p))
+                .await
+                .ok()
+                .and_then(|r| r.ok())
+                .is_some_and(|p| Splitter::prompt_opens(&p))
+        }
+        _ => false,
+    })
 }
 
 /// Legacy completions' `logprobs` object for a run of positions.

@@ -3,6 +3,7 @@
 //! Beside it, [`http`]: the OpenAI- and llama-server-compatible HTTP API over the same engine.
 //! The server only translates: the engine owns the model and does the work.
 
+mod anthropic;
 mod codec;
 mod conn;
 mod convert;
