@@ -10,7 +10,7 @@ use crate::http::{self, ApiError};
 use crate::openai::{self, BadParam};
 use crate::reasoning::Splitter;
 use crate::service::{KeyIndex, State};
-use crate::tools::{ToolCall, ToolStream};
+use crate::tools::{AnswerStream, ToolCall};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State as AxState;
@@ -300,55 +300,30 @@ async fn answer(
     let openai::Parsed { req, stream, tools, .. } = openai::chat_request(chat, Instant::now(), state.sampling())?;
     let opens = http::prompt_opens(&state, &req.prompt).await?;
     let stops = req.stop.clone();
-    let mut split = Splitter::new(state.reasoning_format(), opens);
+    let split = Splitter::new(state.reasoning_format(), opens);
     let (id, rx) = http::submit(&state, req, "msg", key).await?;
     let model = http::model_name(&state);
     let ids = state.clone();
     let mut new_id = move || ids.new_id("toolu");
     if !stream {
         let c = http::collect(rx).await?;
-        let (mut reasoning, mut text) = split.push(&c.text);
-        let (r, t) = split.finish();
-        reasoning += &r;
-        text += &t;
-        let calls = if tools {
-            let (rest, calls) = crate::tools::parse(&text);
-            text = rest;
-            calls
-        } else {
-            Vec::new()
-        };
-        return Ok(Json(message(&id, &model, (reasoning, text, calls), &c.finish, &stops, &mut new_id)).into_response());
+        let parts = crate::tools::whole_answer(split, tools, &c.text);
+        return Ok(Json(message(&id, &model, parts, &c.finish, &stops, &mut new_id)).into_response());
     }
     let start = json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant",
         "model": model, "content": [], "stop_reason": null, "stop_sequence": null,
         "usage": {"input_tokens": 0, "output_tokens": 0}}});
     let mut blocks = Blocks { open: Open::None, index: 0 };
-    let mut calls_stream = tools.then(ToolStream::default);
+    let mut answer = AnswerStream::new(split, tools);
     Ok(http::sse_events(rx, sse(vec![event("message_start", start)]), move |ev| {
         let mut out = Vec::new();
         match ev {
             Event::Token { text, .. } => {
-                let (r, mut t) = split.push(&text);
-                if let Some(ts) = calls_stream.as_mut() {
-                    t = ts.push(&t);
-                }
-                blocks.push((r, t), &mut out);
+                blocks.push(answer.push(&text), &mut out);
                 (sse(out), false)
             }
             Event::Finished { text, finish } => {
-                let (mut r, mut t) = split.push(&text);
-                let (r2, t2) = split.finish();
-                r += &r2;
-                t += &t2;
-                let mut calls = Vec::new();
-                if let Some(ts) = calls_stream.as_mut() {
-                    let mut sent = ts.push(&t);
-                    let (rest, found) = ts.finish();
-                    sent += &rest;
-                    t = sent;
-                    calls = found;
-                }
+                let (r, t, calls) = answer.finish(&text);
                 blocks.push((r, t), &mut out);
                 blocks.calls(&calls, &mut new_id, &mut out);
                 blocks.close(&mut out);

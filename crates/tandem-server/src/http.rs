@@ -510,7 +510,7 @@ async fn chat(
                                "model": model_name(&state), "choices": choices, "usage": summed_usage(&usage)}))
         .into_response());
     }
-    let mut split = Splitter::new(format, opens);
+    let split = Splitter::new(format, opens);
     let (id, rx) = submit(&state, req, "chatcmpl", key.map(|k| k.0)).await?;
     let model = model_name(&state);
     let created = now_secs();
@@ -531,7 +531,7 @@ async fn chat(
     let first = vec![chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null).to_string()];
     // the deltas of a piece of text: thinking apart from the answer
     let end = chunk.clone();
-    let mut calls_stream = tools.then(crate::tools::ToolStream::default);
+    let mut answer = crate::tools::AnswerStream::new(split, tools);
     let deltas = move |(reasoning, content): (String, String), lp: Value| {
         let mut out = Vec::new();
         if !reasoning.is_empty() {
@@ -551,25 +551,10 @@ async fn chat(
                 (Some(p), true) => json!({"content": [openai::chat_logprob(p, top)]}),
                 _ => Value::Null,
             };
-            let (r, mut c) = split.push(&text);
-            if let Some(ts) = calls_stream.as_mut() {
-                c = ts.push(&c);
-            }
-            (deltas((r, c), lp), false)
+            (deltas(answer.push(&text), lp), false)
         }
         Event::Finished { text, finish } => {
-            let (mut r, mut c) = split.push(&text);
-            let (r2, c2) = split.finish();
-            r += &r2;
-            c += &c2;
-            let mut calls = Vec::new();
-            if let Some(ts) = calls_stream.as_mut() {
-                let mut sent = ts.push(&c);
-                let (rest, found) = ts.finish();
-                sent += &rest;
-                c = sent;
-                calls = found;
-            }
+            let (r, c, calls) = answer.finish(&text);
             let mut out = deltas((r, c), Value::Null);
             let mut reason = Value::from(openai::finish_reason(&finish));
             if !calls.is_empty() {
@@ -703,18 +688,8 @@ fn summed_usage(all: &[tandem_engine::Usage]) -> Value {
 
 /// One chat completion choice (index 0) of a whole generation: the thinking apart from the
 /// answer, tool calls parsed when tools were offered, the log-probabilities when asked (`top`).
-fn chat_choice(c: &Collected, mut split: Splitter, tools: bool, state: &Arc<State>, top: Option<usize>) -> Value {
-    let (mut reasoning, mut content) = split.push(&c.text);
-    let (r, t) = split.finish();
-    reasoning += &r;
-    content += &t;
-    let calls = if tools {
-        let (text, calls) = crate::tools::parse(&content);
-        content = text;
-        calls
-    } else {
-        Vec::new()
-    };
+fn chat_choice(c: &Collected, split: Splitter, tools: bool, state: &Arc<State>, top: Option<usize>) -> Value {
+    let (reasoning, content, calls) = crate::tools::whole_answer(split, tools, &c.text);
     let mut choice = json!({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": null,
                             "finish_reason": openai::finish_reason(&c.finish)});
     if !reasoning.is_empty() {

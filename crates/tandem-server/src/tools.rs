@@ -200,6 +200,63 @@ impl ToolStream {
     }
 }
 
+/// A streamed answer: thinking split from the text ([`crate::reasoning::Splitter`]) and, when
+/// tools were offered, calls held back from the text and parsed at the end.
+pub struct AnswerStream {
+    split: crate::reasoning::Splitter,
+    calls: Option<ToolStream>,
+}
+
+/// A whole answer as (thinking, text, calls): the calls parsed out of the text when tools were
+/// offered.
+pub fn whole_answer(
+    mut split: crate::reasoning::Splitter,
+    tools: bool,
+    answer: &str,
+) -> (String, String, Vec<ToolCall>) {
+    let (mut reasoning, mut text) = split.push(answer);
+    let (r, t) = split.finish();
+    reasoning += &r;
+    text += &t;
+    if !tools {
+        return (reasoning, text, Vec::new());
+    }
+    let (text, calls) = parse(&text);
+    (reasoning, text, calls)
+}
+
+impl AnswerStream {
+    pub fn new(split: crate::reasoning::Splitter, tools: bool) -> AnswerStream {
+        AnswerStream { split, calls: tools.then(ToolStream::default) }
+    }
+
+    /// The (thinking, text) of `text` that can go out now.
+    pub fn push(&mut self, text: &str) -> (String, String) {
+        let (r, mut t) = self.split.push(text);
+        if let Some(ts) = self.calls.as_mut() {
+            t = ts.push(&t);
+        }
+        (r, t)
+    }
+
+    /// The end: the last `text`, then everything held back as (thinking, text) and the calls.
+    pub fn finish(&mut self, text: &str) -> (String, String, Vec<ToolCall>) {
+        let (mut r, mut t) = self.split.push(text);
+        let (r2, t2) = self.split.finish();
+        r += &r2;
+        t += &t2;
+        let mut calls = Vec::new();
+        if let Some(ts) = self.calls.as_mut() {
+            let mut sent = ts.push(&t);
+            let (rest, found) = ts.finish();
+            sent += &rest;
+            t = sent;
+            calls = found;
+        }
+        (r, t, calls)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
