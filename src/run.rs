@@ -261,6 +261,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     let fresh = t.as_nanos() as u64 ^ u64::from(std::process::id());
     let params = args.sampling.params(SamplingParams { seed: fresh, ..SamplingParams::default() })?;
+    let kwargs = args.template.kwargs()?;
     let sampler = Sampler::new(params.clone())?;
     let ctx = open_context(&args.model, &args.engine.runtime, &args.engine.placement)?;
     let tok = Tokenizer::from_gguf(ctx.model().gguf())?;
@@ -270,7 +271,6 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         false => sampler,
     };
     let tmpl = template(args, &tok)?;
-    let kwargs = args.template.kwargs()?;
     if args.sampling.seed.is_none_or(|s| s < 0) && params.temperature > 0.0 {
         tracing::info!("seed: {}", params.seed);
     }

@@ -38,6 +38,10 @@ pub struct MessagesRequest {
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub top_k: Option<i64>,
+    /// `{"type": "enabled", "budget_tokens": N}` or `{"type": "disabled"}`: the chat template's
+    /// thinking switch (`thinking` and `enable_thinking`, as DeepSeek-V3.1's and Qwen3's read
+    /// it); the budget is not enforced.
+    pub thinking: Option<Value>,
 }
 
 #[derive(Deserialize, Debug)]
@@ -139,8 +143,17 @@ pub fn to_openai(r: MessagesRequest) -> Result<openai::ChatRequest, BadParam> {
             (choice, parallel)
         }
     };
+    let kwargs = match r.thinking.as_ref().map(|t| t["type"].as_str()) {
+        None => Value::Null,
+        Some(Some(kind @ ("enabled" | "disabled"))) => {
+            let on = kind == "enabled";
+            json!({"thinking": on, "enable_thinking": on})
+        }
+        Some(_) => return Err(BadParam("thinking: type enabled or disabled".into())),
+    };
     let chat = json!({
         "messages": messages, "tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel,
+        "chat_template_kwargs": kwargs,
         "max_tokens": r.max_tokens, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
         "stop": r.stop_sequences, "stream": r.stream,
     });
@@ -394,6 +407,12 @@ mod tests {
             assert!(s.contains(want), "{want}: {s}");
         }
         assert!(!s.contains("I should call it."), "{s}");
+        assert!(chat.chat_template_kwargs.is_none(), "no thinking switch unless asked");
+        let on = req(json!({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                            "thinking": {"type": "enabled", "budget_tokens": 1024}}))
+        .ok()
+        .unwrap();
+        assert_eq!(on.chat_template_kwargs.unwrap()["thinking"], true);
         assert_eq!(chat.messages.len(), 5, "{s}");
         assert_eq!(chat.messages[3].role, "tool");
         assert_eq!(chat.tool_choice, Some(json!({"type": "function", "function": {"name": "get_weather"}})));
