@@ -361,7 +361,6 @@ async fn bad_requests_get_openai_errors() {
     let chat = "/v1/chat/completions";
     let msgs = json!([{"role": "user", "content": "hi"}]);
     let cases: Vec<(&str, Value, StatusCode, &str)> = vec![
-        (chat, json!({"messages": msgs, "n": 2, "stream": true}), StatusCode::BAD_REQUEST, "stream: one prompt"),
         (chat, json!({"messages": msgs, "n": 0}), StatusCode::BAD_REQUEST, "n = 0"),
         (chat, json!({"messages": msgs, "temperature": -1}), StatusCode::BAD_REQUEST, "temperature"),
         (chat, json!({"messages": msgs, "top_p": 0}), StatusCode::BAD_REQUEST, "top_p"),
@@ -387,7 +386,6 @@ async fn bad_requests_get_openai_errors() {
         (chat, json!({"messages": msgs, "temperature": 1e40}), StatusCode::BAD_REQUEST, "temperature"),
         (chat, json!({"messages": msgs, "logprobs": true, "top_logprobs": 100}), StatusCode::BAD_REQUEST, "logprobs"),
         ("/v1/completions", json!({"prompt": {"a": 1}}), StatusCode::BAD_REQUEST, "invalid JSON body"),
-        ("/v1/completions", json!({"prompt": ["a", "b"], "stream": true}), StatusCode::BAD_REQUEST, "stream: one"),
         ("/completion", json!({"prompt": ["a", "b"]}), StatusCode::BAD_REQUEST, "batches are not supported here"),
         ("/completion", json!({"prompt": "a", "n_predict": 1.5}), StatusCode::BAD_REQUEST, "invalid JSON body"),
     ];
@@ -447,6 +445,41 @@ async fn a_prompt_list_and_n_give_one_choice_each() {
         assert_eq!(both["choices"][j]["index"], j);
         assert_eq!(both["choices"][j]["message"], alone["choices"][0]["message"], "{both} {alone}");
     }
+    // streamed: every choice's chunks under its index, each finished once, the usage of all, then
+    // [DONE]; the same texts as whole
+    let mut streamed = chat(7, 2);
+    streamed["stream"] = true.into();
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (status, text) = call(s.addr, "POST", "/v1/chat/completions", &streamed.to_string()).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let data = sse_data(&text);
+    assert_eq!((data.last().map(String::as_str), data.iter().filter(|d| *d == "[DONE]").count()), (Some("[DONE]"), 1));
+    let chunks: Vec<Value> = data.iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).unwrap()).collect();
+    let (mut content, mut finished) = (vec![String::new(); 2], vec![0; 2]);
+    for c in chunks.iter().filter(|c| !c["choices"].as_array().unwrap().is_empty()) {
+        let (j, choice) = (c["choices"][0]["index"].as_u64().unwrap() as usize, &c["choices"][0]);
+        content[j] += choice["delta"]["content"].as_str().unwrap_or_default();
+        finished[j] += usize::from(!choice["finish_reason"].is_null());
+    }
+    assert_eq!(finished, [1, 1], "{text}");
+    for j in 0..2 {
+        assert_eq!(both["choices"][j]["message"]["content"].as_str(), Some(content[j].as_str()), "{text}");
+    }
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"].as_u64(), Some(10), "{text}");
+    assert_eq!(usage["prompt_tokens"], both["usage"]["prompt_tokens"], "{text}");
+    let mut listed = one(PROMPTS[0], 7);
+    listed["prompt"] = json!([PROMPTS[0], PROMPTS[1]]);
+    listed["stream"] = true.into();
+    let (status, text) = call(s.addr, "POST", "/v1/completions", &listed.to_string()).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let mut texts = vec![String::new(); 2];
+    for d in sse_data(&text).iter().filter(|d| *d != "[DONE]") {
+        let c: Value = serde_json::from_str(d).unwrap();
+        texts[c["choices"][0]["index"].as_u64().unwrap() as usize] += c["choices"][0]["text"].as_str().unwrap();
+    }
+    let want = [&alone[0], &alone[2]].map(|a| a["choices"][0]["text"].as_str().unwrap().to_string());
+    assert_eq!(texts, want, "{text}");
     // more choices than the slots and the queue hold: 429, and the server goes on
     let tight = serve(512, EngineConfig { n_parallel: 1, queue_size: 1, ..EngineConfig::default() }).await;
     let endless = json!({"prompt": ["a", "b", "c"], "ignore_eos": true, "max_tokens": 400});

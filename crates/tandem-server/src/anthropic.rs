@@ -328,7 +328,7 @@ async fn answer(
         "usage": {"input_tokens": 0, "output_tokens": 0}}});
     let mut blocks = Blocks { open: Open::None, index: 0 };
     let mut answer = AnswerStream::new(split, tools);
-    Ok(http::sse_events(rx, sse(vec![event("message_start", start)]), move |ev| {
+    Ok(crate::stream::sse_events(rx, sse(vec![event("message_start", start)]), move |ev| {
         let mut out = Vec::new();
         match ev {
             Event::Token { text, .. } => {

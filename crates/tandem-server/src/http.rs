@@ -8,26 +8,21 @@
 use crate::openai::{self, BadParam};
 use crate::reasoning::{ReasoningFormat, Splitter};
 use crate::service::{KeyIndex, State, StreamGuard};
+use crate::stream::{merged, sse, Step};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State as AxState};
 use axum::http::{header, Method, StatusCode};
 use axum::middleware::Next;
-use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
-use std::collections::VecDeque;
-use std::convert::Infallible;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tandem_engine::{Error as EngineError, Event, Failure, Finish, PositionLogprobs, Request, Sink, Usage};
 use tokio::sync::mpsc;
-use tokio_stream::Stream;
 
 /// Largest request body, in bytes (a long prompt fits; a runaway upload does not).
 pub const MAX_BODY_BYTES: usize = 16 << 20;
@@ -409,74 +404,18 @@ pub(crate) async fn collect(mut rx: mpsc::UnboundedReceiver<Event>) -> Result<Co
     }
 }
 
-/// Engine events as server-sent events. Dropping it (the client went away) drops the reply
-/// channel's receiver, which tells the engine to free the slot.
-struct EventStream<F> {
-    rx: mpsc::UnboundedReceiver<Event>,
-    pending: VecDeque<SseEvent>,
-    done: bool,
-    /// Translates an event into server-sent events; true when it was the last.
-    translate: F,
-}
-
-impl<F: FnMut(Event) -> (Vec<SseEvent>, bool) + Send + Unpin> Stream for EventStream<F> {
-    type Item = Result<SseEvent, Infallible>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = &mut *self;
-        loop {
-            if let Some(event) = this.pending.pop_front() {
-                return Poll::Ready(Some(Ok(event)));
-            }
-            if this.done {
-                return Poll::Ready(None);
-            }
-            match this.rx.poll_recv(cx) {
-                Poll::Ready(Some(ev)) => {
-                    let (out, last) = (this.translate)(ev);
-                    this.pending.extend(out);
-                    this.done = last;
-                }
-                Poll::Ready(None) => this.done = true,
-                Poll::Pending => return Poll::Pending,
-            }
-        }
-    }
-}
-
-/// An OpenAI-style stream: every event a `data:` payload.
-fn sse<F>(rx: mpsc::UnboundedReceiver<Event>, first: Vec<String>, mut translate: F) -> Response
-where
-    F: FnMut(Event) -> (Vec<String>, bool) + Send + Unpin + 'static,
-{
-    let data = |v: Vec<String>| v.into_iter().map(|d| SseEvent::default().data(d)).collect::<Vec<_>>();
-    let first = data(first);
-    sse_events(rx, first, move |ev| {
-        let (out, last) = translate(ev);
-        (data(out), last)
-    })
-}
-
-/// A stream of server-sent events (Anthropic's have names).
-pub(crate) fn sse_events<F>(rx: mpsc::UnboundedReceiver<Event>, first: Vec<SseEvent>, translate: F) -> Response
-where
-    F: FnMut(Event) -> (Vec<SseEvent>, bool) + Send + Unpin + 'static,
-{
-    Sse::new(EventStream { rx, pending: first.into(), done: false, translate }).into_response()
-}
-
 const DONE: &str = "[DONE]";
 
 /// The last events of an OpenAI stream after its finishing chunks `out`: with `include_usage`,
 /// `usage_chunk` (a chunk of the stream) with no choices and the usage, then `[DONE]`.
-fn stream_end(mut out: Vec<String>, usage_chunk: Option<Value>, usage: &Usage) -> (Vec<String>, bool) {
+fn stream_end(mut out: Vec<String>, usage_chunk: Option<Value>, usage: &[Usage]) -> Vec<String> {
     if let Some(mut u) = usage_chunk {
         u["choices"] = json!([]);
-        u["usage"] = openai::usage(usage);
+        u["usage"] = summed_usage(usage);
         out.push(u.to_string());
     }
     out.push(DONE.into());
-    (out, true)
+    out
 }
 
 fn error_data(f: &Failure) -> Vec<String> {
@@ -495,9 +434,11 @@ async fn chat(
     let want_logprobs = req.logprobs > 0;
     let format = state.reasoning_format();
     let opens = prompt_opens(&state, &req.prompt).await?;
-    if !more.is_empty() {
-        let reqs = std::iter::once(req).chain(more).collect();
-        let (ids, rxs) = submit_all(&state, reqs, "chatcmpl", key.map(|k| k.0)).await?;
+    let reqs = std::iter::once(req).chain(more).collect();
+    let (ids, rxs) = submit_all(&state, reqs, "chatcmpl", key.map(|k| k.0)).await?;
+    let (model, created) = (model_name(&state), now_secs());
+    let body = json!({"id": ids[0], "object": "chat.completion", "created": created, "model": model});
+    if !stream {
         let (mut choices, mut usage) = (Vec::with_capacity(rxs.len()), Vec::with_capacity(rxs.len()));
         for (index, rx) in rxs.into_iter().enumerate() {
             let c = collect(rx).await?;
@@ -506,67 +447,69 @@ async fn chat(
             choices.push(choice);
             usage.push(c.finish.usage);
         }
-        return Ok(Json(json!({"id": ids[0], "object": "chat.completion", "created": now_secs(),
-                               "model": model_name(&state), "choices": choices, "usage": summed_usage(&usage)}))
-        .into_response());
-    }
-    let split = Splitter::new(format, opens);
-    let (id, rx) = submit(&state, req, "chatcmpl", key.map(|k| k.0)).await?;
-    let model = model_name(&state);
-    let created = now_secs();
-    let chunk = move |delta: Value, lp: Value, reason: Value| {
-        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
-    };
-    let ids = state.clone();
-    let mut call_id = move || ids.new_id("call");
-    if !stream {
-        let c = collect(rx).await?;
-        let mut body = chunk(Value::Null, Value::Null, Value::Null);
-        body["object"] = "chat.completion".into();
-        body["choices"][0] = chat_choice(&c, split, tools, &state, want_logprobs.then_some(top));
-        body["usage"] = openai::usage(&c.finish.usage);
+        let mut body = body;
+        body["choices"] = choices.into();
+        body["usage"] = summed_usage(&usage);
         return Ok(Json(body).into_response());
     }
-    let first = vec![chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null).to_string()];
-    // the deltas of a piece of text: thinking apart from the answer
-    let end = chunk.clone();
-    let mut answer = crate::tools::AnswerStream::new(split, tools);
-    let deltas = move |(reasoning, content): (String, String), lp: Value| {
-        let mut out = Vec::new();
-        if !reasoning.is_empty() {
-            out.push(chunk(json!({"reasoning_content": reasoning}), Value::Null, Value::Null).to_string());
-        }
-        if !content.is_empty() || !lp.is_null() {
-            out.push(chunk(json!({"content": content}), lp, Value::Null).to_string());
-        }
-        out
-    };
-    Ok(sse(rx, first, move |ev| match ev {
-        Event::Token { text, logprobs, .. } => {
-            if text.is_empty() && logprobs.is_none() {
-                return (Vec::new(), false);
-            }
-            let lp = match (&logprobs, want_logprobs) {
-                (Some(p), true) => json!({"content": [openai::chat_logprob(p, top)]}),
-                _ => Value::Null,
+    let mut chunk = body;
+    chunk["object"] = "chat.completion.chunk".into();
+    let first = (0..rxs.len())
+        .map(|i| chat_chunk(&chunk, i, json!({"role": "assistant", "content": ""}), Value::Null, Value::Null))
+        .collect();
+    let translators = (0..rxs.len())
+        .map(|i| {
+            let (chunk, state) = (chunk.clone(), state.clone());
+            let mut answer = crate::tools::AnswerStream::new(Splitter::new(format, opens), tools);
+            let mut call_id = move || state.new_id("call");
+            let end = chunk.clone();
+            // the deltas of a piece of text: thinking apart from the answer
+            let deltas = move |(reasoning, content): (String, String), lp: Value, out: &mut Vec<String>| {
+                if !reasoning.is_empty() {
+                    out.push(chat_chunk(&chunk, i, json!({"reasoning_content": reasoning}), Value::Null, Value::Null));
+                }
+                if !content.is_empty() || !lp.is_null() {
+                    out.push(chat_chunk(&chunk, i, json!({"content": content}), lp, Value::Null));
+                }
             };
-            (deltas(answer.push(&text), lp), false)
-        }
-        Event::Finished { text, finish } => {
-            let (r, c, calls) = answer.finish(&text);
-            let mut out = deltas((r, c), Value::Null);
-            let mut reason = Value::from(openai::finish_reason(&finish));
-            if !calls.is_empty() {
-                let list = crate::tools::openai_calls(&calls, &mut call_id, true);
-                out.push(end(json!({"tool_calls": list}), Value::Null, Value::Null).to_string());
-                reason = "tool_calls".into();
+            move |ev| {
+                let mut out = Vec::new();
+                match ev {
+                    Event::Token { text, logprobs, .. } => {
+                        let lp = match (&logprobs, want_logprobs) {
+                            (Some(p), true) => json!({"content": [openai::chat_logprob(p, top)]}),
+                            _ => Value::Null,
+                        };
+                        if !text.is_empty() || !lp.is_null() {
+                            deltas(answer.push(&text), lp, &mut out);
+                        }
+                        Step::More(out)
+                    }
+                    Event::Finished { text, finish } => {
+                        let (r, c, calls) = answer.finish(&text);
+                        deltas((r, c), Value::Null, &mut out);
+                        let mut reason = Value::from(openai::finish_reason(&finish));
+                        if !calls.is_empty() {
+                            let list = crate::tools::openai_calls(&calls, &mut call_id, true);
+                            out.push(chat_chunk(&end, i, json!({"tool_calls": list}), Value::Null, Value::Null));
+                            reason = "tool_calls".into();
+                        }
+                        out.push(chat_chunk(&end, i, json!({}), Value::Null, reason));
+                        Step::Done(out, finish.usage)
+                    }
+                    Event::Failed(f) => Step::Failed(error_data(&f)),
+                }
             }
-            out.push(end(json!({}), Value::Null, reason).to_string());
-            stream_end(out, include_usage.then(|| end(Value::Null, Value::Null, Value::Null)), &finish.usage)
-        }
-        Event::Failed(f) => (error_data(&f), true),
-    }))
+        })
+        .collect();
+    Ok(merged(rxs, first, translators, move |out, usage| stream_end(out, include_usage.then_some(chunk), usage)))
+}
+
+/// A chat completion chunk of choice `index`.
+fn chat_chunk(chunk: &Value, index: usize, delta: Value, lp: Value, reason: Value) -> String {
+    let mut c = chunk.clone();
+    c["choices"] = json!([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}]);
+    c.to_string()
 }
 
 /// Whether the chat template leaves a `<think>` block open for the answer (DeepSeek-R1's does),
@@ -613,41 +556,41 @@ async fn completions(
     let openai::Parsed { req, stream, include_usage, more, .. } =
         openai::completion_request(parse(body)?, arrived, state.sampling())?;
     let want_logprobs = req.logprobs > 0;
-    if !more.is_empty() {
-        return completions_batch(&state, std::iter::once(req).chain(more).collect(), key.map(|k| k.0)).await;
-    }
-    let (id, rx) = submit(&state, req, "cmpl", key.map(|k| k.0)).await?;
-    let model = model_name(&state);
-    let created = now_secs();
-    let chunk = move |text: &str, lp: Value, reason: Value| {
-        json!({"id": id, "object": "text_completion", "created": created, "model": model,
-               "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}]})
-    };
+    let reqs: Vec<_> = std::iter::once(req).chain(more).collect();
     if !stream {
-        let c = collect(rx).await?;
-        let lp = if want_logprobs { completion_logprobs(&c.logprobs, &mut 0) } else { Value::Null };
-        let mut body = chunk(&c.text, lp, openai::finish_reason(&c.finish).into());
-        body["usage"] = openai::usage(&c.finish.usage);
-        return Ok(Json(body).into_response());
+        return completions_batch(&state, reqs, key.map(|k| k.0)).await;
     }
-    let mut offset = 0;
-    Ok(sse(rx, Vec::new(), move |ev| match ev {
-        Event::Token { text, logprobs, .. } => {
-            if text.is_empty() && logprobs.is_none() {
-                return (Vec::new(), false);
-            }
-            let lp = match logprobs {
-                Some(p) if want_logprobs => completion_logprobs(&[p], &mut offset),
-                _ => Value::Null,
+    let (ids, rxs) = submit_all(&state, reqs, "cmpl", key.map(|k| k.0)).await?;
+    let chunk = json!({"id": ids[0], "object": "text_completion", "created": now_secs(), "model": model_name(&state)});
+    let translators = (0..rxs.len())
+        .map(|i| {
+            let chunk = chunk.clone();
+            let text_chunk = move |text: &str, lp: Value, reason: Value| {
+                let mut c = chunk.clone();
+                c["choices"] = json!([{"index": i, "text": text, "logprobs": lp, "finish_reason": reason}]);
+                c.to_string()
             };
-            (vec![chunk(&text, lp, Value::Null).to_string()], false)
-        }
-        Event::Finished { text, finish } => {
-            let out = vec![chunk(&text, Value::Null, openai::finish_reason(&finish).into()).to_string()];
-            stream_end(out, include_usage.then(|| chunk("", Value::Null, Value::Null)), &finish.usage)
-        }
-        Event::Failed(f) => (error_data(&f), true),
-    }))
+            let mut offset = 0;
+            move |ev| match ev {
+                Event::Token { text, logprobs, .. } => {
+                    if text.is_empty() && logprobs.is_none() {
+                        return Step::More(Vec::new());
+                    }
+                    let lp = match logprobs {
+                        Some(p) if want_logprobs => completion_logprobs(&[p], &mut offset),
+                        _ => Value::Null,
+                    };
+                    Step::More(vec![text_chunk(&text, lp, Value::Null)])
+                }
+                Event::Finished { text, finish } => {
+                    let reason = openai::finish_reason(&finish).into();
+                    Step::Done(vec![text_chunk(&text, Value::Null, reason)], finish.usage)
+                }
+                Event::Failed(f) => Step::Failed(error_data(&f)),
+            }
+        })
+        .collect();
+    Ok(merged(rxs, Vec::new(), translators, move |out, usage| stream_end(out, include_usage.then_some(chunk), usage)))
 }
 
 /// Submits every choice of a request with several (a prompt list, `n` > 1) before reading any,

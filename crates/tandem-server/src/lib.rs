@@ -13,6 +13,7 @@ mod openai;
 pub mod reasoning;
 mod server;
 mod service;
+mod stream;
 pub mod tools;
 
 pub use conn::{ConnStats, Limits};

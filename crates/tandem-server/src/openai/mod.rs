@@ -7,9 +7,7 @@ use crate::SamplingDefaults;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::time::Instant;
-use tandem_engine::{
-    Constraint, Finish, FinishReason, LengthLimit, PositionLogprobs, Prompt, Request, SamplingParams, Usage,
-};
+use tandem_engine::{Constraint, Finish, FinishReason, LengthLimit, PositionLogprobs, Prompt, Request, SamplingParams};
 
 /// Most stop strings per request, and bytes per stop string (as over gRPC).
 const MAX_STOPS: usize = 16;
@@ -575,7 +573,7 @@ pub fn chat_request(r: ChatRequest, arrived: Instant, d: &SamplingDefaults) -> R
     let tools = !offered.is_empty();
     // call markers are control tokens in some vocabularies (Kimi K2's)
     req.special_text = tools;
-    let more = more_choices(&req, &[], n, stream)?;
+    let more = more_choices(&req, &[], n)?;
     Ok(Parsed { req, tools, stream, include_usage, more })
 }
 
@@ -596,7 +594,7 @@ fn prompt_bytes(p: &Prompt) -> usize {
 /// The choices after `req` of a request for `n` choices of `req`'s prompt and of each of
 /// `prompts`: choice i * n + j is prompt i with seed + j, so n > 1 gives n draws and the same
 /// seed the same choices. Each is its own engine request, run side by side on the slots.
-fn more_choices(req: &Request, prompts: &[Prompt], n: usize, stream: bool) -> Result<Vec<Request>, BadParam> {
+fn more_choices(req: &Request, prompts: &[Prompt], n: usize) -> Result<Vec<Request>, BadParam> {
     let count = prompts.len() + 1;
     let choices = count.saturating_mul(n);
     if n == 0 {
@@ -609,11 +607,6 @@ fn more_choices(req: &Request, prompts: &[Prompt], n: usize, stream: bool) -> Re
     if bytes > MAX_CHOICE_BYTES {
         return Err(BadParam(format!(
             "prompt: {bytes} bytes of prompts over {choices} choices; at most {MAX_CHOICE_BYTES} a request"
-        )));
-    }
-    if stream && choices > 1 {
-        return Err(BadParam(format!(
-            "stream: one prompt and n = 1 only ({choices} choices asked); send a prompt list or n > 1 without stream"
         )));
     }
     let base = req.sampling.seed;
@@ -637,7 +630,7 @@ pub fn completion_request(r: CompletionRequest, arrived: Instant, d: &SamplingDe
     let first = prompts.remove(0);
     let mut req = common(r.common, first, arrived, d)?;
     req.logprobs = r.logprobs.unwrap_or(0);
-    let more = more_choices(&req, &prompts, n, stream)?;
+    let more = more_choices(&req, &prompts, n)?;
     Ok(Parsed { req, tools: false, stream, include_usage, more })
 }
 
@@ -670,16 +663,6 @@ pub fn finish_reason(f: &Finish) -> &'static str {
         FinishReason::Length(_) => "length",
         FinishReason::Stop | FinishReason::Eos | FinishReason::Cancelled => "stop",
     }
-}
-
-/// OpenAI's `usage`, with the prompt tokens the prompt cache served.
-pub fn usage(u: &Usage) -> Value {
-    json!({
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    })
 }
 
 /// One position of a chat completion's `logprobs.content`, with `top` entries.
