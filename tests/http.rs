@@ -720,48 +720,6 @@ async fn a_model_without_a_template_chats_in_chatml_and_flags_choose_another() {
     }
 }
 
-/// Anthropic's Messages API through the official `anthropic` package
-/// (scripts/anthropic_client_check.py): text whole and streamed, a forced tool call as a
-/// `tool_use` block, a tool result sent back, count_tokens, errors in Anthropic's shape; and the
-/// key in `x-api-key`, as Anthropic's clients send it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn anthropic_messages_work_with_the_anthropic_package() {
-    let python = std::env::var("TANDEM_HTTP_PYTHON").expect(
-        "TANDEM_HTTP_PYTHON is not set: run scripts/test.sh, which installs anthropic into .test-venv and sets it",
-    );
-    let hermes = tandem_tokenizer::resolve_template_arg("hermes").unwrap();
-    let s = serve(2048, EngineConfig { chat_template: Some(hermes), ..EngineConfig::default() }).await;
-    let base = format!("http://{}", s.addr);
-    let stdout = python_script(python, "anthropic_client_check.py", &["--base-url", &base]).await;
-    assert!(stdout.contains("round trip") && stdout.ends_with("OK\n"), "{stdout}");
-    println!("{stdout}");
-    drop(s);
-
-    let options = tandem_server::Options { api_keys: vec!["k1".into()], ..Default::default() };
-    let mut t = serve_util::start_with("llama-tiny.gguf", 256, EngineConfig::default(), options).await;
-    let addr = t.server.serve_http(TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap();
-    let body = json!({"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}).to_string();
-    for (key, want) in [("k1", StatusCode::OK), ("k2", StatusCode::UNAUTHORIZED)] {
-        let req = hyper::Request::post(format!("http://{addr}/v1/messages"))
-            .header("content-type", "application/json")
-            .header("x-api-key", key)
-            .body(Full::new(Bytes::from(body.clone())))
-            .unwrap();
-        let stream = TcpStream::connect(addr).await.unwrap();
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
-        tokio::spawn(conn);
-        let resp = sender.send_request(req).await.unwrap();
-        let status = resp.status();
-        let v: Value = serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
-        assert_eq!(status, want, "{key}: {v}");
-        if want == StatusCode::OK {
-            assert_eq!((v["type"].as_str(), v["usage"]["output_tokens"].as_u64()), (Some("message"), Some(2)), "{v}");
-        } else {
-            assert_eq!(v["error"]["type"], "authentication_error", "{v}");
-        }
-    }
-}
-
 /// `--chat-template-kwargs` and a request's `chat_template_kwargs`, as llama-server: variables a
 /// template reads (here a DeepSeek-V3.1-style `thinking` switch), the request's over the
 /// server's, never replacing the messages; a prompt left in an open `<think>` answers in
