@@ -471,15 +471,9 @@ impl EngineHandle {
         let s = &*self.0;
         let Some(t) = &s.template else { return Err(Error::NoChatTemplate) };
         let tools = (!tools.is_empty()).then_some(tools);
-        let text = match (s.config.template_kwargs.is_empty(), kwargs.is_empty()) {
-            (true, _) => t.render_with(messages, tools, true, kwargs)?,
-            (false, true) => t.render_with(messages, tools, true, &s.config.template_kwargs)?,
-            (false, false) => {
-                let mut all = s.config.template_kwargs.clone();
-                all.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
-                t.render_with(messages, tools, true, &all)?
-            }
-        };
+        let mut vars = s.config.template_kwargs.clone();
+        vars.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
+        let text = t.render_with(messages, tools, true, &vars)?;
         let bos = s.tokenizer.bos_text();
         Ok(match text.strip_prefix(bos) {
             Some(rest) if s.tokenizer.add_bos() && !bos.is_empty() => rest.to_string(),

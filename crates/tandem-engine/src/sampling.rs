@@ -108,6 +108,11 @@ impl SamplingParams {
         SamplingParams { temperature: 0.0, ..SamplingParams::default() }
     }
 
+    /// DRY takes part (llama.cpp: a multiplier, a base of 1 or more and a window).
+    pub fn dry_on(&self) -> bool {
+        self.dry_multiplier != 0.0 && self.dry_base >= 1.0 && self.dry_penalty_last_n != 0
+    }
+
     /// Rejects values no sampler can use; the message names the parameter.
     pub fn validate(&self) -> Result<()> {
         let bad = |name: &str, v: f32, want: &str| Err(Error::InvalidParam(format!("{name} = {v}: must be {want}")));
@@ -171,13 +176,6 @@ impl SamplingParams {
 
 /// The most DRY sequence breakers a request may give (each is matched against every token).
 pub const MAX_DRY_BREAKERS: usize = 64;
-
-impl SamplingParams {
-    /// DRY takes part (llama.cpp: a multiplier, a base of 1 or more and a window).
-    pub fn dry_on(&self) -> bool {
-        self.dry_multiplier != 0.0 && self.dry_base >= 1.0 && self.dry_penalty_last_n != 0
-    }
-}
 
 /// A sampler for one request: its parameters, random state and penalty window.
 #[derive(Clone, Debug)]

@@ -91,21 +91,9 @@ where
     F: FnMut(Event) -> Step + Send + Unpin + 'static,
     E: FnOnce(Vec<String>, &[Usage]) -> Vec<String> + Send + Unpin + 'static,
 {
-    let (tx, rx) = mpsc::unbounded_channel();
-    for (j, mut choice) in rxs.into_iter().enumerate() {
-        let tx = tx.clone();
-        // ends (dropping the choice's receiver, which frees its slot) once the stream is gone
-        tokio::spawn(async move {
-            while let Some(ev) = choice.recv().await {
-                if tx.send((j, ev)).is_err() {
-                    break;
-                }
-            }
-        });
-    }
     let mut usage: Vec<Option<Usage>> = vec![None; translators.len()];
     let mut end = Some(end);
-    sse_events(rx, data(first), move |(j, ev): (usize, Event)| match translators[j](ev) {
+    let mut step = move |j: usize, ev: Event| match translators[j](ev) {
         Step::More(out) => (data(out), false),
         Step::Failed(out) => (data(out), true),
         Step::Done(out, u) => {
@@ -119,5 +107,24 @@ where
                 None => (data(out), true),
             }
         }
-    })
+    };
+    let mut rxs = rxs;
+    if rxs.len() == 1 {
+        // one choice (the common case): its own channel, no task in between
+        let rx = rxs.remove(0);
+        return sse_events(rx, data(first), move |ev| step(0, ev));
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    for (j, mut choice) in rxs.into_iter().enumerate() {
+        let tx = tx.clone();
+        // ends (dropping the choice's receiver, which frees its slot) once the stream is gone
+        tokio::spawn(async move {
+            while let Some(ev) = choice.recv().await {
+                if tx.send((j, ev)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    sse_events(rx, data(first), move |(j, ev): (usize, Event)| step(j, ev))
 }
