@@ -174,7 +174,7 @@ fn stop(f: &Finish, calls: bool, stops: &[String]) -> (&'static str, Value) {
 /// Anthropic's usage: prompt tokens computed apart from those read from the prompt cache.
 fn usage(f: &Finish) -> Value {
     let u = &f.usage;
-    json!({"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
+    json!({"input_tokens": u.prompt_tokens.saturating_sub(u.cached_tokens), "output_tokens": u.completion_tokens,
            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0})
 }
 
