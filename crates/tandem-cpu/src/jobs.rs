@@ -6,7 +6,7 @@
 
 use crate::kernels::{best_kernel, MAX_NY, MAX_TILE_ROWS, MAX_WIDE};
 use crate::matmul::{quantize_activations, QuantizedActs, WeightRef};
-use crate::packed::{act_sums, group_bytes, group_kernel, packable, GroupActs, PACK_ROWS};
+use crate::packed::{act_sums, group_bytes, group_kernel, packable, GroupActs, GroupCall, PACK_ROWS};
 use crate::{Error, Result};
 use rayon::prelude::*;
 use tandem_quant::vec_dot_type;
@@ -246,7 +246,7 @@ fn run_packed_piece(p: Piece) {
                         sums: if sums.is_empty() { std::ptr::null() } else { sums.as_ptr().add(t0 * nb) },
                     };
                     let out = p.out.0.add(t0 * p.stride + p.r0 + g * PACK_ROWS);
-                    kernel(nb, w.as_ptr(), a, nt, out, p.stride);
+                    kernel(GroupCall { nb, w: w.as_ptr(), a, ny: nt, out, ostride: p.stride });
                 }
             }
         }

@@ -14,7 +14,7 @@
 //! Kernels (`x86/b32.rs`): AVX-512 VNNI and AVX2 for all three (AVX2: `vpmaddubsw` on Q5_0's and Q5_1's levels
 //! <= 31, on the two nibbles of Q8_0's).
 
-use super::{GroupActs, PACK_ROWS};
+use super::{GroupCall, PACK_ROWS};
 use tandem_quant::blocks::{BlockQ8_0, BlockQ8_1};
 use tandem_quant::GgmlType;
 
@@ -123,17 +123,10 @@ pub(super) const fn sizes(off: i32) -> (usize, usize, usize) {
 ///
 /// # Safety
 /// As [`GroupFn`] (Q8_0 activations; Q8_1 for Q5_1).
-pub(super) unsafe fn group_scalar<const OFF: i32>(
-    nb: usize,
-    w: *const u8,
-    a: GroupActs,
-    ny: usize,
-    out: *mut f32,
-    ostride: usize,
-) {
+pub(super) unsafe fn group_scalar<const OFF: i32>(c: GroupCall) {
     let level = |w: &[u8], b: usize, r: usize, e: usize| w[b * LEVELS + level_at(r, e)] as i32;
     // SAFETY: forwarded from the caller.
-    unsafe { super::q8_scalar((nb, w, a, ny, out, ostride), sizes(OFF), LEVELS, OFF == Q5_1_OFF, OFF, level) }
+    unsafe { super::q8_scalar(c, sizes(OFF), LEVELS, OFF == Q5_1_OFF, OFF, level) }
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@
 //! Kernels (`x86/iq4xs.rs`): AVX-512 VNNI and AVX2 (two byte shuffles give each level's two nibbles, which
 //! `vpmaddubsw` takes without overflowing its i16 pair sums; see `nibble_dot8` in `x86/mod.rs`).
 
-use super::{f16_at, GroupActs, PACK_ROWS};
+use super::{f16_at, GroupCall, PACK_ROWS};
 use tandem_quant::blocks::{BlockIQ4XS, KVALUES_IQ4NL};
 use tandem_quant::QK_K;
 
@@ -55,10 +55,10 @@ fn index(blk: &[u8], j: usize, r: usize, e: usize) -> usize {
 ///
 /// # Safety
 /// As [`GroupFn`] (Q8_K activations).
-pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+pub(super) unsafe fn group_scalar(c: GroupCall) {
     // SAFETY: forwarded from the caller.
     unsafe {
-        super::q8k_scalar(nb, w, GROUP_BLOCK, a, ny, out, ostride, |blk, y, r| {
+        super::q8k_scalar(c, GROUP_BLOCK, |blk, y, r| {
             let (mut isum, mut ibias) = (0i32, 0i32);
             for j in 0..SUBS {
                 let s: i32 = (0..32).map(|e| (KVALUES_IQ4NL[index(blk, j, r, e)] as i32 + 128) * y.q(32 * j + e)).sum();

@@ -206,26 +206,31 @@ pub(crate) struct GroupActs {
 /// `w` holds a whole group of `nb` blocks, `a` `ny` rows of `nb` blocks (and their sums where the
 /// type uses them), `out` `ny` rows of 16 writable floats `ostride` apart; `1 <= ny <= MAX_NY`;
 /// the machine runs the kernel's instructions.
-pub(crate) type GroupFn = unsafe fn(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize);
+pub(crate) type GroupFn = unsafe fn(GroupCall);
+
+/// One [`GroupFn`] call: `nb` blocks of one packed group at `w`, `ny` activation rows `a`, and the
+/// outputs, `ny` rows of 16 floats `ostride` apart from `out`.
+#[derive(Clone, Copy)]
+pub(crate) struct GroupCall {
+    pub nb: usize,
+    pub w: *const u8,
+    pub a: GroupActs,
+    pub ny: usize,
+    pub out: *mut f32,
+    pub ostride: usize,
+}
 
 /// A scalar kernel's view of its inputs: the `nb` blocks of one group (`group_block` bytes each) and
 /// the `ny` activation rows (`act_block` bytes per block).
 ///
 /// # Safety
 /// As [`GroupFn`].
-unsafe fn scalar_views<'a>(
-    nb: usize,
-    w: *const u8,
-    group_block: usize,
-    a: &GroupActs,
-    ny: usize,
-    act_block: usize,
-) -> (&'a [u8], &'a [u8]) {
+unsafe fn scalar_views<'a>(c: &GroupCall, group_block: usize, act_block: usize) -> (&'a [u8], &'a [u8]) {
     // SAFETY: the caller guarantees the extents (see `GroupFn`).
     unsafe {
         (
-            std::slice::from_raw_parts(w, nb * group_block),
-            std::slice::from_raw_parts(a.ys, (ny - 1) * a.yb + nb * act_block),
+            std::slice::from_raw_parts(c.w, c.nb * group_block),
+            std::slice::from_raw_parts(c.a.ys, (c.ny - 1) * c.a.yb + c.nb * act_block),
         )
     }
 }
@@ -240,15 +245,16 @@ unsafe fn scalar_views<'a>(
 /// # Safety
 /// As [`GroupFn`].
 unsafe fn q8_scalar(
-    (nb, w, a, ny, out, ostride): (usize, *const u8, GroupActs, usize, *mut f32, usize),
+    c: GroupCall,
     (gb, ab, qs): (usize, usize, usize),
     levels: usize,
     min: bool,
     off: i32,
     level: impl Fn(&[u8], usize, usize, usize) -> i32,
 ) {
+    let GroupCall { nb, a, ny, out, ostride, .. } = c;
     // SAFETY: forwarded from the caller.
-    let (w, ys) = unsafe { scalar_views(nb, w, gb, &a, ny, ab) };
+    let (w, ys) = unsafe { scalar_views(&c, gb, ab) };
     for t in 0..ny {
         let mut acc = [0f32; PACK_ROWS];
         for b in 0..nb {
@@ -300,19 +306,10 @@ impl Q8k<'_> {
 ///
 /// # Safety
 /// As [`GroupFn`] (Q8_K activations).
-#[allow(clippy::too_many_arguments)]
-unsafe fn q8k_scalar(
-    nb: usize,
-    w: *const u8,
-    group_block: usize,
-    a: GroupActs,
-    ny: usize,
-    out: *mut f32,
-    ostride: usize,
-    value: impl Fn(&[u8], &Q8k, usize) -> f32,
-) {
+unsafe fn q8k_scalar(c: GroupCall, group_block: usize, value: impl Fn(&[u8], &Q8k, usize) -> f32) {
+    let GroupCall { nb, a, ny, out, ostride, .. } = c;
     // SAFETY: forwarded from the caller.
-    let (w, ys) = unsafe { scalar_views(nb, w, group_block, &a, ny, Q8K_BYTES) };
+    let (w, ys) = unsafe { scalar_views(&c, group_block, Q8K_BYTES) };
     for t in 0..ny {
         let mut acc = [0f32; PACK_ROWS];
         for b in 0..nb {
@@ -486,7 +483,7 @@ mod tests {
         let a = GroupActs { ys: ys.as_ptr(), yb, sums: if sums.is_empty() { std::ptr::null() } else { sums.as_ptr() } };
         assert!(out.len() >= (ny - 1) * ostride + PACK_ROWS && p.len() == group_bytes(ty, n));
         // SAFETY: one whole group, ny activation rows with their sums, outputs checked above.
-        unsafe { k(nb, p.as_ptr(), a, ny, out.as_mut_ptr(), ostride) };
+        unsafe { k(GroupCall { nb, w: p.as_ptr(), a, ny, out: out.as_mut_ptr(), ostride }) };
     }
 
     #[test]

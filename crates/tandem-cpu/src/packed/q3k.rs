@@ -11,7 +11,7 @@
 //! then `sc[16 groups][16 rows]` (the 6-bit scales, biased by 32), then `d[16]` (fp16), then 32
 //! bytes of padding to a whole number of cache lines.
 
-use super::{f16_at, GroupActs, PACK_ROWS};
+use super::{f16_at, GroupCall, PACK_ROWS};
 use tandem_quant::blocks::BlockQ3K;
 use tandem_quant::{unpack_q3k_scales, QK_K};
 
@@ -61,10 +61,10 @@ fn level(blk: &[u8], s: usize, r: usize, e: usize) -> i32 {
 ///
 /// # Safety
 /// As [`GroupFn`] (Q8_K activations).
-pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+pub(super) unsafe fn group_scalar(c: GroupCall) {
     // SAFETY: forwarded from the caller.
     unsafe {
-        super::q8k_scalar(nb, w, GROUP_BLOCK, a, ny, out, ostride, |blk, y, r| {
+        super::q8k_scalar(c, GROUP_BLOCK, |blk, y, r| {
             let (mut isum, mut ibias) = (0i32, 0i32);
             for s in 0..SUBS {
                 let sum: i32 = (0..16).map(|e| level(blk, s, r, e) * y.q(16 * s + e)).sum();

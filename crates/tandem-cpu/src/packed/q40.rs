@@ -18,7 +18,7 @@
 //! the two nibbles of each level, which two byte shuffles of the codes give).
 
 use super::b32::{Q8_0_BYTES, Q8_1_BYTES};
-use super::{GroupActs, PACK_ROWS};
+use super::{GroupCall, PACK_ROWS};
 use tandem_quant::blocks::{BlockQ4_0, KVALUES_IQ4NL};
 
 /// Bytes of one block's codes in a group (16 rows x 16 bytes).
@@ -122,19 +122,12 @@ fn code(codes: &[u8], r: usize, e: usize) -> u8 {
 ///
 /// # Safety
 /// As [`GroupFn`] (Q8_0 activations; Q8_1 for Q4_1).
-pub(super) unsafe fn group_scalar<const NL: bool, const MIN: bool>(
-    nb: usize,
-    w: *const u8,
-    a: GroupActs,
-    ny: usize,
-    out: *mut f32,
-    ostride: usize,
-) {
+pub(super) unsafe fn group_scalar<const NL: bool, const MIN: bool>(c: GroupCall) {
     // the codes of every block come first, as in Q4_0's layout
     let off = level::<NL, MIN>(0).1;
     let at = |w: &[u8], b: usize, r: usize, e: usize| level::<NL, MIN>(code(&w[b * CODES..], r, e)).0;
     // SAFETY: forwarded from the caller.
-    unsafe { super::q8_scalar((nb, w, a, ny, out, ostride), sizes(MIN), CODES, MIN, off, at) }
+    unsafe { super::q8_scalar(c, sizes(MIN), CODES, MIN, off, at) }
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@
 //! side by side for each row: one `vpmovzxbw` gives every row's pair, for one `vpdpwssd` per two
 //! groups against the pair of their activation sums), then `d[16]` and `dmin[16]` (fp16).
 
-use super::{f16_at, GroupActs, PACK_ROWS};
+use super::{f16_at, GroupCall, PACK_ROWS};
 use tandem_quant::blocks::{BlockQ4K, BlockQ5K};
 use tandem_quant::{get_scale_min_k4, QK_K};
 
@@ -122,18 +122,11 @@ fn level<const HIGH: bool>(blk: &[u8], j: usize, r: usize, e: usize) -> i32 {
 ///
 /// # Safety
 /// As [`GroupFn`].
-pub(super) unsafe fn group_scalar<const HIGH: bool>(
-    nb: usize,
-    w: *const u8,
-    a: GroupActs,
-    ny: usize,
-    out: *mut f32,
-    ostride: usize,
-) {
+pub(super) unsafe fn group_scalar<const HIGH: bool>(c: GroupCall) {
     let l = layout(HIGH);
     // SAFETY: forwarded from the caller.
     unsafe {
-        super::q8k_scalar(nb, w, l.size, a, ny, out, ostride, |blk, y, r| {
+        super::q8k_scalar(c, l.size, |blk, y, r| {
             let (mut isum, mut imin) = (0i32, 0i32);
             for j in 0..SUBS {
                 let s: i32 = (0..32).map(|e| level::<HIGH>(blk, j, r, e) * y.q(32 * j + e)).sum();

@@ -10,7 +10,7 @@
 //! `8l + 4h + k`), the scales `sc[8][16 rows][2]` (groups `2j`, `2j + 1` of 16 elements, i8), then
 //! `d[16]` (fp16).
 
-use super::{f16_at, GroupActs, PACK_ROWS};
+use super::{f16_at, GroupCall, PACK_ROWS};
 use std::mem::{offset_of, size_of};
 use tandem_quant::blocks::BlockQ6K;
 use tandem_quant::QK_K;
@@ -97,10 +97,10 @@ fn at(j: usize, r: usize, e: usize) -> ((usize, u32), (usize, u32)) {
 ///
 /// # Safety
 /// As [`GroupFn`] (Q8_K activations).
-pub(super) unsafe fn group_scalar(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+pub(super) unsafe fn group_scalar(c: GroupCall) {
     // SAFETY: forwarded from the caller.
     unsafe {
-        super::q8k_scalar(nb, w, GROUP_BLOCK, a, ny, out, ostride, |blk, y, r| {
+        super::q8k_scalar(c, GROUP_BLOCK, |blk, y, r| {
             let (mut isum, mut imin) = (0i32, 0i32);
             for j in 0..SUBS {
                 for half in 0..2 {

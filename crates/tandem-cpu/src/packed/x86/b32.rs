@@ -3,7 +3,6 @@
 
 use super::{bcast, bcast8, byte_dot8, nibble_dot8, nibbles8};
 use crate::packed::b32::{sizes, LEVELS, Q5_1_OFF};
-use crate::packed::GroupActs;
 use std::arch::x86_64::*;
 
 q8_group! { zmm

@@ -4,7 +4,7 @@
 use super::{bcast, bcast8, byte_dot8, nibble_dot8, nibbles8, nl_levels8, nl_nibbles8};
 use crate::packed::iq4xs::{D, GROUP_BLOCK, LS, QS};
 use crate::packed::q40::NL_LEVELS;
-use crate::packed::{GroupActs, Q8K_BSUMS, Q8K_QS};
+use crate::packed::{Q8K_BSUMS, Q8K_QS};
 use std::arch::x86_64::*;
 
 q8k_group! { zmm

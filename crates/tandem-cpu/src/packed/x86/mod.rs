@@ -14,7 +14,8 @@ macro_rules! group_entry {
         $(, hint = $hint:expr)?
     ) => {
         $(#[$doc])*
-        pub(super) unsafe fn $name$(<$(const $c: $t),*>)?(nb: usize, w: *const u8, a: GroupActs, ny: usize, out: *mut f32, ostride: usize) {
+        pub(super) unsafe fn $name$(<$(const $c: $t),*>)?(c: crate::packed::GroupCall) {
+            let crate::packed::GroupCall { nb, w, a, ny, out, ostride } = c;
             // SAFETY: forwarded from the caller, who checked that the machine runs the kernel.
             unsafe { group_entry!(@call $acts, group_entry!(@hint $($hint)?), ny, $kernel[$($($c),*)?], nb, w, a, out, ostride) }
         }

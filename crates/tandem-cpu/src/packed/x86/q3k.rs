@@ -3,7 +3,7 @@
 
 use super::{bcast, planes_dot, planes_dot8};
 use crate::packed::q3k::{D, GROUP_BLOCK, QH, QS, SC};
-use crate::packed::{GroupActs, Q8K_BSUMS, Q8K_QS};
+use crate::packed::{Q8K_BSUMS, Q8K_QS};
 use std::arch::x86_64::*;
 
 q8k_group! { zmm

@@ -3,7 +3,6 @@
 
 use super::{bcast, bcast8, byte_dot8, nibble_dot8, nibbles8, nl_levels8, nl_nibbles8};
 use crate::packed::q40::{sizes, CODES, NL_LEVELS};
-use crate::packed::GroupActs;
 use std::arch::x86_64::*;
 
 q8_group! { zmm

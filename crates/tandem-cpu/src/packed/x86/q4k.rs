@@ -3,7 +3,7 @@
 
 use super::{bcast, bcast8, dpbusd8, words8};
 use crate::packed::q4k::{layout, SUBS};
-use crate::packed::{GroupActs, Q8K_BSUMS, Q8K_QS};
+use crate::packed::{Q8K_BSUMS, Q8K_QS};
 use std::arch::x86_64::*;
 
 /// `vpshufb` control: 32-bit lane `r` gets byte `r` of its 128-bit lane twice, as two u16.

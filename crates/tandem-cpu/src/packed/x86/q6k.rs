@@ -3,7 +3,7 @@
 
 use super::{bcast, bcast8, dpbusd8};
 use crate::packed::q6k::{D, GROUP_BLOCK, QH, QL, SC};
-use crate::packed::{GroupActs, GroupFn, Q8K_BSUMS, Q8K_QS};
+use crate::packed::{GroupFn, Q8K_BSUMS, Q8K_QS};
 use std::arch::x86_64::*;
 
 /// The AVX-512 VNNI kernel: the GFNI copy where the machine has GFNI (chosen with the kernel, not

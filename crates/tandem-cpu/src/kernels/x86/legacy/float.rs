@@ -102,71 +102,53 @@ unsafe fn hsum256(v: __m256) -> f32 {
     }
 }
 
-/// 256-bit body: `U` accumulators per row of 8 lanes.
-#[inline(always)]
-unsafe fn dot8<E: Elem, const NY: usize, const U: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
-    let step = 8 * U;
-    let main = n - n % step;
-    let yrow = n * E::SIZE;
-    // SAFETY: `Kernel::run` checked `w` holds `n` elements and `ys` `NY` rows of `n`.
-    unsafe {
-        let mut acc = [[_mm256_setzero_ps(); U]; NY];
-        let mut i = 0;
-        while i < main {
-            let mut x = [_mm256_setzero_ps(); U];
-            for (u, xu) in x.iter_mut().enumerate() {
-                *xu = E::load8(w.add((i + 8 * u) * E::SIZE));
-            }
-            for (j, aj) in acc.iter_mut().enumerate() {
-                for u in 0..U {
-                    let y = E::load8(ys.add(j * yrow + (i + 8 * u) * E::SIZE));
-                    aj[u] = _mm256_fmadd_ps(x[u], y, aj[u]);
+/// A body of `$lanes`-lane f32 vectors `$v` with `U` accumulators per row: `dot8` (256-bit) and
+/// `dot16` (512-bit) from one source, the width's zero, load, FMA, add and sum named.
+macro_rules! width_dot {
+    ($(#[$doc:meta])* $name:ident, $lanes:literal, $zero:ident, $load:ident, $fmadd:ident, $add:ident, $hsum:ident) => {
+        $(#[$doc])*
+        #[inline(always)]
+        unsafe fn $name<E: Elem, const NY: usize, const U: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
+            let step = $lanes * U;
+            let main = n - n % step;
+            let yrow = n * E::SIZE;
+            // SAFETY: `Kernel::run` checked `w` holds `n` elements and `ys` `NY` rows of `n`.
+            unsafe {
+                let mut acc = [[$zero(); U]; NY];
+                let mut i = 0;
+                while i < main {
+                    let mut x = [$zero(); U];
+                    for (u, xu) in x.iter_mut().enumerate() {
+                        *xu = E::$load(w.add((i + $lanes * u) * E::SIZE));
+                    }
+                    for (j, aj) in acc.iter_mut().enumerate() {
+                        for u in 0..U {
+                            let y = E::$load(ys.add(j * yrow + (i + $lanes * u) * E::SIZE));
+                            aj[u] = $fmadd(x[u], y, aj[u]);
+                        }
+                    }
+                    i += step;
+                }
+                for j in 0..NY {
+                    let mut s = acc[j][0];
+                    for u in 1..U {
+                        s = $add(s, acc[j][u]);
+                    }
+                    out[j] = ($hsum(s) as f64 + tail::<E>(main, n, w, ys.add(j * yrow))) as f32;
                 }
             }
-            i += step;
         }
-        for j in 0..NY {
-            let mut s = acc[j][0];
-            for u in 1..U {
-                s = _mm256_add_ps(s, acc[j][u]);
-            }
-            out[j] = (hsum256(s) as f64 + tail::<E>(main, n, w, ys.add(j * yrow))) as f32;
-        }
-    }
+    };
 }
 
-/// 512-bit body: `U` accumulators per row of 16 lanes.
-#[inline(always)]
-unsafe fn dot16<E: Elem, const NY: usize, const U: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
-    let step = 16 * U;
-    let main = n - n % step;
-    let yrow = n * E::SIZE;
-    // SAFETY: `Kernel::run` checked `w` holds `n` elements and `ys` `NY` rows of `n`.
-    unsafe {
-        let mut acc = [[_mm512_setzero_ps(); U]; NY];
-        let mut i = 0;
-        while i < main {
-            let mut x = [_mm512_setzero_ps(); U];
-            for (u, xu) in x.iter_mut().enumerate() {
-                *xu = E::load16(w.add((i + 16 * u) * E::SIZE));
-            }
-            for (j, aj) in acc.iter_mut().enumerate() {
-                for u in 0..U {
-                    let y = E::load16(ys.add(j * yrow + (i + 16 * u) * E::SIZE));
-                    aj[u] = _mm512_fmadd_ps(x[u], y, aj[u]);
-                }
-            }
-            i += step;
-        }
-        for j in 0..NY {
-            let mut s = acc[j][0];
-            for u in 1..U {
-                s = _mm512_add_ps(s, acc[j][u]);
-            }
-            out[j] = (_mm512_reduce_add_ps(s) as f64 + tail::<E>(main, n, w, ys.add(j * yrow))) as f32;
-        }
-    }
-}
+width_dot!(
+    /// 256-bit body: `U` accumulators per row of 8 lanes.
+    dot8, 8, _mm256_setzero_ps, load8, _mm256_fmadd_ps, _mm256_add_ps, hsum256
+);
+width_dot!(
+    /// 512-bit body: `U` accumulators per row of 16 lanes.
+    dot16, 16, _mm512_setzero_ps, load16, _mm512_fmadd_ps, _mm512_add_ps, _mm512_reduce_add_ps
+);
 
 /// BF16 with `vdpbf16ps` (two products per lane per op): `U` accumulators per row of 16 lanes.
 #[inline(always)]

@@ -114,27 +114,39 @@ pub(super) unsafe fn word_splat_idx(i: i32) -> __m256i {
     unsafe { _mm256_set1_epi16((((2 * i + 1) << 8) | (2 * i)) as i16) }
 }
 
-/// The integer dot product of one level.
-pub(super) trait Dot {
+/// A 256-bit integer register.
+pub(super) type Ymm = __m256i;
+
+/// The integer dot product of one level on vectors `V` ([`Ymm`] or `__m512i`).
+pub(super) trait Dot<V> {
     /// Lane i: the sum of `a[4i..4i+4] * b[4i..4i+4]`, `a` unsigned and `b` signed bytes.
-    unsafe fn dot(a: __m256i, b: __m256i) -> __m256i;
+    unsafe fn dot(a: V, b: V) -> V;
     /// `acc` plus, in lane i, `s[2i] * (a*b over bytes 4i, 4i+1) + s[2i+1] * (bytes 4i+2, 4i+3)`.
-    unsafe fn dot_scaled(acc: __m256i, a: __m256i, b: __m256i, s: __m256i) -> __m256i;
+    unsafe fn dot_scaled(acc: V, a: V, b: V, s: V) -> V;
 }
 
-pub(super) struct Avx2;
-impl Dot for Avx2 {
-    #[inline(always)]
-    unsafe fn dot(a: __m256i, b: __m256i) -> __m256i {
-        // SAFETY: register-only; the caller runs with AVX2.
-        unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)) }
-    }
-    #[inline(always)]
-    unsafe fn dot_scaled(acc: __m256i, a: __m256i, b: __m256i, s: __m256i) -> __m256i {
-        // SAFETY: register-only; the caller runs with AVX2.
-        unsafe { _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), s)) }
-    }
+/// [`Dot`] for `$level` on `$v` through `maddubs` then `madd`, the given width's intrinsics.
+macro_rules! maddubs_dot {
+    ($level:ident, $v:ty, $madd:ident, $maddubs:ident, $set1:ident, $add:ident) => {
+        impl Dot<$v> for $level {
+            #[inline(always)]
+            unsafe fn dot(a: $v, b: $v) -> $v {
+                // SAFETY: register-only; the caller runs with the level's ISA.
+                unsafe { $madd($maddubs(a, b), $set1(1)) }
+            }
+            #[inline(always)]
+            unsafe fn dot_scaled(acc: $v, a: $v, b: $v, s: $v) -> $v {
+                // SAFETY: register-only; the caller runs with the level's ISA.
+                unsafe { $add(acc, $madd($maddubs(a, b), s)) }
+            }
+        }
+    };
 }
+pub(super) use maddubs_dot;
+
+/// AVX2: `maddubs` then `madd`.
+pub(super) struct Avx2;
+maddubs_dot!(Avx2, __m256i, _mm256_madd_epi16, _mm256_maddubs_epi16, _mm256_set1_epi16, _mm256_add_epi32);
 
 /// A 32-element weight block that starts with its f16 scale `d`.
 pub(super) trait Block32 {
@@ -258,7 +270,7 @@ pub(super) unsafe fn group_scales<const NY: usize>(
 
 /// Signed 32-element weights against Q8_0 activations: per block, `d_x d_y sum(x y)`.
 #[inline(always)]
-unsafe fn q8_0_act<W: Block32, D: Dot, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
+unsafe fn q8_0_act<W: Block32, D: Dot<Ymm>, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
     let nb = n / QK;
     let yrow = nb * Q8_0_BYTES;
     // SAFETY: `Kernel::run` checked `w` holds `nb` blocks and `ys` holds `NY` rows of `nb` blocks.
@@ -287,7 +299,7 @@ unsafe fn q8_0_act<W: Block32, D: Dot, const NY: usize>(n: usize, w: *const u8, 
 /// Unsigned 32-element weights with a min against Q8_1 activations: per block,
 /// `d_x d_y sum(x y) + m_x s_y` (`s_y` = `d_y sum(y)`, stored in the activation block).
 #[inline(always)]
-unsafe fn q8_1_act<W: Block32, D: Dot, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
+unsafe fn q8_1_act<W: Block32, D: Dot<Ymm>, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
     let nb = n / QK;
     let yrow = nb * Q8_1_BYTES;
     // SAFETY: `Kernel::run` checked `w` holds `nb` blocks and `ys` holds `NY` rows of `nb` blocks.
@@ -322,7 +334,7 @@ unsafe fn q8_1_act<W: Block32, D: Dot, const NY: usize>(n: usize, w: *const u8, 
 /// IQ4_XS against Q8_K: per super-block of 256, `d_x d_y sum_k (ls_k - 32) sum(x y over sub-block k)`,
 /// the integer part exact (|sum| < 2^31).
 #[inline(always)]
-unsafe fn iq4_xs<D: Dot, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
+unsafe fn iq4_xs<D: Dot<Ymm>, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
     let nb = n / QK_K;
     let yrow = nb * Q8_K_BYTES;
     // SAFETY: `Kernel::run` checked `w` holds `nb` blocks and `ys` holds `NY` rows of `nb` blocks.

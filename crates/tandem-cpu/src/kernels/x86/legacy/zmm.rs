@@ -8,37 +8,21 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::quant::{
-    f16_splat, group_scales, hsum_ps, iq4_xs_pair, iq4_xs_scales, iq4nl_table, word_splat_idx, Block32, G, IQ4NL,
-    IQ4_XS_BYTES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_0_BYTES, Q8_1_BYTES, Q8_K_BYTES, QK, QK_K,
+    f16_splat, group_scales, hsum_ps, iq4_xs_pair, iq4_xs_scales, iq4nl_table, maddubs_dot, word_splat_idx, Block32,
+    Dot, G, IQ4NL, IQ4_XS_BYTES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_0_BYTES, Q8_1_BYTES, Q8_K_BYTES, QK, QK_K,
 };
 use std::arch::x86_64::*;
 
-/// The integer dot product of one level, on 512-bit vectors.
-pub(super) trait Dot512 {
-    /// Lane i: the sum of `a[4i..4i+4] * b[4i..4i+4]`, `a` unsigned and `b` signed bytes.
-    unsafe fn dot(a: __m512i, b: __m512i) -> __m512i;
-    /// `acc` plus, in lane i, `s[2i] * (a*b over bytes 4i, 4i+1) + s[2i+1] * (bytes 4i+2, 4i+3)`.
-    unsafe fn dot_scaled(acc: __m512i, a: __m512i, b: __m512i, s: __m512i) -> __m512i;
-}
+/// A 512-bit integer register.
+type Zmm = __m512i;
 
 /// AVX-512BW: `maddubs` then `madd`.
 pub(super) struct Bw;
-impl Dot512 for Bw {
-    #[inline(always)]
-    unsafe fn dot(a: __m512i, b: __m512i) -> __m512i {
-        // SAFETY: register-only; the caller runs with AVX-512BW.
-        unsafe { _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)) }
-    }
-    #[inline(always)]
-    unsafe fn dot_scaled(acc: __m512i, a: __m512i, b: __m512i, s: __m512i) -> __m512i {
-        // SAFETY: register-only; the caller runs with AVX-512BW.
-        unsafe { _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), s)) }
-    }
-}
+maddubs_dot!(Bw, __m512i, _mm512_madd_epi16, _mm512_maddubs_epi16, _mm512_set1_epi16, _mm512_add_epi32);
 
 /// AVX-512 VNNI: `vpdpbusd` / `vpdpwssd`.
 pub(super) struct Vnni;
-impl Dot512 for Vnni {
+impl Dot<Zmm> for Vnni {
     #[inline(always)]
     unsafe fn dot(a: __m512i, b: __m512i) -> __m512i {
         // SAFETY: register-only; the caller runs with AVX-512 VNNI.
@@ -200,7 +184,7 @@ unsafe fn group_scales512<const NY: usize>(
 
 /// Signed 32-element weights against Q8_0 activations, a pair of blocks per register.
 #[inline(always)]
-unsafe fn q8_0_act<W: Pair, D: Dot512, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
+unsafe fn q8_0_act<W: Pair, D: Dot<Zmm>, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
     let nb = n / QK;
     let yrow = nb * Q8_0_BYTES;
     // SAFETY: `Kernel::run` checked `w` holds `nb` blocks and `ys` holds `NY` rows of `nb` blocks.
@@ -312,7 +296,7 @@ unsafe fn q8_0_act_tile<W: Pair, const NR: usize, const NY: usize>(
 /// Unsigned 32-element weights with a min against Q8_1 activations, a pair of blocks per
 /// register: per block `d_x d_y sum(x y) + m_x s_y`.
 #[inline(always)]
-unsafe fn q8_1_act<W: Pair, D: Dot512, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
+unsafe fn q8_1_act<W: Pair, D: Dot<Zmm>, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
     let nb = n / QK;
     let yrow = nb * Q8_1_BYTES;
     // SAFETY: `Kernel::run` checked `w` holds `nb` blocks and `ys` holds `NY` rows of `nb` blocks.
@@ -353,7 +337,7 @@ unsafe fn q8_1_act<W: Pair, D: Dot512, const NY: usize>(n: usize, w: *const u8, 
 /// IQ4_XS against Q8_K, two sub-blocks of 32 per register; the sub-block scales enter through
 /// `vpdpwssd` so each super-block needs one float step per row.
 #[inline(always)]
-unsafe fn iq4_xs<D: Dot512, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
+unsafe fn iq4_xs<D: Dot<Zmm>, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
     let nb = n / QK_K;
     let yrow = nb * Q8_K_BYTES;
     // SAFETY: `Kernel::run` checked `w` holds `nb` blocks and `ys` holds `NY` rows of `nb` blocks.
