@@ -164,45 +164,50 @@ impl Runtime {
         }
         let mut scratch = self.gemm.lock().map_err(|_| Error::Shape("gemm scratch lock poisoned".into()))?;
         let GemmScratch { w32, w: ws, x: xs, scales } = &mut *scratch;
-        let chunk_rows = (GEMM_CHUNK_ELEMS / cols.max(1)).clamp(1, rows.max(1));
-        let row_bytes = weight_bytes(ty, 1, cols)?;
+        let dims = (rows, cols, n_tokens);
         if !f16 {
-            let wf = self.scratch(w32, chunk_rows * cols, "a dequantized weight chunk (f32)")?;
-            for r0 in (0..rows).step_by(chunk_rows) {
-                let nr = (rows - r0).min(chunk_rows);
-                self.dequant(ty, w.skip(r0 * row_bytes), wf, nr * cols)?;
-                let yp_r = y.at(r0, (n_tokens - 1) * rows + nr, "gemm y")?;
-                self.ledger.launch(1);
-                let a = wf.at(0, nr * cols, "gemm")?;
-                self.drv.gemm(&Gemm { a, b: xp, c: yp_r, m: nr as i32, n, k, ldc: m, f16_inputs: false })?;
-            }
-            return Ok(());
+            let wf = self.scratch(w32, Self::chunk_rows(rows, cols) * cols, "a dequantized weight chunk (f32)")?;
+            return self.gemm_chunks(ty, w, wf, xp, y, dims, false);
         }
         let xh = self.scratch(xs, n_tokens * cols, "prefill activations (f16)")?;
         let sc = self.scratch(scales, n_tokens, "prefill activation scales")?;
-        {
-            let (xh_p, sc_p, c32) = (xh.at(0, n_tokens * cols, "gemm")?, sc.at(0, n_tokens, "gemm")?, k);
-            self.launch_rows("tandem_f32_to_f16_scaled", n_tokens, &mut args![xp, xh_p, sc_p, c32])?;
-        }
-        let xh_p = xh.at(0, n_tokens * cols, "gemm")?;
-        let wh = self.scratch(ws, chunk_rows * cols, "a dequantized weight chunk (f16)")?;
-        for r0 in (0..rows).step_by(chunk_rows) {
-            let nr = (rows - r0).min(chunk_rows);
-            self.dequant(ty, w.skip(r0 * row_bytes), wh, nr * cols)?;
-            let yp_r = y.at(r0, (n_tokens - 1) * rows + nr, "gemm y")?;
-            self.ledger.launch(1);
-            self.drv.gemm(&Gemm {
-                a: wh.at(0, nr * cols, "gemm")?,
-                b: xh_p,
-                c: yp_r,
-                m: nr as i32,
-                n,
-                k,
-                ldc: m,
-                f16_inputs: true,
-            })?;
-        }
+        let (xh_p, sc_p) = (xh.at(0, n_tokens * cols, "gemm")?, sc.at(0, n_tokens, "gemm")?);
+        self.launch_rows("tandem_f32_to_f16_scaled", n_tokens, &mut args![xp, xh_p, sc_p, k])?;
+        let wh = self.scratch(ws, Self::chunk_rows(rows, cols) * cols, "a dequantized weight chunk (f16)")?;
+        self.gemm_chunks(ty, w, wh, xh_p, y, dims, true)?;
         self.scale_rows(y, sc, rows, n_tokens * rows)
+    }
+
+    /// Weight rows dequantized at a time for a gemm.
+    fn chunk_rows(rows: usize, cols: usize) -> usize {
+        (GEMM_CHUNK_ELEMS / cols.max(1)).clamp(1, rows.max(1))
+    }
+
+    /// `y = W b` (`dims`: W's rows and columns, b's tokens) by chunks of [`Self::chunk_rows`]
+    /// weight rows, each dequantized into `wbuf` (f16 with `f16_inputs`, else f32) and multiplied
+    /// against `b` by cuBLAS.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_chunks<T: Elem + DequantOut>(
+        &self,
+        ty: GgmlType,
+        w: Span<u8>,
+        wbuf: &DeviceBuffer<T>,
+        b: u64,
+        y: &DeviceBuffer<f32>,
+        (rows, cols, n_tokens): (usize, usize, usize),
+        f16_inputs: bool,
+    ) -> Result<()> {
+        let (m, k, n) = (int(rows, "gemm rows")?, int(cols, "gemm cols")?, int(n_tokens, "gemm tokens")?);
+        let (chunk, row_bytes) = (Self::chunk_rows(rows, cols), weight_bytes(ty, 1, cols)?);
+        for r0 in (0..rows).step_by(chunk) {
+            let nr = (rows - r0).min(chunk);
+            self.dequant(ty, w.skip(r0 * row_bytes), wbuf, nr * cols)?;
+            let c = y.at(r0, (n_tokens - 1) * rows + nr, "gemm y")?;
+            let a = wbuf.at(0, nr * cols, "gemm")?;
+            self.ledger.launch(1);
+            self.drv.gemm(&Gemm { a, b, c, m: nr as i32, n, k, ldc: m, f16_inputs })?;
+        }
+        Ok(())
     }
 
     /// The scratch buffer in `slot`, grown to at least `n` values.

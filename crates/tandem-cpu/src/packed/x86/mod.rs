@@ -4,30 +4,29 @@
 //! must reproduce bit for bit are in the family's file of `super`; [`simd_kernels`] is the table
 //! `super` dispatches from. Another architecture adds a sibling of this module.
 
-/// Defines `$name`, a [`GroupFn`] that runs `$kernel::<.., PF, NY>` with `ny` and the prefetch
-/// hint (the processor's, or `$hint`: an index of [`crate::prefetch`]'s hints) as constants: on
-/// `(nb, w, a, out, ostride)` (`acts`), or on the token rows unpacked as
-/// `(nb, w, a.ys, a.yb, out, ostride)` (`q8k`). Its docs (with `# Safety`) are the invocation's.
+/// Defines `$entry`, a [`GroupFn`] that runs `$name::<.., PF, NY>` with `ny` and the prefetch hint
+/// (the processor's, or `$hint`: an index of [`crate::prefetch`]'s hints) as constants, and that
+/// kernel, built with `$feat`, with `$body` on the call `$c`. The entry's docs (with `# Safety`)
+/// are the invocation's.
 macro_rules! group_entry {
     (
-        $(#[$doc:meta])* $name:ident$(<$(const $c:ident: $t:ty),*>)? => $kernel:ident, $acts:ident
-        $(, hint = $hint:expr)?
+        $(#[$doc:meta])* $entry:ident => $name:ident<$(const $g:ident: $gt:ty),*>($feat:literal $(, hint = $hint:expr)?)
+        |$c:ident| $body:block
     ) => {
         $(#[$doc])*
-        pub(super) unsafe fn $name$(<$(const $c: $t),*>)?(c: crate::packed::GroupCall) {
-            let crate::packed::GroupCall { nb, w, a, ny, out, ostride } = c;
+        pub(super) unsafe fn $entry<$(const $g: $gt),*>(c: crate::packed::GroupCall) {
             // SAFETY: forwarded from the caller, who checked that the machine runs the kernel.
-            unsafe { group_entry!(@call $acts, group_entry!(@hint $($hint)?), ny, $kernel[$($($c),*)?], nb, w, a, out, ostride) }
+            unsafe { by_ny_pf!(hint = group_entry!(@hint $($hint)?), c.ny, $name[$($g),*](c)) }
         }
+
+        /// # Safety
+        #[doc = concat!("As [`", stringify!($entry), "`] with `ny == NY`.")]
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
+        unsafe fn $name<$(const $g: $gt,)* const PF: u8, const NY: usize>($c: crate::packed::GroupCall) $body
     };
     (@hint) => { crate::prefetch::hint_index() };
     (@hint $hint:expr) => { $hint };
-    (@call q8k, $h:expr, $ny:ident, $k:ident[$($g:tt),*], $nb:ident, $w:ident, $a:ident, $out:ident, $os:ident) => {
-        by_ny_pf!(hint = $h, $ny, $k[$($g),*]($nb, $w, $a.ys, $a.yb, $out, $os))
-    };
-    (@call acts, $h:expr, $ny:ident, $k:ident[$($g:tt),*], $nb:ident, $w:ident, $a:ident, $out:ident, $os:ident) => {
-        by_ny_pf!(hint = $h, $ny, $k[$($g),*]($nb, $w, $a, $out, $os))
-    };
 }
 
 /// The two ymm copies of a `$group` kernel (`q8k_group!`, `q8_group!`) from one body: the AVX2
@@ -115,23 +114,9 @@ macro_rules! q8k_group {
         finish { $($finish:tt)* }
         value $value:expr
     ) => {
-        group_entry! {
-            $(#[$attr])*
-            $entry<$(const $c: $ct),*> => $name, q8k
-        }
-
-        /// # Safety
-        #[doc = concat!("As [`", stringify!($entry), "`] with `ny == NY`.")]
-        #[target_feature(enable = $feat)]
-        #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-        unsafe fn $name<$(const $c: $ct,)* const PF: u8, const NY: usize>(
-            nb: usize,
-            w: *const u8,
-            ys: *const u8,
-            yb: usize,
-            out: *mut f32,
-            ostride: usize,
-        ) {
+        group_entry! { $(#[$attr])* $entry => $name<$(const $c: $ct),*>($feat) |call| {
+            let crate::packed::GroupCall { nb, w, a, out, ostride, .. } = call;
+            let (ys, yb) = (a.ys, a.yb);
             /// Whether this copy has AVX-VNNI (ymm copies only; see [`ymm_pair!`]).
             #[allow(dead_code)]
             const VNNI: bool = $vnni;
@@ -162,7 +147,7 @@ macro_rules! q8k_group {
                 }
             }
             q8k_group!(@store $storeu, $lanes, acc, out, ostride);
-        }
+        }}
     };
     // Each token's 16 results (in one register, or two halves) into `out`, `ostride` floats apart.
     (@store $storeu:ident, $lanes:literal, $acc:ident, $out:ident, $ostride:ident) => {
@@ -205,22 +190,8 @@ macro_rules! q8_group {
         load { $($load:tt)* }
         dot { $($dot:tt)* }
     ) => {
-        group_entry! {
-            $(#[$attr])*
-            $entry<$(const $c: $ct),*> => $name, acts $(, hint = $hint)?
-        }
-
-        /// # Safety
-        #[doc = concat!("As [`", stringify!($entry), "`] with `ny == NY`.")]
-        #[target_feature(enable = $feat)]
-        #[allow(clippy::needless_range_loop)] // t indexes several arrays at once
-        unsafe fn $name<$(const $c: $ct,)* const PF: u8, const NY: usize>(
-            nb: usize,
-            w: *const u8,
-            a: crate::packed::GroupActs,
-            out: *mut f32,
-            ostride: usize,
-        ) {
+        group_entry! { $(#[$attr])* $entry => $name<$(const $c: $ct),*>($feat $(, hint = $hint)?) |call| {
+            let crate::packed::GroupCall { nb, w, a, out, ostride, .. } = call;
             use crate::packed::PACK_ROWS;
             /// Whether this copy has AVX-VNNI (ymm copies only; see [`ymm_pair!`]).
             #[allow(dead_code)]
@@ -259,7 +230,7 @@ macro_rules! q8_group {
                 }
             }
             q8k_group!(@store $storeu, $lanes, acc, out, ostride);
-        }
+        }}
     };
 }
 
