@@ -64,6 +64,11 @@ fn check(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert!(e <= tol, "{what}: error {e:.2e} > {tol:.0e} at {at}: got {} want {}", got[at], want[at]);
 }
 
+/// [`check`] of the first `want.len()` values of `got` on the device, named after the runtime.
+fn check_on(rt: &Runtime, what: &str, got: &DeviceBuffer<f32>, want: &[f32], tol: f32) {
+    check(&format!("{} {what}", name(rt)), &down(rt, got, want.len()), want, tol);
+}
+
 fn up(rt: &Runtime, data: &[f32]) -> DeviceBuffer<f32> {
     rt.upload(data, "test input").unwrap()
 }
@@ -85,12 +90,7 @@ fn rmsnorm_of_strided_rows_matches_cpu() {
             want.chunks_exact_mut(stride).for_each(|r| tandem_cpu::rmsnorm(&mut r[off..off + dim], Some(&w), 1e-6));
             let (xb, wb) = (up(&rt, &x), up(&rt, &w));
             rt.rmsnorm(xb.span(off), rows, stride, dim, Some(&wb), 1e-6).unwrap();
-            check(
-                &format!("{} rmsnorm {rows} rows of {dim} in {stride}", name(&rt)),
-                &down(&rt, &xb, x.len()),
-                &want,
-                1e-5,
-            );
+            check_on(&rt, &format!("rmsnorm {rows} rows of {dim} in {stride}"), &xb, &want, 1e-5);
         }
     }
 }
@@ -136,12 +136,7 @@ fn rope_matches_cpu_in_both_styles() {
                     style == RopeStyle::Neox,
                 )
                 .unwrap();
-                check(
-                    &format!("{} rope {style:?} {heads}x{head_stride}", name(&rt)),
-                    &down(&rt, &xb, x.len()),
-                    &want,
-                    1e-5,
-                );
+                check_on(&rt, &format!("rope {style:?} {heads}x{head_stride}"), &xb, &want, 1e-5);
             }
         }
     }
@@ -156,20 +151,20 @@ fn elementwise_ops_and_strided_copies_match_cpu() {
         tandem_cpu::silu_mul(&mut want, &b);
         let (ab, bb) = (up(&rt, &a), up(&rt, &b));
         rt.swiglu(&ab, &bb, n).unwrap();
-        check(&format!("{} swiglu", name(&rt)), &down(&rt, &ab, n), &want, 1e-5);
+        check_on(&rt, "swiglu", &ab, &want, 1e-5);
         let ab = up(&rt, &a);
         rt.add(&ab, &bb, n).unwrap();
         let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
-        check(&format!("{} add", name(&rt)), &down(&rt, &ab, n), &want, 1e-6);
+        check_on(&rt, "add", &ab, &want, 1e-6);
         let ab = up(&rt, &a);
         rt.scale_add(&ab, &bb, 0.37, n).unwrap();
         let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + 0.37 * y).collect();
-        check(&format!("{} scale_add", name(&rt)), &down(&rt, &ab, n), &want, 1e-6);
+        check_on(&rt, "scale_add", &ab, &want, 1e-6);
         let ab = up(&rt, &a);
         let scales = [2.0f32, -0.5, 8.0];
         rt.scale_rows(&ab, &up(&rt, &scales), 30_000, n).unwrap();
         let want: Vec<f32> = a.iter().enumerate().map(|(i, x)| x * scales[i / 30_000]).collect();
-        check(&format!("{} scale_rows", name(&rt)), &down(&rt, &ab, n), &want, 0.0);
+        check_on(&rt, "scale_rows", &ab, &want, 0.0);
         // The legacy MLA key assembly: the shared rotary part repeated into every head.
         let (tokens, heads, row, width) = (3usize, 4usize, 192usize, 64usize);
         let src = random(tokens * 576, 6);
@@ -181,7 +176,7 @@ fn elementwise_ops_and_strided_copies_match_cpu() {
             let s = (r / heads) * 576 + 512;
             want[r * row + 128..r * row + 128 + width].copy_from_slice(&src[s..s + width]);
         }
-        check(&format!("{} copy_rows", name(&rt)), &down(&rt, &dst, want.len()), &want, 0.0);
+        check_on(&rt, "copy_rows", &dst, &want, 0.0);
         // Out of bounds is refused before the launch.
         assert!(rt.copy_rows(dst.span(129), up(&rt, &src).span(512), c).is_err());
     }
@@ -269,7 +264,7 @@ fn router_and_packet_match_moe_route() {
                     }
                 }
             }
-            check(&format!("{} moe_sum case {i}", name(&rt)), &down(&rt, &out, want.len()), &want, 1e-5);
+            check_on(&rt, &format!("moe_sum case {i}"), &out, &want, 1e-5);
         }
     }
 }
@@ -674,6 +669,6 @@ fn rounded_matvec_at_kimi_attention_output_shape() {
         assert!(rt.round_acts(ty, xb.span(0), xr.span(0), n, cols, cols, cols).unwrap());
         let yb = rt.alloc::<f32>(n * rows, "y").unwrap();
         rt.matmul(ty, wb.span(0), &xr, &yb, rows, cols, n).unwrap();
-        check(&format!("{} rounded Q8_0 matvec 8192 -> 7168 x {n}", name(&rt)), &down(&rt, &yb, n * rows), &want, 1e-5);
+        check_on(&rt, &format!("rounded Q8_0 matvec 8192 -> 7168 x {n}"), &yb, &want, 1e-5);
     }
 }

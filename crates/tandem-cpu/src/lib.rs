@@ -90,6 +90,27 @@ mod prefetch;
 pub mod testing;
 mod vmath;
 
+/// The fastest of `reps` alternating runs of `a` and of `b` on `state`, in seconds each: the
+/// speed tests' comparison of two ways to the same result.
+#[cfg(test)]
+pub(crate) fn fastest_of_two<S>(
+    reps: usize,
+    state: &mut S,
+    mut a: impl FnMut(&mut S),
+    mut b: impl FnMut(&mut S),
+) -> (f64, f64) {
+    let (mut ta, mut tb) = (f64::MAX, f64::MAX);
+    for _ in 0..reps {
+        let t = std::time::Instant::now();
+        a(state);
+        ta = ta.min(t.elapsed().as_secs_f64());
+        let t = std::time::Instant::now();
+        b(state);
+        tb = tb.min(t.elapsed().as_secs_f64());
+    }
+    (ta, tb)
+}
+
 /// Values in [-1, 1) from an xorshift generator seeded with `seed`, shared by the unit tests.
 #[cfg(test)]
 pub(crate) fn uniform(mut seed: u64) -> impl FnMut() -> f32 {

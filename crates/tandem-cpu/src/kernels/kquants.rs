@@ -182,12 +182,8 @@ mod tests {
             let wr = crate::WeightRef::new(ty, rows, n, &w).unwrap();
             let k = crate::best_kernel(ty).unwrap();
             let mut y = vec![0f32; rows * tokens];
-            let (mut tiled, mut single) = (f64::MAX, f64::MAX);
-            for _ in 0..5 {
-                let t = std::time::Instant::now();
-                crate::matmul_quantized(&pool, &wr, &acts, &mut y).unwrap();
-                tiled = tiled.min(t.elapsed().as_secs_f64());
-                let t = std::time::Instant::now();
+            let tiled_run = |y: &mut Vec<f32>| crate::matmul_quantized(&pool, &wr, &acts, y).unwrap();
+            let single_run = |y: &mut Vec<f32>| {
                 let mut tmp = [0f32; MAX_NY];
                 for tile in (0..rows).step_by(16) {
                     for t0 in (0..tokens).step_by(MAX_NY) {
@@ -205,8 +201,8 @@ mod tests {
                         }
                     }
                 }
-                single = single.min(t.elapsed().as_secs_f64());
-            }
+            };
+            let (tiled, single) = crate::fastest_of_two(5, &mut y, tiled_run, single_run);
             let gb = (w.len() * tokens) as f64 / 1e9;
             println!(
                 "{ty} {rows}x{n}, {tokens} tokens, {}: single-row {:.1} ms ({:.1} token-GB/s), tiled {:.1} ms ({:.1} token-GB/s)",

@@ -719,15 +719,12 @@ mod tests {
                 let plain = crate::WeightRef::new(ty, rows, n, &w).unwrap();
                 let p = pool.install(|| pack(ty, rows, n, &w)).unwrap();
                 let mut y = vec![0f32; rows * tokens];
-                let (mut tp, mut tk) = (f64::MAX, f64::MAX);
-                for _ in 0..7 {
-                    let t = std::time::Instant::now();
-                    crate::matmul_quantized(&pool, &plain, &a, &mut y).unwrap();
-                    tp = tp.min(t.elapsed().as_secs_f64());
-                    let t = std::time::Instant::now();
-                    crate::matmul_quantized(&pool, &p.weight_ref(), &a, &mut y).unwrap();
-                    tk = tk.min(t.elapsed().as_secs_f64());
-                }
+                let (tp, tk) = crate::fastest_of_two(
+                    7,
+                    &mut y,
+                    |y| crate::matmul_quantized(&pool, &plain, &a, y).unwrap(),
+                    |y| crate::matmul_quantized(&pool, &p.weight_ref(), &a, y).unwrap(),
+                );
                 let gb = (w.len() * tokens) as f64 / 1e9;
                 println!(
                     "{ty} {rows}x{n}, {tokens} tokens: row-major {:.3} ms ({:.1} token-GB/s), packed {:.3} ms ({:.1} token-GB/s): {:.2}x",

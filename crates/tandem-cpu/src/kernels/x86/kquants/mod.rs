@@ -102,29 +102,37 @@ pub(crate) fn lookup_wide(ty: GgmlType, isa: Isa) -> Option<KernelFn> {
     by_type!(ty, wide_for_type(isa))
 }
 
-/// A `TileFn` from a wide tile loop generic over the weight rows `NR` (2 or 4, from
-/// `out.len() / ny`), for up to `MAX_WIDE` tokens.
-macro_rules! wide_tile_entry {
-    ($name:ident, $tile:ident) => {
+/// A `TileFn` from a tile loop generic over the weight rows `NR` (2 or 4, from `out.len() / ny`)
+/// and `NY`; with `, wide`, from a wide tile loop generic over `NR` alone, for up to `MAX_WIDE`
+/// tokens.
+macro_rules! tile_entry {
+    ($name:ident, $tile:ident $(, $wide:ident)?) => {
         /// # Safety
-        /// As [`TileFn`] with up to `MAX_WIDE` tokens: lengths checked by `Kernel::run_tile`.
+        /// As [`TileFn`] (a wide one with up to `MAX_WIDE` tokens): lengths checked by
+        /// `Kernel::run_tile`, the machine runs this level.
         unsafe fn $name<T: KQuant>(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
-            let nr = out.len() / ny.max(1);
-            let ws = w.len() / nr.max(1);
-            let (w, ys, o) = (w.as_ptr(), ys.as_ptr(), out.as_mut_ptr());
-            // SAFETY: forwarded from the caller (nr rows of ws bytes, ny tokens, nr * ny outputs).
-            unsafe {
-                match nr {
-                    2 => $tile::<T, 2>(n, w, ws, ys, ny, o),
-                    4 => $tile::<T, 4>(n, w, ws, ys, ny, o),
-                    _ => out.fill(f32::NAN),
-                }
-            }
+            tile_entry!(@body $($wide)? $tile, n, w, ys, ny, out)
         }
     };
+    (@body $tile:ident, $n:ident, $w:ident, $ys:ident, $ny:ident, $out:ident) => {
+        tile_body!($tile::<T>, $n, $w, $ys, $ny, $out)
+    };
+    (@body wide $tile:ident, $n:ident, $w:ident, $ys:ident, $ny:ident, $out:ident) => {{
+        let nr = $out.len() / $ny.max(1);
+        let ws = $w.len() / nr.max(1);
+        let (w, ys, o) = ($w.as_ptr(), $ys.as_ptr(), $out.as_mut_ptr());
+        // SAFETY: forwarded from the caller (nr rows of ws bytes, ny tokens, nr * ny outputs).
+        unsafe {
+            match nr {
+                2 => $tile::<T, 2>($n, w, ws, ys, $ny, o),
+                4 => $tile::<T, 4>($n, w, ws, ys, $ny, o),
+                _ => $out.fill(f32::NAN),
+            }
+        }
+    }};
 }
-wide_tile_entry!(wide_tile_vbmi, wide_avx512vbmi);
-wide_tile_entry!(wide_tile_vbmi_vnni, wide_avx512vbmi_vnni);
+tile_entry!(wide_tile_vbmi, wide_avx512vbmi, wide);
+tile_entry!(wide_tile_vbmi_vnni, wide_avx512vbmi_vnni, wide);
 
 fn wide_tile_for_type<T: KQuant>(isa: Isa) -> Option<TileFn> {
     match isa {
@@ -146,17 +154,6 @@ pub(crate) fn lookup_wide_tile(ty: GgmlType, isa: Isa) -> Option<TileFn> {
     by_type!(ty, wide_tile_for_type(isa))
 }
 
-/// A `TileFn` from a tile loop generic over the weight rows `NR` (2 or 4, from `out.len() / ny`)
-/// and `NY`.
-macro_rules! tile_entry {
-    ($name:ident, $tile:ident) => {
-        /// # Safety
-        /// As [`TileFn`]: lengths checked by `Kernel::run_tile`, the machine runs this level.
-        unsafe fn $name<T: KQuant>(n: usize, w: &[u8], ys: &[u8], ny: usize, out: &mut [f32]) {
-            tile_body!($tile::<T>, n, w, ys, ny, out)
-        }
-    };
-}
 tile_entry!(tile256, tile_avx2);
 tile_entry!(tile512, tile_avx512);
 tile_entry!(tile512vnni, tile_avx512vnni);
