@@ -215,13 +215,56 @@ pub(super) unsafe fn scores(
         let (q, o) = (&q[h0 * a.dk..], &mut out[h0 * stride..]);
         // SAFETY: forwarded from the caller.
         unsafe {
+            let s = Scores { a, kvh, q: q.as_ptr(), out: o.as_mut_ptr(), stride };
             if avx2 {
-                by_kv!(a.k_type, hb, scores_heads_avx2(a, kvh, q, rows.clone(), o, stride));
+                by_kv!(a.k_type, hb, scores_heads_avx2(&s, rows.clone()));
             } else {
-                by_kv!(a.k_type, hb, scores_heads(a, kvh, q, rows.clone(), o, stride));
+                by_kv!(a.k_type, hb, scores_heads(&s, rows.clone()));
             }
         }
         h0 += hb;
+    }
+}
+
+/// One [`scores`] call's heads: `q` (`[head][dk]`) against K head `kvh` of the rows, the
+/// scores into `out`, a head's `stride` floats apart.
+struct Scores<'a> {
+    a: &'a Attn<'a>,
+    kvh: usize,
+    q: *const f32,
+    out: *mut f32,
+    stride: usize,
+}
+
+impl Scores<'_> {
+    /// Row `j`'s keys of this head, of format `T`.
+    ///
+    /// # Safety
+    /// Row `j` is in the cache.
+    #[inline(always)]
+    unsafe fn row<const T: u8>(&self, j: usize) -> *const u8 {
+        // SAFETY: the caller keeps `j` in bounds.
+        unsafe { self.a.k.as_ptr().add(bytes::<T>(j * self.a.k_row + self.kvh * self.a.dk)) }
+    }
+
+    /// Head `h`'s score of row `at` (counted from the call's first row), scaled.
+    ///
+    /// # Safety
+    /// `h` and `at` are within the call's heads and rows.
+    #[inline(always)]
+    unsafe fn put(&self, h: usize, at: usize, dot: f32) {
+        // SAFETY: the caller keeps `h` and `at` in bounds.
+        unsafe { *self.out.add(h * self.stride + at) = dot * self.a.scale };
+    }
+}
+
+/// A prefetch per this many values of a row of format `T`: one per 64 bytes (q8_0: per 34-byte
+/// block, which touches every line).
+const fn pf_every<const T: u8>() -> usize {
+    if T == F32 {
+        16
+    } else {
+        32
     }
 }
 
@@ -230,36 +273,23 @@ pub(super) unsafe fn scores(
 /// reduced together.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")]
-unsafe fn scores_heads<const T: u8, const HB: usize>(
-    a: &Attn,
-    kvh: usize,
-    q: &[f32],
-    rows: std::ops::Range<usize>,
-    out: &mut [f32],
-    stride: usize,
-) {
+unsafe fn scores_heads<const T: u8, const HB: usize>(s: &Scores, rows: std::ops::Range<usize>) {
+    let (dk, qb) = (s.a.dk, s.q);
     // SAFETY: the caller upholds this function's `# Safety` contract.
     unsafe {
-        let dk = a.dk;
-        let kp = a.k.as_ptr();
-        let row_ptr = |j: usize| kp.add(bytes::<T>(j * a.k_row + kvh * dk));
-        // A prefetch per 64 bytes of a row (q8_0: per 34-byte block, which touches every line).
-        let pf_every = if T == F32 { 16 } else { 32 };
-        let qb = q.as_ptr();
-        let op = out.as_mut_ptr();
         let mut j = rows.start;
         while j < rows.end {
             let two = j + 1 < rows.end;
-            let (k0, k1) = (row_ptr(j), row_ptr(if two { j + 1 } else { j }));
+            let (k0, k1) = (s.row::<T>(j), s.row::<T>(if two { j + 1 } else { j }));
             let mut acc0 = [_mm512_setzero_ps(); HB];
             let mut acc1 = [_mm512_setzero_ps(); HB];
             // The rows stream from memory: ask for the pair eight rows ahead (the hardware
             // prefetchers stop at every 4 KiB page).
             let ahead = (j + 8).min(rows.end - 1);
-            let (p0, p1) = (row_ptr(ahead), row_ptr((ahead + 1).min(rows.end - 1)));
+            let (p0, p1) = (s.row::<T>(ahead), s.row::<T>((ahead + 1).min(rows.end - 1)));
             let mut d = 0;
             while d < dk {
-                if d % pf_every == 0 {
+                if d % pf_every::<T>() == 0 {
                     _mm_prefetch::<_MM_HINT_T0>(p0.add(offset::<T>(d)) as *const i8);
                     _mm_prefetch::<_MM_HINT_T0>(p1.add(offset::<T>(d)) as *const i8);
                 }
@@ -276,16 +306,16 @@ unsafe fn scores_heads<const T: u8, const HB: usize>(
             if HB == 8 && two {
                 let v: [__m512; 16] = std::array::from_fn(|i| if i < 8 { acc0[i % HB] } else { acc1[i % HB] });
                 let mut sums = [0f32; 16];
-                _mm512_storeu_ps(sums.as_mut_ptr(), _mm512_mul_ps(reduce16(&v), _mm512_set1_ps(a.scale)));
+                _mm512_storeu_ps(sums.as_mut_ptr(), reduce16(&v));
                 for h in 0..8 {
-                    *op.add(h * stride + at) = sums[h];
-                    *op.add(h * stride + at + 1) = sums[8 + h];
+                    s.put(h, at, sums[h]);
+                    s.put(h, at + 1, sums[8 + h]);
                 }
             } else {
                 for h in 0..HB {
-                    *op.add(h * stride + at) = hsum(acc0[h]) * a.scale;
+                    s.put(h, at, hsum(acc0[h]));
                     if two {
-                        *op.add(h * stride + at + 1) = hsum(acc1[h]) * a.scale;
+                        s.put(h, at + 1, hsum(acc1[h]));
                     }
                 }
             }
@@ -416,42 +446,26 @@ unsafe fn hsum16(lo: __m256, hi: __m256) -> f32 {
 /// order: the same bits.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores_heads_avx2<const T: u8, const HB: usize>(
-    a: &Attn,
-    kvh: usize,
-    q: &[f32],
-    rows: std::ops::Range<usize>,
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: the caller upholds this function's `# Safety` contract.
-    unsafe {
-        let dk = a.dk;
-        let kp = a.k.as_ptr();
-        let row_ptr = |j: usize| kp.add(bytes::<T>(j * a.k_row + kvh * dk));
-        let pf_every = if T == F32 { 16 } else { 32 };
-        let qb = q.as_ptr();
-        let op = out.as_mut_ptr();
-        let mut j = rows.start;
-        while j < rows.end {
-            let n = (rows.end - j).min(SR);
-            let k: [*const u8; SR] = std::array::from_fn(|r| row_ptr(j + r.min(n - 1)));
-            let lo = scores_pass::<T, HB>(k, qb, dk, 0);
-            let hi = scores_pass::<T, HB>(k, qb, dk, 8);
+unsafe fn scores_heads_avx2<const T: u8, const HB: usize>(s: &Scores, rows: std::ops::Range<usize>) {
+    let dk = s.a.dk;
+    for j in rows.clone().step_by(SR) {
+        let n = (rows.end - j).min(SR);
+        // SAFETY: rows `j..j + n` and the prefetched ones are in bounds (the caller's contract).
+        unsafe {
+            let k: [*const u8; SR] = std::array::from_fn(|r| s.row::<T>(j + r.min(n - 1)));
+            let lo = scores_pass::<T, HB>(k, s.q, dk, 0);
+            let hi = scores_pass::<T, HB>(k, s.q, dk, 8);
             for r in 0..SR {
-                let pf = row_ptr((j + 8 + r).min(rows.end - 1));
-                let mut d = 0;
-                while d < dk {
+                let pf = s.row::<T>((j + 8 + r).min(rows.end - 1));
+                for d in (0..dk).step_by(pf_every::<T>()) {
                     _mm_prefetch::<_MM_HINT_T0>(pf.add(offset::<T>(d)) as *const i8);
-                    d += pf_every;
                 }
             }
             for (r, (lo, hi)) in lo.iter().zip(&hi).enumerate().take(n) {
                 for (h, (lo, hi)) in lo.iter().zip(hi).enumerate() {
-                    *op.add(h * stride + j + r - rows.start) = hsum16(*lo, *hi) * a.scale;
+                    s.put(h, j + r - rows.start, hsum16(*lo, *hi));
                 }
             }
-            j += n;
         }
     }
 }
