@@ -113,13 +113,9 @@ pub(crate) fn fastest_of_two<S>(
 
 /// Values in [-1, 1) from an xorshift generator seeded with `seed`, shared by the unit tests.
 #[cfg(test)]
-pub(crate) fn uniform(mut seed: u64) -> impl FnMut() -> f32 {
-    move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
+pub(crate) fn uniform(seed: u64) -> impl FnMut() -> f32 {
+    let mut rng = testing::Rng(seed);
+    move || rng.uniform()
 }
 
 /// [`testing::data`] for the unit tests.

@@ -5,17 +5,12 @@
 use crate::{Kernel, QuantizedActs, MAX_NY};
 use tandem_quant::vec_dot;
 
+pub use tandem_quant::testing::Rng;
+
 /// Deterministic values in [-1, 1) from an xorshift generator seeded with `seed`.
 pub fn data(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    (0..n).map(|_| rng.uniform()).collect()
 }
 
 /// `k` on the weight row `w` (`wf` dequantized) against 1..=[`MAX_NY`] of the activation rows

@@ -44,6 +44,7 @@ mod iq;
 pub mod iq_tables;
 mod kquant_helpers;
 mod quant;
+pub mod testing;
 mod vec_dot;
 
 pub use blocks::{bf16_to_f32, f32_to_bf16, f32_to_fp16, fp16_to_f32};

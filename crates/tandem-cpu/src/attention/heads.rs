@@ -120,44 +120,9 @@ pub(super) fn weighted_values(
     }
 }
 
-/// Cached values as f32 (`out.len()` of them, a whole number of blocks).
+/// Cached values as f32 (`out.len()` of them, whole blocks in `bytes`): ggml's dequantization.
 pub(crate) fn row_f32(ty: KvType, bytes: &[u8], out: &mut [f32]) {
-    match ty {
-        KvType::F32 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
-        }
-        KvType::F16 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
-            }
-        }
-        KvType::BF16 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = tandem_quant::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
-            }
-        }
-        KvType::Q8_0 => {
-            for (o, b) in out.chunks_exact_mut(32).zip(bytes.chunks_exact(34)) {
-                let d = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
-                for (o, q) in o.iter_mut().zip(&b[2..]) {
-                    *o = d * (*q as i8) as f32;
-                }
-            }
-        }
-        KvType::Q4_0 => {
-            // ggml's block: the low nibbles are values 0..16, the high ones 16..32
-            for (o, b) in out.chunks_exact_mut(32).zip(bytes.chunks_exact(18)) {
-                let d = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
-                let (lo, hi) = o.split_at_mut(16);
-                for ((l, h), q) in lo.iter_mut().zip(hi).zip(&b[2..]) {
-                    *l = d * ((q & 0x0F) as i32 - 8) as f32;
-                    *h = d * ((q >> 4) as i32 - 8) as f32;
-                }
-            }
-        }
-    }
+    tandem_quant::dequantize_row(ty.ggml(), bytes, out).expect("a cache row is whole blocks of its type");
 }
 
 /// f32 dot product in 8 lanes.

@@ -405,15 +405,7 @@ mod tests {
         []
     }
 
-    pub(super) struct Rng(pub u64);
-    impl Rng {
-        pub fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-    }
+    pub(super) use crate::testing::Rng;
 
     /// Random rows of `ty`: every bit pattern of levels and scales, fp16 factors in [2^-10, 2^-9)
     /// (where each type keeps them).

@@ -106,24 +106,5 @@ pub fn fixture_blocks(ty: GgmlType, n: usize) -> Vec<u8> {
     raw.iter().copied().cycle().take(n / ty.block_size() * ty.type_size()).collect()
 }
 
-/// Deterministic xorshift generator for test inputs.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Uniform in [-1, 1).
-    pub fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-
-    /// Roughly normal (sum of uniforms), times `scale`.
-    pub fn normal(&mut self, scale: f32) -> f32 {
-        (0..4).map(|_| self.uniform()).sum::<f32>() * 0.87 * scale
-    }
-}
+#[allow(unused_imports)] // not every test binary draws random inputs
+pub use tandem_quant::testing::Rng;

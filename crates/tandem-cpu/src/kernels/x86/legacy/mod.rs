@@ -28,12 +28,12 @@ macro_rules! block_entry {
 /// named in the order Q8_0, Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1, IQ4_XS: one list for every level.
 macro_rules! block_entries {
     ($feat:literal $d:ident => $q8_0:ident $q4_0:ident $q5_0:ident $iq4_nl:ident $q4_1:ident $q5_1:ident $iq4_xs:ident) => {
-        block_entry!($q8_0, $feat, q8_0_act::<Q8_0, $d>);
-        block_entry!($q4_0, $feat, q8_0_act::<Q4_0, $d>);
-        block_entry!($q5_0, $feat, q8_0_act::<Q5_0, $d>);
-        block_entry!($iq4_nl, $feat, q8_0_act::<IQ4NL, $d>);
-        block_entry!($q4_1, $feat, q8_1_act::<Q4_1, $d>);
-        block_entry!($q5_1, $feat, q8_1_act::<Q5_1, $d>);
+        block_entry!($q8_0, $feat, q8_act::<Q8_0, $d>);
+        block_entry!($q4_0, $feat, q8_act::<Q4_0, $d>);
+        block_entry!($q5_0, $feat, q8_act::<Q5_0, $d>);
+        block_entry!($iq4_nl, $feat, q8_act::<IQ4NL, $d>);
+        block_entry!($q4_1, $feat, q8_act::<Q4_1, $d>);
+        block_entry!($q5_1, $feat, q8_act::<Q5_1, $d>);
         block_entry!($iq4_xs, $feat, iq4_xs::<$d>);
     };
 }

@@ -151,6 +151,8 @@ maddubs_dot!(Avx2, __m256i, _mm256_madd_epi16, _mm256_maddubs_epi16, _mm256_set1
 /// A 32-element weight block that starts with its f16 scale `d`.
 pub(super) trait Block32 {
     const BYTES: usize;
+    /// Unsigned levels with a minimum, against Q8_1 activations (else signed, against Q8_0).
+    const MIN: bool = false;
     /// The block's 32 weight levels as bytes: signed for Q8_0 activations, unsigned (0..32) for
     /// the Q8_1 ones.
     unsafe fn unpack(p: *const u8) -> __m256i;
@@ -203,6 +205,7 @@ impl Block32 for IQ4NL {
 pub(super) struct Q4_1;
 impl Block32 for Q4_1 {
     const BYTES: usize = 20;
+    const MIN: bool = true;
     #[inline(always)]
     unsafe fn unpack(p: *const u8) -> __m256i {
         // SAFETY: a whole block is readable at `p`; AVX2.
@@ -213,6 +216,7 @@ impl Block32 for Q4_1 {
 pub(super) struct Q5_1;
 impl Block32 for Q5_1 {
     const BYTES: usize = 24;
+    const MIN: bool = true;
     #[inline(always)]
     unsafe fn unpack(p: *const u8) -> __m256i {
         // SAFETY: a whole block is readable at `p`; AVX2.
@@ -268,40 +272,14 @@ pub(super) unsafe fn group_scales<const NY: usize>(
     }
 }
 
-/// Signed 32-element weights against Q8_0 activations: per block, `d_x d_y sum(x y)`.
+/// 32-element weights against Q8_0 activations, per block `d_x d_y sum(x y)`; with `W::MIN`
+/// unsigned ones with a min against Q8_1 activations, per block `d_x d_y sum(x y) + m_x s_y`
+/// (`s_y` = `d_y sum(y)`, stored in the activation block).
 #[inline(always)]
-unsafe fn q8_0_act<W: Block32, D: Dot<Ymm>, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
+unsafe fn q8_act<W: Block32, D: Dot<Ymm>, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
+    let (ab, qs) = if W::MIN { (Q8_1_BYTES, 4) } else { (Q8_0_BYTES, 2) };
     let nb = n / QK;
-    let yrow = nb * Q8_0_BYTES;
-    // SAFETY: `Kernel::run` checked `w` holds `nb` blocks and `ys` holds `NY` rows of `nb` blocks.
-    unsafe {
-        let mut acc = [_mm256_setzero_ps(); NY];
-        let mut d = [[0f32; G]; NY];
-        for b0 in (0..nb).step_by(G) {
-            let cnt = G.min(nb - b0);
-            group_scales(&mut d, (w, W::BYTES), (ys, Q8_0_BYTES, yrow, 0), b0, cnt);
-            for b in 0..cnt {
-                let x = W::unpack(w.add((b0 + b) * W::BYTES));
-                let ax = _mm256_sign_epi8(x, x);
-                for (j, a) in acc.iter_mut().enumerate() {
-                    let y = _mm256_loadu_si256(ys.add(j * yrow + (b0 + b) * Q8_0_BYTES + 2) as *const __m256i);
-                    let p = D::dot(ax, _mm256_sign_epi8(y, x));
-                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&d[j][b]), *a);
-                }
-            }
-        }
-        for (o, a) in out.iter_mut().zip(acc) {
-            *o = hsum_ps(a);
-        }
-    }
-}
-
-/// Unsigned 32-element weights with a min against Q8_1 activations: per block,
-/// `d_x d_y sum(x y) + m_x s_y` (`s_y` = `d_y sum(y)`, stored in the activation block).
-#[inline(always)]
-unsafe fn q8_1_act<W: Block32, D: Dot<Ymm>, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
-    let nb = n / QK;
-    let yrow = nb * Q8_1_BYTES;
+    let yrow = nb * ab;
     // SAFETY: `Kernel::run` checked `w` holds `nb` blocks and `ys` holds `NY` rows of `nb` blocks.
     unsafe {
         let mut acc = [_mm256_setzero_ps(); NY];
@@ -310,23 +288,28 @@ unsafe fn q8_1_act<W: Block32, D: Dot<Ymm>, const NY: usize>(n: usize, w: *const
         let mut m = [[0f32; G]; NY];
         for b0 in (0..nb).step_by(G) {
             let cnt = G.min(nb - b0);
-            group_scales(&mut d, (w, W::BYTES), (ys, Q8_1_BYTES, yrow, 0), b0, cnt);
-            // m_x s_y, summed per group in one vector (lanes past `cnt` hold zeros).
-            group_scales(&mut m, (w.add(2), W::BYTES), (ys, Q8_1_BYTES, yrow, 2), b0, cnt);
-            for (mj, mn) in m.iter_mut().zip(mins.iter_mut()) {
-                mj[cnt..].fill(0.0);
-                *mn = _mm256_add_ps(*mn, _mm256_loadu_ps(mj.as_ptr()));
+            group_scales(&mut d, (w, W::BYTES), (ys, ab, yrow, 0), b0, cnt);
+            if W::MIN {
+                // m_x s_y, summed per group in one vector (lanes past `cnt` hold zeros).
+                group_scales(&mut m, (w.add(2), W::BYTES), (ys, ab, yrow, 2), b0, cnt);
+                for (mj, mn) in m.iter_mut().zip(mins.iter_mut()) {
+                    mj[cnt..].fill(0.0);
+                    *mn = _mm256_add_ps(*mn, _mm256_loadu_ps(mj.as_ptr()));
+                }
             }
             for b in 0..cnt {
                 let x = W::unpack(w.add((b0 + b) * W::BYTES));
+                // Signed levels: |x| against y with x's signs (`maddubs` takes unsigned bytes first).
+                let ax = if W::MIN { x } else { _mm256_sign_epi8(x, x) };
                 for (j, a) in acc.iter_mut().enumerate() {
-                    let y = _mm256_loadu_si256(ys.add(j * yrow + (b0 + b) * Q8_1_BYTES + 4) as *const __m256i);
-                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(D::dot(x, y)), _mm256_broadcast_ss(&d[j][b]), *a);
+                    let y = _mm256_loadu_si256(ys.add(j * yrow + (b0 + b) * ab + qs) as *const __m256i);
+                    let p = D::dot(ax, if W::MIN { y } else { _mm256_sign_epi8(y, x) });
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&d[j][b]), *a);
                 }
             }
         }
         for j in 0..NY {
-            out[j] = hsum_ps(_mm256_add_ps(acc[j], mins[j]));
+            out[j] = hsum_ps(if W::MIN { _mm256_add_ps(acc[j], mins[j]) } else { acc[j] });
         }
     }
 }

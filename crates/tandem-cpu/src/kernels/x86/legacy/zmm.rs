@@ -182,47 +182,57 @@ unsafe fn group_scales512<const NY: usize>(
     }
 }
 
-/// Signed 32-element weights against Q8_0 activations, a pair of blocks per register.
+/// [`super::quant`]'s `q8_act` with a pair of blocks per register.
 #[inline(always)]
-unsafe fn q8_0_act<W: Pair, D: Dot<Zmm>, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
+unsafe fn q8_act<W: Pair, D: Dot<Zmm>, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
+    let (ab, qs) = if W::MIN { (Q8_1_BYTES, 4) } else { (Q8_0_BYTES, 2) };
     let nb = n / QK;
-    let yrow = nb * Q8_0_BYTES;
+    let yrow = nb * ab;
     // SAFETY: `Kernel::run` checked `w` holds `nb` blocks and `ys` holds `NY` rows of `nb` blocks.
     unsafe {
         let mut acc = [_mm512_setzero_ps(); NY];
+        let mut mins = [_mm256_setzero_ps(); NY];
         let mut d = [[0f32; G]; NY];
+        let mut m = [[0f32; G]; NY];
         for b0 in (0..nb).step_by(G) {
             let cnt = G.min(nb - b0);
-            group_scales512(&mut d, (w, W::BYTES), (ys, Q8_0_BYTES, yrow), (b0, cnt, 0));
+            group_scales512(&mut d, (w, W::BYTES), (ys, ab, yrow), (b0, cnt, 0));
+            if W::MIN {
+                group_scales512(&mut m, (w, W::BYTES), (ys, ab, yrow), (b0, cnt, 2));
+                for (mj, mn) in m.iter_mut().zip(mins.iter_mut()) {
+                    mj[cnt..].fill(0.0);
+                    *mn = _mm256_add_ps(*mn, _mm256_loadu_ps(mj.as_ptr()));
+                }
+            }
             let mut b = 0;
             while b < cnt {
                 // A lone last block pairs with zeros (and its own scale, so 0 * scale adds 0).
                 let two = b + 1 < cnt;
-                let xb = w.add((b0 + b) * W::BYTES);
-                let x = pair::<W>(xb, two);
-                let (neg, ax) = (_mm512_movepi8_mask(x), _mm512_abs_epi8(x));
+                let x = pair::<W>(w.add((b0 + b) * W::BYTES), two);
+                // Signed levels: |x| against y with x's signs.
+                let (neg, ax) = if W::MIN { (0, x) } else { (_mm512_movepi8_mask(x), _mm512_abs_epi8(x)) };
                 let idx = pair_idx(b, two);
                 for (j, a) in acc.iter_mut().enumerate() {
-                    let yb = ys.add(j * yrow + (b0 + b) * Q8_0_BYTES + 2);
-                    let y = pair_acts(yb, Q8_0_BYTES, two);
-                    let p = D::dot(ax, apply_sign(y, neg));
+                    let y = pair_acts(ys.add(j * yrow + (b0 + b) * ab + qs), ab, two);
+                    let p = D::dot(ax, if W::MIN { y } else { apply_sign(y, neg) });
                     let dj = _mm512_castps256_ps512(_mm256_loadu_ps(d[j].as_ptr()));
                     *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, dj), *a);
                 }
                 b += 2;
             }
         }
-        for (o, a) in out.iter_mut().zip(acc) {
-            *o = _mm512_reduce_add_ps(a);
+        for j in 0..NY {
+            let r = _mm512_reduce_add_ps(acc[j]);
+            out[j] = if W::MIN { r + hsum_ps(mins[j]) } else { r };
         }
     }
 }
 
-/// Multi-row VNNI kernel of [`q8_0_act`]: `NR` weight rows (`wstride` bytes apart) against `NY`
+/// Multi-row VNNI kernel of [`q8_act`] (Q8_0 activations): `NR` weight rows (`wstride` bytes apart) against `NY`
 /// activation rows, every activation pair of blocks loaded once for all the rows. `vpdpbusd` takes
 /// unsigned weights: instead of `|x|` and a sign flip of each activation per row, the weights are
 /// offset by 128 (`x ^ 0x80`) and `128 * y` (once per activation) taken away again, so each lane
-/// holds exactly the integer `q8_0_act` forms and every result is bit-identical to it.
+/// holds exactly the integer `q8_act` forms and every result is bit-identical to it.
 ///
 /// # Safety
 /// `w` holds `NR` rows of `n / 32` blocks of `W`, `ys` holds `NY` rows of Q8_0 blocks, `out` has
@@ -289,47 +299,6 @@ unsafe fn q8_0_act_tile<W: Pair, const NR: usize, const NY: usize>(
             for j in 0..NY {
                 *out.add(r * NY + j) = _mm512_reduce_add_ps(acc[r][j]);
             }
-        }
-    }
-}
-
-/// Unsigned 32-element weights with a min against Q8_1 activations, a pair of blocks per
-/// register: per block `d_x d_y sum(x y) + m_x s_y`.
-#[inline(always)]
-unsafe fn q8_1_act<W: Pair, D: Dot<Zmm>, const NY: usize>(n: usize, w: *const u8, ys: *const u8, out: &mut [f32]) {
-    let nb = n / QK;
-    let yrow = nb * Q8_1_BYTES;
-    // SAFETY: `Kernel::run` checked `w` holds `nb` blocks and `ys` holds `NY` rows of `nb` blocks.
-    unsafe {
-        let mut acc = [_mm512_setzero_ps(); NY];
-        let mut mins = [_mm256_setzero_ps(); NY];
-        let mut d = [[0f32; G]; NY];
-        let mut m = [[0f32; G]; NY];
-        for b0 in (0..nb).step_by(G) {
-            let cnt = G.min(nb - b0);
-            group_scales512(&mut d, (w, W::BYTES), (ys, Q8_1_BYTES, yrow), (b0, cnt, 0));
-            group_scales512(&mut m, (w, W::BYTES), (ys, Q8_1_BYTES, yrow), (b0, cnt, 2));
-            for (mj, mn) in m.iter_mut().zip(mins.iter_mut()) {
-                mj[cnt..].fill(0.0);
-                *mn = _mm256_add_ps(*mn, _mm256_loadu_ps(mj.as_ptr()));
-            }
-            let mut b = 0;
-            while b < cnt {
-                let two = b + 1 < cnt;
-                let xb = w.add((b0 + b) * W::BYTES);
-                let x = pair::<W>(xb, two);
-                let idx = pair_idx(b, two);
-                for (j, a) in acc.iter_mut().enumerate() {
-                    let yb = ys.add(j * yrow + (b0 + b) * Q8_1_BYTES + 4);
-                    let y = pair_acts(yb, Q8_1_BYTES, two);
-                    let dj = _mm512_castps256_ps512(_mm256_loadu_ps(d[j].as_ptr()));
-                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D::dot(x, y)), _mm512_permutexvar_ps(idx, dj), *a);
-                }
-                b += 2;
-            }
-        }
-        for j in 0..NY {
-            out[j] = _mm512_reduce_add_ps(acc[j]) + hsum_ps(mins[j]);
         }
     }
 }
