@@ -106,19 +106,36 @@ pub(crate) fn light_hint_index() -> u8 {
     state() >> 4
 }
 
-/// Sets the hint every kernel uses from now on (a `PF_*`); returns the hints it replaces, for
-/// [`restore_hints`]. For tests that run the kernels compiled for each hint.
+/// Sets the hint every kernel uses (a `PF_*`) until the guard it returns is dropped, which puts
+/// back the hints it replaced. For tests that run the kernels compiled for each hint: one such
+/// test at a time (the guard holds a lock), as the hint is the whole process's.
 #[cfg(test)]
-pub(crate) fn set_hint(h: u8) -> u8 {
+pub(crate) fn set_hint(h: u8) -> HintGuard {
+    let lock = hints_held();
     let old = state();
     MODE.store(h | (h << 4), Ordering::Relaxed);
-    old
+    HintGuard { old, _lock: lock }
 }
 
-/// Puts back the hints [`set_hint`] returned.
+/// The lock of the tests that set or read the hints: held, no other test changes them.
 #[cfg(test)]
-pub(crate) fn restore_hints(old: u8) {
-    MODE.store(old, Ordering::Relaxed);
+pub(crate) fn hints_held() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// See [`set_hint`].
+#[cfg(test)]
+pub(crate) struct HintGuard {
+    old: u8,
+    _lock: std::sync::MutexGuard<'static, ()>,
+}
+
+#[cfg(test)]
+impl Drop for HintGuard {
+    fn drop(&mut self) {
+        MODE.store(self.old, Ordering::Relaxed);
+    }
 }
 
 /// The two hints, [`Prefetch::detected`] in the low four bits and [`Prefetch::detected_light`] in
@@ -233,19 +250,21 @@ mod tests {
         }
         assert_eq!(Prefetch::parse("t2"), None);
         assert_eq!(Prefetch::parse(""), None);
+        let held = hints_held();
         let (p, l) = (Prefetch::detected(), Prefetch::detected_light());
         assert_eq!((Prefetch::detected(), Prefetch::detected_light()), (p, l), "read once");
+        drop(held);
         #[cfg(target_arch = "x86_64")]
         {
             // Every hint (and a null address: a prefetch never faults).
             let data = vec![1u8; 4096];
             for h in [0, 1, 2, 3] {
-                let old = set_hint(h);
+                let _hint = set_hint(h);
                 assert_eq!((hint_index(), light_hint_index()), (h, h));
                 prefetch_stream(data.as_ptr(), data.len());
                 prefetch_stream(std::ptr::null(), 256);
-                restore_hints(old);
             }
+            let _held = hints_held();
             assert_eq!((Prefetch::detected(), Prefetch::detected_light()), (p, l));
         }
     }

@@ -5,7 +5,7 @@
 pub struct Rng(pub u64);
 
 impl Rng {
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -14,7 +14,7 @@ impl Rng {
 
     /// A value in [-1, 1).
     pub fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
 
     /// Roughly normal (a sum of uniforms), times `scale`.

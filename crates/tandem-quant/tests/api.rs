@@ -236,7 +236,7 @@ fn hostile_inputs_never_panic() {
     }
     for ty in VEC_DOT_TYPES {
         let n = 1024;
-        let random = |len: usize, rng: &mut Rng| (0..len).map(|_| rng.next() as u8).collect::<Vec<u8>>();
+        let random = |len: usize, rng: &mut Rng| (0..len).map(|_| rng.next_u64() as u8).collect::<Vec<u8>>();
         let w = random(row_size(ty, n).unwrap(), &mut rng);
         let a = random(row_size(vec_dot_type(ty), n).unwrap(), &mut rng);
         vec_dot(ty, n, &w, &a).unwrap();

@@ -36,11 +36,11 @@ mod tests {
     /// Random bit patterns for every level, scale and mask bit; finite fp16 factors in [2^-10, 2^-9).
     fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
         let bytes = row_size(ty, n).unwrap();
-        let mut w: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
+        let mut w: Vec<u8> = (0..bytes).map(|_| rng.next_u64() as u8).collect();
         let block = bytes / (n / 256);
         for b in w.chunks_exact_mut(block) {
             for o in f16_offsets(ty) {
-                let bits = 0x1400u16 | (rng.next() as u16 & 0x03FF) | (rng.next() as u16 & 0x8000);
+                let bits = 0x1400u16 | (rng.next_u64() as u16 & 0x03FF) | (rng.next_u64() as u16 & 0x8000);
                 b[o..o + 2].copy_from_slice(&bits.to_le_bytes());
             }
         }
@@ -51,9 +51,9 @@ mod tests {
     fn random_q8k(n: usize, rows: usize, rng: &mut Rng) -> Vec<u8> {
         let mut out = Vec::new();
         for _ in 0..rows * (n / 256) {
-            let d = 0.001 + (rng.next() % 1000) as f32 * 1e-5;
+            let d = 0.001 + (rng.next_u64() % 1000) as f32 * 1e-5;
             let qs: Vec<i8> =
-                (0..256).map(|_| if rng.next().is_multiple_of(5) { -128 } else { rng.next() as i8 }).collect();
+                (0..256).map(|_| if rng.next_u64().is_multiple_of(5) { -128 } else { rng.next_u64() as i8 }).collect();
             out.extend_from_slice(&d.to_le_bytes());
             out.extend(qs.iter().map(|&q| q as u8));
             for g in qs.chunks_exact(16) {
@@ -169,7 +169,7 @@ mod tests {
             let ty = GgmlType::Q4_K;
             let rb = row_size(ty, n).unwrap();
             let w: Vec<u8> = (0..rows).flat_map(|_| random_weights(ty, n, &mut rng)).collect();
-            let x: Vec<f32> = (0..n * tokens).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect();
+            let x: Vec<f32> = (0..n * tokens).map(|_| (rng.next_u64() % 2001) as f32 / 1000.0 - 1.0).collect();
             let acts = crate::quantize_activations(ty, &x, n).unwrap();
             let wr = crate::WeightRef::new(ty, rows, n, &w).unwrap();
             let k = crate::best_kernel(ty).unwrap();

@@ -410,11 +410,11 @@ mod tests {
     /// Random rows of `ty`: every bit pattern of levels and scales, fp16 factors in [2^-10, 2^-9)
     /// (where each type keeps them).
     pub(super) fn random_rows(ty: GgmlType, rows: usize, n: usize, rng: &mut Rng) -> Vec<u8> {
-        let mut w: Vec<u8> = (0..rows * row_size(ty, n).unwrap()).map(|_| rng.next() as u8).collect();
+        let mut w: Vec<u8> = (0..rows * row_size(ty, n).unwrap()).map(|_| rng.next_u64() as u8).collect();
         let factors = factor_offsets(ty);
         for b in w.chunks_exact_mut(ty.type_size()) {
             for &o in factors {
-                let bits = 0x1400u16 | (rng.next() as u16 & 0x03FF) | (rng.next() as u16 & 0x8000);
+                let bits = 0x1400u16 | (rng.next_u64() as u16 & 0x03FF) | (rng.next_u64() as u16 & 0x8000);
                 b[o..o + 2].copy_from_slice(&bits.to_le_bytes());
             }
         }
@@ -462,7 +462,7 @@ mod tests {
     }
 
     fn acts(ty: GgmlType, n: usize, ny: usize, rng: &mut Rng) -> Vec<u8> {
-        let x: Vec<f32> = (0..n * ny).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect();
+        let x: Vec<f32> = (0..n * ny).map(|_| (rng.next_u64() % 2001) as f32 / 1000.0 - 1.0).collect();
         crate::quantize_activations(ty, &x, n).unwrap().data
     }
 
@@ -533,9 +533,9 @@ mod tests {
                         // hint: every one of them.
                         let hints: &[u8] = if ny == 1 { &[0, 1, 2, 3] } else { &[0] };
                         for &h in hints {
-                            let old = crate::prefetch::set_hint(h);
+                            let hint = crate::prefetch::set_hint(h);
                             run(k, ty, p.bytes(), n, &ys, ny, &mut b, 20);
-                            crate::prefetch::restore_hints(old);
+                            drop(hint);
                             assert_eq!(
                                 bits(&a),
                                 bits(&b),
@@ -640,7 +640,7 @@ mod tests {
             assert!(m.rows(16, 20).is_err());
             // Rows 16..48 alone give the same bits as those columns of the whole product.
             let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-            let x: Vec<f32> = (0..3 * n).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect();
+            let x: Vec<f32> = (0..3 * n).map(|_| (rng.next_u64() % 2001) as f32 / 1000.0 - 1.0).collect();
             let (mut all, mut part) = (vec![0f32; 3 * rows], vec![0f32; 3 * 32]);
             crate::matmul(&pool, &m, &x, &mut all).unwrap();
             crate::matmul(&pool, &m.rows(16, 32).unwrap(), &x, &mut part).unwrap();
@@ -659,7 +659,7 @@ mod tests {
             let (rows, n, tokens) = (32, 256, 1000);
             let w = random_rows(ty, rows, n, &mut rng);
             let p = pack(ty, rows, n, &w).unwrap();
-            let x: Vec<f32> = (0..tokens * n).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect();
+            let x: Vec<f32> = (0..tokens * n).map(|_| (rng.next_u64() % 2001) as f32 / 1000.0 - 1.0).collect();
             let mut all = vec![0f32; tokens * rows];
             crate::matmul(&pool, &p.weight_ref(), &x, &mut all).unwrap();
             for (t0, want) in all.chunks(crate::MAX_NY * rows).enumerate() {
@@ -706,7 +706,7 @@ mod tests {
             ];
             for (rows, n, tokens) in shapes.into_iter().filter(|s| s.1.is_multiple_of(ty.block_size())) {
                 let w = random_rows(ty, rows, n, &mut rng);
-                let x: Vec<f32> = (0..n * tokens).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect();
+                let x: Vec<f32> = (0..n * tokens).map(|_| (rng.next_u64() % 2001) as f32 / 1000.0 - 1.0).collect();
                 let a = crate::quantize_activations(ty, &x, n).unwrap();
                 let plain = crate::WeightRef::new(ty, rows, n, &w).unwrap();
                 let p = pool.install(|| pack(ty, rows, n, &w)).unwrap();

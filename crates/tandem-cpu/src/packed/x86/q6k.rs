@@ -35,6 +35,8 @@ macro_rules! group_fn {
                 const GF: bool = $gf;
                 let nib = _mm512_set1_epi8(0x0F);
                 let two = _mm512_set1_epi8(0x30);
+                // Bits 2l..2l+2 of a high-bit byte moved to bits 4..6.
+                let high = |h, l: usize| _mm512_and_si512(to_bit!(h, 2 * l, 4, _mm512_slli_epi16, _mm512_srli_epi16), two);
             }
             block {}
             step {
@@ -44,16 +46,6 @@ macro_rules! group_fn {
                 let sc1 = _mm512_srai_epi32::<16>(pair);
                 let h0 = _mm512_loadu_si512(wb.add(QH + 128 * j) as *const __m512i);
                 let h1 = _mm512_loadu_si512(wb.add(QH + 128 * j + 64) as *const __m512i);
-                // Bits 2l..2l+2 of a high-bit byte moved to bits 4..6.
-                let high = |h: __m512i, l: usize| -> __m512i {
-                    let s = match l {
-                        0 => _mm512_slli_epi16::<4>(h),
-                        1 => _mm512_slli_epi16::<2>(h),
-                        2 => h,
-                        _ => _mm512_srli_epi16::<2>(h),
-                    };
-                    _mm512_and_si512(s, two)
-                };
                 let mut lo = [_mm512_setzero_si512(); 4];
                 let mut hi = [_mm512_setzero_si512(); 4];
                 for l in 0..4 {
@@ -134,6 +126,8 @@ q8k_group! { ymm
         let nib = _mm256_set1_epi8(0x0F);
         let two = _mm256_set1_epi8(0x30);
         let low16 = _mm256_set1_epi32(0xFFFF);
+        // Bits 2l..2l+2 of a high-bit byte moved to bits 4..6.
+        let high = |h, l: usize| _mm256_and_si256(to_bit!(h, 2 * l, 4, _mm256_slli_epi16, _mm256_srli_epi16), two);
     }
     block {}
     step {
@@ -146,16 +140,6 @@ q8k_group! { ymm
         let scsc1 = _mm256_or_si256(_mm256_and_si256(sc1, low16), _mm256_slli_epi32::<16>(sc1));
         let h0 = _mm256_loadu_si256(wb.add(QH + 128 * j + 32 * hf) as *const __m256i);
         let h1 = _mm256_loadu_si256(wb.add(QH + 128 * j + 64 + 32 * hf) as *const __m256i);
-        // Bits 2l..2l+2 of a high-bit byte moved to bits 4..6.
-        let high = |h: __m256i, l: usize| -> __m256i {
-            let s = match l {
-                0 => _mm256_slli_epi16::<4>(h),
-                1 => _mm256_slli_epi16::<2>(h),
-                2 => h,
-                _ => _mm256_srli_epi16::<2>(h),
-            };
-            _mm256_and_si256(s, two)
-        };
         let mut lo = [_mm256_setzero_si256(); 4];
         let mut hi = [_mm256_setzero_si256(); 4];
         for l in 0..4 {
