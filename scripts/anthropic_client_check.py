@@ -50,6 +50,8 @@ def main() -> int:
     use = uses[0]
     check(use.name == "get_weather" and isinstance(use.input.get("city"), str) and len(use.input["city"]) <= 12
           and set(use.input) == {"city"}, f"tool_use: {use}")
+    # Anthropic's id spellings, which clients may match on.
+    check(call.id.startswith("msg_") and use.id.startswith("toolu_"), f"ids: {call.id}, {use.id}")
     print(f"tool_use: {use.name}({use.input}), id {use.id}")
 
     with client.messages.stream(model="any", max_tokens=128, extra_body=T0, messages=ASK, tools=[TOOL],

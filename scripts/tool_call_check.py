@@ -46,6 +46,7 @@ def main() -> int:
     calls = choice.message.tool_calls or []
     check(len(calls) == 1 and calls[0].function.name == "get_weather", f"tool_calls: {calls}")
     check(json.loads(calls[0].function.arguments) == {"city": "Paris"}, f"arguments: {calls[0].function.arguments}")
+    check(r.id.startswith("chatcmpl-") and calls[0].id.startswith("call_"), f"ids: {r.id}, {calls[0].id}")  # OpenAI's
     check(choice.message.content == "I will check.", f"content: {choice.message.content!r}")
     print(f"tool_calls: {calls[0].function.name}({calls[0].function.arguments}), content {choice.message.content!r}")
 

@@ -214,6 +214,19 @@ async fn llama_server_completion_tokenize_and_detokenize() {
     assert_ne!(plain["tokens"], json!([ids[0]]), "{bos}");
     let (_, pieces) = post_json(s.addr, "/tokenize", json!({"content": "fox", "with_pieces": true})).await;
     assert!(pieces["tokens"][0]["piece"].is_string(), "{pieces}");
+    // A character split over byte tokens: those pieces come as bytes, as llama-server sends them,
+    // and all the pieces together are the text.
+    let (_, fox) = post_json(s.addr, "/tokenize", json!({"content": "🦊", "with_pieces": true})).await;
+    let mut text = Vec::new();
+    for t in fox["tokens"].as_array().unwrap() {
+        match &t["piece"] {
+            Value::String(s) => text.extend_from_slice(s.as_bytes()),
+            Value::Array(b) => text.extend(b.iter().map(|b| u8::try_from(b.as_u64().unwrap()).unwrap())),
+            p => panic!("piece {p}"),
+        }
+    }
+    assert_eq!(text, "🦊".as_bytes(), "{fox}");
+    assert!(fox["tokens"].as_array().unwrap().iter().any(|t| t["piece"].is_array()), "{fox}");
     let (_, de) = post_json(s.addr, "/detokenize", json!({"tokens": ids})).await;
     assert!(de["content"].as_str().unwrap().ends_with(PROMPTS[0]), "{de}");
 

@@ -314,10 +314,10 @@ async fn answer(
     let opens = http::prompt_opens(&state, &req.prompt).await?;
     let stops = req.stop.clone();
     let split = Splitter::new(state.reasoning_format(), opens);
-    let (id, rx) = http::submit(&state, req, "msg", key).await?;
+    let (id, rx) = http::submit(&state, req, "msg_", key).await?;
     let model = http::model_name(&state);
     let ids = state.clone();
-    let mut new_id = move || ids.new_id("toolu");
+    let mut new_id = move || ids.new_id("toolu_");
     if !stream {
         let c = http::collect(rx).await?;
         let parts = crate::tools::whole_answer(split, tools, &c.text);

@@ -359,7 +359,7 @@ impl Sink for HttpSink {
     }
 }
 
-/// Submits `req` (tokenizing off the async threads) under a fresh random id `PREFIX-HEX`.
+/// Submits `req` (tokenizing off the async threads) under a fresh random id, `prefix` and hex.
 pub(crate) async fn submit(
     state: &Arc<State>,
     mut req: Request,
@@ -435,7 +435,7 @@ async fn chat(
     let format = state.reasoning_format();
     let opens = prompt_opens(&state, &req.prompt).await?;
     let reqs = std::iter::once(req).chain(more).collect();
-    let (ids, rxs) = submit_all(&state, reqs, "chatcmpl", key.map(|k| k.0)).await?;
+    let (ids, rxs) = submit_all(&state, reqs, "chatcmpl-", key.map(|k| k.0)).await?;
     let (model, created) = (model_name(&state), now_secs());
     let body = json!({"id": ids[0], "object": "chat.completion", "created": created, "model": model});
     if !stream {
@@ -461,7 +461,7 @@ async fn chat(
         .map(|i| {
             let (chunk, state) = (chunk.clone(), state.clone());
             let mut answer = crate::tools::AnswerStream::new(Splitter::new(format, opens), tools);
-            let mut call_id = move || state.new_id("call");
+            let mut call_id = move || state.new_id("call_");
             let end = chunk.clone();
             // the deltas of a piece of text: thinking apart from the answer
             let deltas = move |(reasoning, content): (String, String), lp: Value, out: &mut Vec<String>| {
@@ -560,7 +560,7 @@ async fn completions(
     if !stream {
         return completions_batch(&state, reqs, key.map(|k| k.0)).await;
     }
-    let (ids, rxs) = submit_all(&state, reqs, "cmpl", key.map(|k| k.0)).await?;
+    let (ids, rxs) = submit_all(&state, reqs, "cmpl-", key.map(|k| k.0)).await?;
     let chunk = json!({"id": ids[0], "object": "text_completion", "created": now_secs(), "model": model_name(&state)});
     let translators = (0..rxs.len())
         .map(|i| {
@@ -639,7 +639,7 @@ fn chat_choice(c: &Collected, split: Splitter, tools: bool, state: &Arc<State>, 
         choice["message"]["reasoning_content"] = reasoning.into();
     }
     if !calls.is_empty() {
-        choice["message"]["tool_calls"] = crate::tools::openai_calls(&calls, &mut || state.new_id("call"), false);
+        choice["message"]["tool_calls"] = crate::tools::openai_calls(&calls, &mut || state.new_id("call_"), false);
         if choice["message"]["content"] == "" {
             choice["message"]["content"] = Value::Null;
         }
@@ -659,7 +659,7 @@ async fn completions_batch(
     key: Option<KeyIndex>,
 ) -> Result<Response, ApiError> {
     let want_logprobs = reqs[0].logprobs > 0;
-    let (ids, rxs) = submit_all(state, reqs, "cmpl", key).await?;
+    let (ids, rxs) = submit_all(state, reqs, "cmpl-", key).await?;
     let (mut choices, mut usage) = (Vec::with_capacity(rxs.len()), Vec::with_capacity(rxs.len()));
     for (index, rx) in rxs.into_iter().enumerate() {
         let c = collect(rx).await?;
@@ -684,7 +684,7 @@ async fn llama_completion(
     let req = openai::llama_completion_request(r, arrived, state.sampling())?;
     let stops = req.stop.clone();
     let n_probs = req.logprobs as usize;
-    let (_, rx) = submit(&state, req, "cmpl", key.map(|k| k.0)).await?;
+    let (_, rx) = submit(&state, req, "cmpl-", key.map(|k| k.0)).await?;
     let model = model_name(&state);
     if !stream {
         let c = collect(rx).await?;
@@ -727,8 +727,13 @@ async fn tokenize(
         let pieces: Vec<Value> = ids
             .iter()
             .map(|&id| {
-                let piece = String::from_utf8_lossy(tok.token_to_piece(id, true).unwrap_or(&[])).into_owned();
-                json!({"id": id, "piece": piece})
+                // As llama-server: the text where the bytes are UTF-8, else the bytes (a piece
+                // that is part of a character).
+                let bytes = tok.token_to_piece(id, true).unwrap_or(&[]);
+                match std::str::from_utf8(bytes) {
+                    Ok(text) => json!({"id": id, "piece": text}),
+                    Err(_) => json!({"id": id, "piece": bytes}),
+                }
             })
             .collect();
         Ok(Json(json!({"tokens": pieces})))

@@ -178,7 +178,8 @@ impl State {
         self.engine.get().map(|(_, info)| info.name.as_str())
     }
 
-    /// A fresh request id `PREFIX-` and 128 random bits in hex, for ids the client did not choose:
+    /// A fresh id: `prefix` (with its separator, as each API spells its ids: `chatcmpl-`,
+    /// `call_`, `msg_`, `toolu_`) and 128 random bits in hex, for ids the client did not choose:
     /// no client can guess another's id (to `Abort` it).
     pub(crate) fn new_id(&self, prefix: &str) -> String {
         let mut bits = [0u8; 16];
@@ -192,7 +193,7 @@ impl State {
                 half.copy_from_slice(&h.finish().to_le_bytes());
             }
         }
-        format!("{prefix}-{:032x}", u128::from_le_bytes(bits))
+        format!("{prefix}{:032x}", u128::from_le_bytes(bits))
     }
 
     pub(crate) fn streams(&self) -> watch::Receiver<usize> {
@@ -292,7 +293,7 @@ impl Sink for StreamSink {
                 f.reason = pb::FinishReason::ToolCalls as i32;
                 f.tool_calls = calls
                     .into_iter()
-                    .map(|c| pb::ToolCall { id: self.state.new_id("call"), name: c.name, arguments_json: c.arguments })
+                    .map(|c| pb::ToolCall { id: self.state.new_id("call_"), name: c.name, arguments_json: c.arguments })
                     .collect();
             }
         }
@@ -325,7 +326,7 @@ impl Service {
     ) -> Result<Response<ResponseStream>, Status> {
         let engine = self.state.engine()?.clone();
         if req.id.is_empty() {
-            req.id = self.state.new_id("req");
+            req.id = self.state.new_id("req-");
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let offered = matches!(&req.prompt, tandem_engine::Prompt::Messages { tools, .. } if !tools.is_empty());
@@ -530,14 +531,14 @@ mod tests {
     #[test]
     fn request_ids_are_128_random_bits() {
         let s = State::new(&crate::Options::default());
-        let ids: std::collections::HashSet<String> = (0..1000).map(|_| s.new_id("req")).collect();
+        let ids: std::collections::HashSet<String> = (0..1000).map(|_| s.new_id("req-")).collect();
         assert_eq!(ids.len(), 1000);
         for id in &ids {
             let hex = id.strip_prefix("req-").unwrap();
             assert!(hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
         }
         // Not a counter: consecutive ids share no long prefix.
-        let (a, b) = (s.new_id("x"), s.new_id("x"));
+        let (a, b) = (s.new_id("x-"), s.new_id("x-"));
         assert_ne!(a[..10], b[..10]);
     }
 
