@@ -1,0 +1,31 @@
+//! Any messages and tools a client sends (JSON) render with the Kimi K2 and DeepSeek V3 chat
+//! templates (tests/fixtures/tokenizer/templates) or fail with an error: never a panic, a hang or
+//! unbounded output (the renderer's fuel). The first byte picks the template and the generation
+//! prompt; the rest is `{"messages": [...], "tools": [...]}`. Seeds: fuzz/seeds/chat_template.
+//! Run: `cargo +nightly fuzz run chat_template fuzz/corpus/chat_template fuzz/seeds/chat_template`.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use serde_json::Value;
+use std::sync::OnceLock;
+use tandem_tokenizer::ChatTemplate;
+
+fn templates() -> &'static [ChatTemplate; 2] {
+    static T: OnceLock<[ChatTemplate; 2]> = OnceLock::new();
+    T.get_or_init(|| {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer/templates");
+        ["kimi-k2.jinja", "deepseek-v3.jinja"].map(|f| {
+            let src = std::fs::read_to_string(dir.join(f)).expect("the fixture template");
+            ChatTemplate::new(&src, "<s>", "</s>").expect("a template")
+        })
+    })
+}
+
+fuzz_target!(init: { templates(); }, |data: &[u8]| {
+    let Some((&flags, rest)) = data.split_first() else { return };
+    let Ok(v) = serde_json::from_slice::<Value>(rest) else { return };
+    let Some(messages) = v.get("messages").and_then(Value::as_array) else { return };
+    let tools = v.get("tools").and_then(Value::as_array).map(Vec::as_slice);
+    let t = &templates()[(flags & 1) as usize];
+    let _ = t.render_with(messages, tools, flags & 2 != 0, &serde_json::Map::new());
+});

@@ -1,0 +1,38 @@
+//! Any grammar a request carries (GBNF, Lark, a regex, a JSON schema) compiles against the Kimi K2
+//! vocabulary (tests/fixtures/tokenizer) or fails with the request's error: never a panic. A grammar
+//! that compiles gives a first token mask. The first byte picks the kind; the rest is its text.
+//! Run: `cargo +nightly fuzz run grammar fuzz/corpus/grammar fuzz/seeds/grammar`.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use std::sync::OnceLock;
+use tandem_engine::grammar::{Constraint, Grammars};
+use tandem_gguf::{GgufModel, LoadOptions};
+use tandem_tokenizer::Tokenizer;
+
+fn grammars() -> &'static Grammars {
+    static G: OnceLock<Grammars> = OnceLock::new();
+    G.get_or_init(|| {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer/vocab-kimi-k2.gguf");
+        let g = GgufModel::open(path, LoadOptions { mmap: false, ..LoadOptions::default() }).expect("the fixture vocabulary");
+        Grammars::new(&Tokenizer::from_gguf(&g).expect("a tokenizer")).expect("the grammar engine")
+    })
+}
+
+// Loaded before the first input; the vocabulary read rather than mapped (see tokenize_roundtrip).
+fuzz_target!(init: { grammars(); }, |data: &[u8]| {
+    let Some((&kind, rest)) = data.split_first() else { return };
+    let Ok(text) = std::str::from_utf8(rest) else { return };
+    let c = match kind % 4 {
+        0 => Constraint::Gbnf(text.to_string()),
+        1 => Constraint::Lark(text.to_string()),
+        2 => Constraint::Regex(text.to_string()),
+        _ => match serde_json::from_str(text) {
+            Ok(schema) => Constraint::JsonSchema(schema),
+            Err(_) => return,
+        },
+    };
+    if let Ok(mut m) = grammars().matcher(&c) {
+        let _ = m.compute_mask();
+    }
+});
