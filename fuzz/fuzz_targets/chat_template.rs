@@ -7,20 +7,9 @@
 
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
-use std::sync::OnceLock;
-use tandem_tokenizer::ChatTemplate;
+use tandem_fuzz::templates;
 
-fn templates() -> &'static [ChatTemplate; 2] {
-    static T: OnceLock<[ChatTemplate; 2]> = OnceLock::new();
-    T.get_or_init(|| {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer/templates");
-        ["kimi-k2.jinja", "deepseek-v3.jinja"].map(|f| {
-            let src = std::fs::read_to_string(dir.join(f)).expect("the fixture template");
-            ChatTemplate::new(&src, "<s>", "</s>").expect("a template")
-        })
-    })
-}
-
+// Loaded before the first input.
 fuzz_target!(init: { templates(); }, |data: &[u8]| {
     let Some((&flags, rest)) = data.split_first() else { return };
     let Ok(v) = serde_json::from_slice::<Value>(rest) else { return };

@@ -7,19 +7,13 @@
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
 use tandem_engine::grammar::{Constraint, Grammars};
-use tandem_gguf::{GgufModel, LoadOptions};
-use tandem_tokenizer::Tokenizer;
 
 fn grammars() -> &'static Grammars {
     static G: OnceLock<Grammars> = OnceLock::new();
-    G.get_or_init(|| {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer/vocab-kimi-k2.gguf");
-        let g = GgufModel::open(path, LoadOptions { mmap: false, ..LoadOptions::default() }).expect("the fixture vocabulary");
-        Grammars::new(&Tokenizer::from_gguf(&g).expect("a tokenizer")).expect("the grammar engine")
-    })
+    G.get_or_init(|| Grammars::new(&tandem_fuzz::vocabs()[0]).expect("the grammar engine"))
 }
 
-// Loaded before the first input; the vocabulary read rather than mapped (see tokenize_roundtrip).
+// Loaded before the first input.
 fuzz_target!(init: { grammars(); }, |data: &[u8]| {
     let Some((&kind, rest)) = data.split_first() else { return };
     let Ok(text) = std::str::from_utf8(rest) else { return };
