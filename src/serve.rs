@@ -74,6 +74,10 @@ pub struct ServeArgs {
     /// GET /slots answers 501 (llama-server's --no-slots).
     #[arg(long = "no-slots", overrides_with = "slots")]
     pub no_slots: bool,
+    /// Directory of the slot files `POST /slots/{id}?action=save|restore` write and read
+    /// (llama-server's; created if missing). Without it those answer 501.
+    #[arg(long = "slot-save-path", value_name = "DIR")]
+    pub slot_save_path: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub llama_server: LlamaServerFlags,
     /// What requests get for the sampling parameters they leave out (llama-server's flags).
@@ -267,7 +271,24 @@ fn server_options(args: &ServeArgs) -> anyhow::Result<tandem_server::Options> {
     log(&sampling_line(&sampling));
     let metrics_on_api = args.metrics;
     let no_slots = args.no_slots;
-    Ok(tandem_server::Options { api_keys: keys, limits, tls, reasoning_format, sampling, metrics_on_api, no_slots })
+    let slot_save_path = match &args.slot_save_path {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("--slot-save-path {}: {e}", dir.display()))?;
+            log(&format!("slot files in {} (POST /slots/ID?action=save|restore)", dir.display()));
+            Some(dir.clone())
+        }
+        None => None,
+    };
+    Ok(tandem_server::Options {
+        api_keys: keys,
+        limits,
+        tls,
+        reasoning_format,
+        sampling,
+        metrics_on_api,
+        no_slots,
+        slot_save_path,
+    })
 }
 
 /// The sampling a request gets for what it leaves out, as a log line.

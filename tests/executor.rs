@@ -96,6 +96,40 @@ fn emulated_zero_rows_read_as_the_cpu_reads_them() {
     zero_rows_read_alike(&emulated);
 }
 
+/// A slot file holds the same bytes whichever device kept the cache: saved from the CPU, restored
+/// into the emulated GPU's cache (every layer there, K and V interleaved in its rows) and saved
+/// again, byte for byte; and a sequence restored on the device gives the logits of the one it was
+/// saved from there, bit for bit.
+#[test]
+fn slot_files_move_between_the_cpu_and_the_emulated_gpu() {
+    let dir = tempfile::tempdir().unwrap();
+    for path in fixtures() {
+        let (gguf, model) = open(&path);
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let names = on_gpu(&gguf, &path, &[]);
+        let prompt: Vec<u32> = (0..19).map(|i| (5 + 13 * i) % model.n_vocab() as u32).collect();
+        let gpu = || Context::new(model.clone(), emulated(&gguf, &names), params(MlaMode::Absorbed, 8)).unwrap();
+        let (from_cpu, again, from_gpu) = (dir.path().join("cpu"), dir.path().join("again"), dir.path().join("gpu"));
+        let mut cpu = Context::new(model.clone(), Exec::cpu(threads()), params(MlaMode::Absorbed, 8)).unwrap();
+        cpu.decode(&tandem_model::Batch::sequence(&prompt, 0, 0, false)).unwrap();
+        cpu.save_sequence(0, &prompt, &from_cpu).unwrap();
+        let mut on_device = gpu();
+        assert_eq!(on_device.restore_sequence(1, &from_cpu).unwrap().0, prompt, "{name}");
+        on_device.save_sequence(1, &prompt, &again).unwrap();
+        assert!(std::fs::read(&from_cpu).unwrap() == std::fs::read(&again).unwrap(), "{name}: other bytes back");
+
+        let mut a = gpu();
+        a.decode(&tandem_model::Batch::sequence(&prompt, 0, 0, false)).unwrap();
+        a.save_sequence(0, &prompt, &from_gpu).unwrap();
+        let mut b = gpu();
+        b.restore_sequence(2, &from_gpu).unwrap();
+        let n = prompt.len() as u32;
+        let la = a.decode(&tandem_model::Batch::sequence(&[3], n, 0, true)).unwrap();
+        let lb = b.decode(&tandem_model::Batch::sequence(&[3], n, 2, true)).unwrap();
+        assert!(la.iter().zip(&lb).all(|(x, y)| x.to_bits() == y.to_bits()), "{name}: other logits after a restore");
+    }
+}
+
 /// The binary's GPU path (placement flags, upload, fallback rules) with one emulated GPU.
 #[test]
 fn the_binary_uses_the_emulated_gpu_for_gpu_flags() {

@@ -5,13 +5,11 @@
 
 mod serve_util;
 
-use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
+use http_body_util::BodyExt;
 use hyper::StatusCode;
-use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 use serve_util::process::Served;
-use serve_util::{python_script, start, TestServer, PROMPTS};
+use serve_util::{http_call as call, http_send as send, python_script, start, TestServer, PROMPTS};
 use std::net::SocketAddr;
 use std::time::Duration;
 use tandem_engine::EngineConfig;
@@ -31,28 +29,6 @@ async fn serve_model(model: &str, n_ctx: usize, config: EngineConfig) -> Http {
     let mut t = start(model, n_ctx, config).await;
     let addr = t.server.serve_http(TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap();
     Http { t, addr }
-}
-
-/// Sends a request and returns the response with its body still unread.
-async fn send(addr: SocketAddr, method: &str, path: &str, body: Vec<u8>) -> hyper::Response<hyper::body::Incoming> {
-    let stream = TcpStream::connect(addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
-    tokio::spawn(conn);
-    let req = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", addr.to_string())
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .unwrap();
-    sender.send_request(req).await.unwrap()
-}
-
-async fn call(addr: SocketAddr, method: &str, path: &str, body: &str) -> (StatusCode, String) {
-    let resp = send(addr, method, path, body.as_bytes().to_vec()).await;
-    let status = resp.status();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    (status, String::from_utf8(bytes.to_vec()).unwrap())
 }
 
 /// A request streamed until its first frame arrives: the body holds the slot while it lives.
@@ -662,13 +638,18 @@ async fn python_openai_and_aiohttp_clients_work() {
 /// exits 0 on SIGTERM.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_serve_binary_answers_http_beside_grpc() {
-    let s = Served::start(&["-c", "256", "-t", "1"]);
+    let dir = tempfile::tempdir().unwrap();
+    let slots = dir.path().join("slots"); // created by the server
+    let s = Served::start(&["-c", "256", "-t", "1", "--slot-save-path", slots.to_str().unwrap()]);
     let addr = http_addr(&s.log);
     let (status, body) = call(addr, "GET", "/health", "").await;
     assert_eq!(status, StatusCode::OK, "{body}");
     let (status, r) =
         post_json(addr, "/completion", json!({"prompt": "Hello", "n_predict": 4, "ignore_eos": true})).await;
     assert_eq!((status, r["tokens_predicted"].as_u64()), (StatusCode::OK, Some(4)), "{r}");
+    let (status, r) = post_json(addr, "/slots/0?action=save", json!({"filename": "hello.bin"})).await;
+    assert_eq!(status, StatusCode::OK, "{r}");
+    assert_eq!(r["n_written"].as_u64(), Some(std::fs::metadata(slots.join("hello.bin")).unwrap().len()), "{r}");
     s.signal(libc::SIGTERM);
     assert_eq!(s.exit_code(), 0);
 }

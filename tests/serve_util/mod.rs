@@ -4,6 +4,11 @@
 
 pub mod process;
 
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper::StatusCode;
+use hyper_util::rt::TokioIo;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use tandem_engine::{Engine, EngineConfig};
@@ -12,7 +17,7 @@ use tandem_model::{Context, ContextParams, Exec, Model};
 use tandem_server::pb;
 use tandem_server::{ModelDescription, RunningServer};
 use tandem_tokenizer::Tokenizer;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tonic::transport::Channel;
 
 pub type Client = pb::inference_service_client::InferenceServiceClient<Channel>;
@@ -183,4 +188,31 @@ pub async fn first_token(
 /// A plain channel to the server (for the health and reflection clients).
 pub async fn channel(server: &RunningServer) -> Channel {
     Channel::from_shared(format!("http://{}", server.local_addr())).unwrap().connect().await.unwrap()
+}
+
+/// Sends a request and returns the response with its body still unread.
+pub async fn http_send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Vec<u8>,
+) -> hyper::Response<hyper::body::Incoming> {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    tokio::spawn(conn);
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    sender.send_request(req).await.unwrap()
+}
+
+pub async fn http_call(addr: SocketAddr, method: &str, path: &str, body: &str) -> (StatusCode, String) {
+    let resp = http_send(addr, method, path, body.as_bytes().to_vec()).await;
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8(bytes.to_vec()).unwrap())
 }

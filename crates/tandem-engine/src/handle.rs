@@ -3,7 +3,7 @@
 //! thread) validate and submit requests, abort them, and read the statistics.
 
 use crate::request::{CancelFlag, Prompt, Request, Sink, MAX_LOGPROBS};
-use crate::scheduler::{Command, Scheduler};
+use crate::scheduler::{Command, Scheduler, SlotAction, SlotDone, SlotTask};
 use crate::slot::Job;
 use crate::stats::Stats;
 use crate::{Constraint, Error, Result, Sampler};
@@ -377,6 +377,26 @@ impl EngineHandle {
             return Err(Error::Unavailable("the engine has stopped".into()));
         }
         Ok(id)
+    }
+
+    /// Saves, restores or erases slot `slot`'s cache once the slot is idle (waiting for a running
+    /// request to end); blocks until done. A restored cache serves the next prompt that starts
+    /// with its tokens, as the cache of a slot's last request does.
+    pub fn slot_action(&self, slot: usize, action: SlotAction) -> Result<SlotDone> {
+        let s = &*self.0;
+        if s.stopped.load(Ordering::Acquire) {
+            return Err(s.unavailable());
+        }
+        let n = s.config.n_parallel;
+        if slot >= n {
+            return Err(Error::InvalidRequest(format!("slot {slot}: this server has {n} slots (0..{n}, -np)")));
+        }
+        let (reply, answer) = channel();
+        let task = SlotTask { slot, action, reply };
+        if s.tx.lock().unwrap_or_else(|e| e.into_inner()).send(Command::Slot(task)).is_err() {
+            return Err(Error::Unavailable("the engine has stopped".into()));
+        }
+        answer.recv().unwrap_or_else(|_| Err(Error::Unavailable("the engine has stopped".into())))
     }
 
     /// Cancels a queued or running request; its stream ends with `Cancelled` within one step.

@@ -21,6 +21,7 @@ pub use request::{
     Usage,
 };
 pub use sampling::{argmax, Sampler, SamplingParams, StopMatcher, StopOutput, DRY_SEQUENCE_BREAKERS};
+pub use scheduler::{SlotAction, SlotDone};
 pub use stats::{SlotView, Stats};
 pub use tandem_model::Counts;
 pub use tandem_tokenizer::TemplateSource;

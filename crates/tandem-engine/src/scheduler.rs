@@ -20,8 +20,38 @@ const DIVERGENCE_MIN_SHARED: usize = 4;
 
 pub(crate) enum Command {
     Submit(Box<Job>),
+    /// A slot's cache saved, restored or erased (done once the slot is idle).
+    Slot(SlotTask),
     /// Fail everything with UNAVAILABLE and end the thread.
     Stop,
+}
+
+/// What `POST /slots/{id}` does with a slot's cache (llama-server's slot actions).
+#[derive(Clone, Debug)]
+pub enum SlotAction {
+    /// Writes the slot's cached positions and their tokens to the file.
+    Save(std::path::PathBuf),
+    /// Replaces the slot's cache with the file's: a prompt that starts with its tokens is not
+    /// computed again.
+    Restore(std::path::PathBuf),
+    /// Forgets the slot's cache.
+    Erase,
+}
+
+/// What a slot action did: the positions saved, restored or erased, the file's bytes (none for
+/// an erase) and how long it took.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlotDone {
+    pub tokens: usize,
+    pub bytes: u64,
+    pub ms: f64,
+}
+
+/// A slot action on its way to the engine thread, with where its answer goes.
+pub(crate) struct SlotTask {
+    pub slot: usize,
+    pub action: SlotAction,
+    pub reply: std::sync::mpsc::Sender<crate::Result<SlotDone>>,
 }
 
 /// A sequence of the KV cache and the tokens it holds.
@@ -39,6 +69,8 @@ pub(crate) struct Scheduler {
     shared: Arc<Shared>,
     slots: Vec<Slot>,
     queue: VecDeque<Job>,
+    /// Slot actions waiting for their slot to be idle, in arrival order.
+    slot_tasks: VecDeque<SlotTask>,
     /// The KV sequence that holds the system prompt, and its tokens.
     sys_seq: usize,
     sys: Vec<u32>,
@@ -54,7 +86,7 @@ impl Scheduler {
     pub fn new(ctx: Context, shared: Arc<Shared>, sys_seq: usize, sys: Vec<u32>) -> Scheduler {
         let n = shared.config.n_parallel;
         let slots = (0..n).map(|seq| Slot { seq, cache: Vec::new(), last_used: 0, active: None }).collect();
-        Scheduler { ctx, shared, slots, queue: VecDeque::new(), sys_seq, sys, step: 0 }
+        Scheduler { ctx, shared, slots, queue: VecDeque::new(), slot_tasks: VecDeque::new(), sys_seq, sys, step: 0 }
     }
 
     fn idle(&self) -> bool {
@@ -80,6 +112,8 @@ impl Scheduler {
                 }
             }
             self.sweep();
+            // before admitting: a request sent after a restore finds the restored cache
+            self.slot_work();
             self.admit();
             self.publish();
             // the weights' pages are about to be read: not if the file changed under the mapping
@@ -110,6 +144,10 @@ impl Scheduler {
                 self.queue.push_back(*job);
                 true
             }
+            Command::Slot(task) => {
+                self.slot_tasks.push_back(task);
+                true
+            }
             Command::Stop => {
                 let why = self.shared.broken_reason().unwrap_or_else(|| "the server is shutting down".into());
                 self.end_all(&why);
@@ -128,7 +166,61 @@ impl Scheduler {
         for i in 0..self.slots.len() {
             self.end_slot(i, end());
         }
+        for task in std::mem::take(&mut self.slot_tasks) {
+            let _ = task.reply.send(Err(crate::Error::Unavailable(why.to_string())));
+        }
         self.publish();
+    }
+
+    /// Runs the slot actions whose slot is idle; the others wait for theirs.
+    fn slot_work(&mut self) {
+        let mut waiting = VecDeque::new();
+        while let Some(task) = self.slot_tasks.pop_front() {
+            if self.slots[task.slot].active.is_some() {
+                waiting.push_back(task);
+                continue;
+            }
+            let started = Instant::now();
+            let done = self.slot_action(task.slot, &task.action);
+            let ms = started.elapsed().as_secs_f64() * 1e3;
+            match &done {
+                Ok((tokens, bytes)) => {
+                    tracing::info!(slot = task.slot, action = ?task.action, tokens, bytes, ms, "slot action done")
+                }
+                Err(e) => tracing::warn!(slot = task.slot, action = ?task.action, "slot action failed: {e}"),
+            }
+            let _ = task.reply.send(done.map(|(tokens, bytes)| SlotDone { tokens, bytes, ms }));
+        }
+        self.slot_tasks = waiting;
+        self.publish();
+    }
+
+    /// Saves, restores or erases the cache of idle slot `i`: the positions and file bytes.
+    fn slot_action(&mut self, i: usize, action: &SlotAction) -> crate::Result<(usize, u64)> {
+        let seq = self.slots[i].seq;
+        match action {
+            SlotAction::Save(path) => {
+                let bytes = self.ctx.save_sequence(seq, &self.slots[i].cache, path)?;
+                Ok((self.slots[i].cache.len(), bytes))
+            }
+            SlotAction::Restore(path) => {
+                let restored = self.ctx.restore_sequence(seq, path);
+                // a refused file leaves the rows as they were, one that failed midway none
+                let kept = self.ctx.seq_len(seq);
+                self.slots[i].cache.truncate(kept);
+                let (tokens, bytes) = restored?;
+                self.slots[i].cache = tokens;
+                self.step += 1;
+                self.slots[i].last_used = self.step;
+                Ok((self.slots[i].cache.len(), bytes))
+            }
+            SlotAction::Erase => {
+                let n = self.slots[i].cache.len();
+                self.ctx.truncate(seq, 0);
+                self.slots[i].cache.clear();
+                Ok((n, 0))
+            }
+        }
     }
 
     /// Ends requests that were aborted, whose client left, or whose deadline passed.

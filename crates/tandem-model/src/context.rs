@@ -349,6 +349,10 @@ impl Context {
         &self.cache
     }
 
+    pub(crate) fn cache_mut(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+
     /// The devices and placement the context runs on.
     pub fn exec(&self) -> &Exec {
         &self.exec

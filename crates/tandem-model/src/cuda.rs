@@ -734,6 +734,43 @@ impl KvStore for CudaKv {
         Ok(())
     }
 
+    fn read_rows(&self, seq: usize, il: usize, n: usize) -> Result<Vec<u8>> {
+        let l = self.layers.at(il)?;
+        let r = self.seqs.get(&seq).filter(|r| r.len >= n);
+        let r = r.ok_or_else(|| Error::Model(format!("sequence {seq} has fewer than {n} rows in layer {il}")))?;
+        let mut rows = vec![0u8; n * self.row_bytes];
+        self.rt.read(&r.buf, l * r.cap * self.row_bytes, &mut rows).map_err(cuda)?;
+        // Each device row holds K then V: the K rows first, then the V rows.
+        let (kb, vb) = (self.k_bytes, self.row_bytes - self.k_bytes);
+        let mut out = Vec::with_capacity(rows.len());
+        rows.chunks_exact(self.row_bytes).for_each(|row| out.extend_from_slice(&row[..kb]));
+        rows.chunks_exact(self.row_bytes).for_each(|row| out.extend_from_slice(&row[kb..kb + vb]));
+        Ok(out)
+    }
+
+    fn write_rows(&mut self, seq: usize, il: usize, n: usize, data: &[u8]) -> Result<()> {
+        let l = self.layers.at(il)?;
+        let (kb, rb) = (self.k_bytes, self.row_bytes);
+        if data.len() != n * rb {
+            return Err(Error::Model(format!(
+                "{} bytes for {n} rows of layer {il}, which take {}",
+                data.len(),
+                n * rb
+            )));
+        }
+        let (k, v) = data.split_at(n * kb);
+        let mut rows = Vec::with_capacity(data.len());
+        for i in 0..n {
+            rows.extend_from_slice(&k[i * kb..(i + 1) * kb]);
+            rows.extend_from_slice(&v[i * (rb - kb)..(i + 1) * (rb - kb)]);
+        }
+        self.grow(seq, n)?;
+        let r = self.seqs.get_mut(&seq).ok_or_else(|| Error::Model(format!("sequence {seq} has no cache rows")))?;
+        self.rt.write(&r.buf, l * r.cap * rb, &rows).map_err(cuda)?;
+        r.len = n;
+        Ok(())
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
     }

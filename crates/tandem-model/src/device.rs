@@ -25,6 +25,12 @@ pub(crate) trait KvStore: Send + Sync {
     fn used_bytes(&self) -> usize;
     /// Appends `n` rows of zeros to `seq` (which has `len` positions) in every layer.
     fn append_zeros(&mut self, seq: usize, len: usize, n: usize) -> Result<()>;
+    /// The first `n` rows of `seq` in layer `il` (one this store holds), as the bytes of the
+    /// cache type: its `n` K rows, then its `n` V rows (none under MLA).
+    fn read_rows(&self, seq: usize, il: usize, n: usize) -> Result<Vec<u8>>;
+    /// Makes `seq`'s rows in layer `il` the `n` rows in `data` (as [`KvStore::read_rows`] gives
+    /// them), after the caller emptied `seq`; the layers are written in order, each once.
+    fn write_rows(&mut self, seq: usize, il: usize, n: usize, data: &[u8]) -> Result<()>;
     /// The most bytes the decompressed MLA attention may keep of rebuilt keys and values
     /// between runs (a store whose device keeps none ignores it).
     fn set_rebuilt_budget(&mut self, _bytes: usize) {}

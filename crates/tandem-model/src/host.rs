@@ -674,6 +674,31 @@ impl KvStore for HostKv {
         Ok(())
     }
 
+    fn read_rows(&self, seq: usize, il: usize, n: usize) -> Result<Vec<u8>> {
+        let li = self.layers.at(il)?;
+        let (kb, vb) = (n * self.k_row_bytes, n * self.v_row_bytes);
+        let s = self.seqs.get(&seq).filter(|s| s.k[li].len() >= kb && s.v[li].len() >= vb);
+        let s = s.ok_or_else(|| Error::Model(format!("sequence {seq} has fewer than {n} rows in layer {il}")))?;
+        Ok([&s.k[li][..kb], &s.v[li][..vb]].concat())
+    }
+
+    fn write_rows(&mut self, seq: usize, il: usize, n: usize, data: &[u8]) -> Result<()> {
+        let li = self.layers.at(il)?;
+        let (kb, vb) = (n * self.k_row_bytes, n * self.v_row_bytes);
+        if data.len() != kb + vb {
+            return Err(Error::Model(format!(
+                "{} bytes for {n} rows of layer {il}, which take {}",
+                data.len(),
+                kb + vb
+            )));
+        }
+        let nl = self.layers.len();
+        let s = self.seqs.entry(seq).or_insert_with(|| SeqRows { k: vec![Vec::new(); nl], v: vec![Vec::new(); nl] });
+        s.k[li] = data[..kb].to_vec();
+        s.v[li] = data[kb..].to_vec();
+        Ok(())
+    }
+
     fn set_rebuilt_budget(&mut self, bytes: usize) {
         self.rebuilt_budget = bytes;
     }

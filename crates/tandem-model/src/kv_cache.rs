@@ -230,6 +230,15 @@ impl KvCache {
         Ok(())
     }
 
+    /// Records that every layer holds `n` positions of `seq` (written with
+    /// [`KvStore::write_rows`]).
+    pub(crate) fn set_len(&mut self, seq: usize, n: usize) {
+        match n {
+            0 => self.lens.remove(&seq),
+            _ => self.lens.insert(seq, n),
+        };
+    }
+
     /// Bytes the cache holds now.
     pub fn used_bytes(&self) -> usize {
         self.stores.iter().map(|(_, s)| s.used_bytes()).sum()

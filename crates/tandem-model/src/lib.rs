@@ -17,6 +17,7 @@ mod kv_cache;
 mod llama;
 mod moe;
 mod qwen3moe;
+mod state;
 mod weights;
 
 pub use config::{Arch, RopeConfig};
@@ -24,6 +25,7 @@ pub use context::{Batch, Context, ContextParams, MlaMode, Model, PackReport, Pac
 pub use exec::{Counts, DevId, Exec, Ledger, Tensor, CPU};
 pub use kv_cache::{CacheType, KvCache};
 pub use moe::route;
+pub use state::fingerprint;
 /// What the engine and its tests name of the file layer: models open through these.
 pub use tandem_gguf::{guard, GgufModel, LoadOptions};
 pub use weights::{Vector, Weight, WeightLoader};

@@ -50,6 +50,7 @@ pub(crate) fn router(state: Arc<State>) -> Router {
         .route("/detokenize", post(detokenize))
         .route("/props", get(props))
         .route("/slots", get(slots))
+        .route("/slots/{id}", post(crate::slot_files::slot_action))
         .route("/v1/messages", post(crate::anthropic::messages))
         .route("/v1/messages/count_tokens", post(crate::anthropic::count_tokens))
         .fallback(not_found)
@@ -101,7 +102,7 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
         let kind = match status {
             StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNSUPPORTED_MEDIA_TYPE => {
                 "invalid_request_error"
@@ -116,7 +117,7 @@ impl ApiError {
         ApiError { status, kind, message: message.into() }
     }
 
-    fn bad(message: impl Into<String>) -> ApiError {
+    pub(crate) fn bad(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, message)
     }
 

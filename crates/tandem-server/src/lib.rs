@@ -13,6 +13,7 @@ mod openai;
 pub mod reasoning;
 mod server;
 mod service;
+mod slot_files;
 mod stream;
 pub mod tools;
 

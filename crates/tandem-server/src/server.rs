@@ -74,6 +74,9 @@ pub struct Options {
     pub metrics_on_api: bool,
     /// `--no-slots` (llama-server's): `GET /slots` answers 501.
     pub no_slots: bool,
+    /// `--slot-save-path` (llama-server's): the directory of the files `POST /slots/{id}` saves
+    /// slots to and restores them from; none: those answer 501.
+    pub slot_save_path: Option<std::path::PathBuf>,
 }
 
 /// What a request gets for a sampling parameter it leaves out: llama.cpp's defaults, or the

@@ -47,6 +47,7 @@ pub struct State {
     sampling: crate::SamplingDefaults,
     metrics_on_api: bool,
     no_slots: bool,
+    slot_save_path: Option<std::path::PathBuf>,
 }
 
 /// The API key a call was made with: its index in `--api-key`s (requests' extension).
@@ -67,6 +68,7 @@ impl State {
             sampling: options.sampling.clone(),
             metrics_on_api: options.metrics_on_api,
             no_slots: options.no_slots,
+            slot_save_path: options.slot_save_path.clone(),
         }
     }
 
@@ -78,6 +80,11 @@ impl State {
     /// `GET /slots` answers (not `--no-slots`).
     pub(crate) fn slots_on(&self) -> bool {
         !self.no_slots
+    }
+
+    /// `--slot-save-path`, if given.
+    pub(crate) fn slot_save_path(&self) -> Option<&std::path::Path> {
+        self.slot_save_path.as_deref()
     }
 
     /// What a request gets for a sampling parameter it leaves out.
