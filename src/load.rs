@@ -67,7 +67,7 @@ impl LoadSpec {
     /// them; a bad value is an error naming the flag.
     pub fn from_args(model: &ModelArgs, rt: &RuntimeArgs, placement: &PlacementArgs) -> anyhow::Result<LoadSpec> {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = thread_count("-t", rt.threads, cores)?;
+        let threads = thread_count("-t", rt.threads, cores, cores)?;
         let plan = request(placement, model, rt)?;
         // Flags are checked before any device is touched: a bad -ot is an error, not a fallback.
         if let Some(r) = plan.rules.iter().find(|r| Device::parse(&r.device).is_none()) {
@@ -80,7 +80,7 @@ impl LoadSpec {
             repack: model.load.repacks(),
             read_ahead: model.load.read_ahead,
             threads,
-            threads_batch: thread_count("--threads-batch", rt.threads_batch, threads)?,
+            threads_batch: thread_count("--threads-batch", rt.threads_batch, threads, cores)?,
             ctx_total: rt.ctx_size,
             n_seq: rt.parallel.max(1),
             n_ubatch: rt.ubatch_size,
@@ -242,8 +242,7 @@ pub const MAX_THREADS: usize = 1024;
 
 /// A thread count flag: as given, `default` when absent, every core (`cores`) for 0 or less (as
 /// llama.cpp reads `-t`), an error above [`MAX_THREADS`].
-fn thread_count(flag: &str, given: Option<i64>, default: usize) -> anyhow::Result<usize> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+fn thread_count(flag: &str, given: Option<i64>, default: usize, cores: usize) -> anyhow::Result<usize> {
     match given {
         None => Ok(default),
         Some(n) if n <= 0 => Ok(cores),

@@ -146,8 +146,24 @@ impl ChatTemplate {
 /// in linear time and memory. Not covered: a list doubled in a loop (`l = l + l`), which
 /// minijinja 3.1 makes whole past 32 lazy concatenations without charging fuel.
 fn render_fuel(messages: &[Json], tools: Option<&[Json]>) -> u64 {
+    /// Counts the bytes written to it (the JSON's length, without making the string).
+    struct Count(u64);
+    impl std::io::Write for Count {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0 += b.len() as u64;
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
     let items = messages.iter().chain(tools.unwrap_or_default());
-    let (n, bytes) = items.fold((0u64, 0u64), |(n, b), m| (n + 1, b + m.to_string().len() as u64));
+    let (n, bytes) = items.fold((0u64, 0u64), |(n, b), m| {
+        let mut c = Count(0);
+        // writing a Value to a sink that never fails cannot fail
+        let _ = serde_json::to_writer(&mut c, m);
+        (n + 1, b + c.0)
+    });
     1_000_000 + 4_000 * n + bytes / 4
 }
 
