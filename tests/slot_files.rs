@@ -199,3 +199,40 @@ async fn a_restored_slot_serves_its_conversation_from_the_cache() {
     assert_eq!(status.as_u16(), 501, "{text}");
     assert!(text.contains("--slot-save-path"), "{text}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn id_slot_takes_a_request_to_the_slot_restored_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = tandem_server::Options { slot_save_path: Some(dir.path().to_path_buf()), ..Default::default() };
+    let config = tandem_engine::EngineConfig { n_parallel: 2, ..Default::default() };
+    let mut t = serve_util::start_with("llama-tiny.gguf", 512, config, options).await;
+    let addr = t.server.serve_http(TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap();
+    let post = |path: &'static str, body: Value| async move {
+        let (status, text) = serve_util::http_call(addr, "POST", path, &body.to_string()).await;
+        (status.as_u16(), serde_json::from_str::<Value>(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}")))
+    };
+    let complete =
+        |prompt: &str, slot: i64| json!({"prompt": prompt, "n_predict": 4, "temperature": 0, "id_slot": slot});
+    let conversation = "An agent's conversation, set aside in a file";
+    let (_, first) = post("/completion", complete(conversation, -1)).await;
+    let prompt_tokens = first["tokens_evaluated"].as_u64().unwrap();
+    assert_eq!(post("/slots/0?action=save", json!({"filename": "a.bin"})).await.0, 200);
+    assert_eq!(post("/slots/0?action=erase", json!({})).await.0, 200);
+    assert_eq!(post("/slots/1?action=restore", json!({"filename": "a.bin"})).await.0, 200);
+
+    // the conversation goes on, so much longer that the restored share of it is under half: the
+    // engine's own choice would be the least recently used slot (0, erased); id_slot 1 finds it
+    let longer = format!("{conversation}{}", " and it went on and on about other things".repeat(8));
+    let (status, pinned) = post("/completion", complete(&longer, 1)).await;
+    let cached = pinned["tokens_cached"].as_u64().unwrap_or(0);
+    assert_eq!(status, 200, "{pinned}");
+    assert!(cached + 1 >= prompt_tokens && cached < pinned["tokens_evaluated"].as_u64().unwrap(), "{pinned}");
+    // without it, another such turn goes to slot 0 and computes everything
+    let other = format!("{conversation}{}", " and then the talk turned to the weather again".repeat(8));
+    let (status, free) = post("/completion", complete(&other, -1)).await;
+    assert_eq!((status, free["tokens_cached"].as_u64()), (200, Some(0)), "{free}");
+
+    let (status, body) = post("/completion", complete(&longer, 2)).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap_or_default().contains("this server has 2 slots"), "{body}");
+}

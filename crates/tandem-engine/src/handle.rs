@@ -330,6 +330,10 @@ impl EngineHandle {
         if s.stopped.load(Ordering::Acquire) {
             return Err(s.unavailable());
         }
+        if let Some(k) = req.slot.filter(|&k| k >= s.config.n_parallel) {
+            let n = s.config.n_parallel;
+            return Err(Error::InvalidRequest(format!("id_slot {k}: this server has {n} slots (0..{n}, -np)")));
+        }
         let tokens = self.prompt_tokens(&req.prompt)?;
         let sampler = self.check(&req, &tokens)?;
         let matcher = match &req.constraint {

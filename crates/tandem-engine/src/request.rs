@@ -52,6 +52,9 @@ pub struct Request {
     /// The text of control tokens the model generates is sent too (tool-call markers such as
     /// Kimi K2's `<|tool_call_begin|>` are control tokens); end-of-generation tokens never are.
     pub special_text: bool,
+    /// The slot to run in (llama-server's `id_slot`, e.g. one whose cache a slot file restored):
+    /// the request waits for it. None: the engine picks a free slot.
+    pub slot: Option<usize>,
     /// When the request must be over; it then fails with [`Failure::DeadlineExceeded`].
     pub deadline: Option<Instant>,
     /// When the request arrived (queue time and time to first token count from here).
@@ -72,6 +75,7 @@ impl Request {
             constraint: None,
             logit_bias_text: Vec::new(),
             special_text: false,
+            slot: None,
             deadline: None,
             arrived: Instant::now(),
         }

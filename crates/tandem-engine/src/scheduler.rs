@@ -273,22 +273,37 @@ impl Scheduler {
         }
     }
 
-    /// Moves queued requests into free slots: the one whose cache shares the most of the prompt if
-    /// that share reaches `--slot-prompt-similarity`, else the least recently used.
+    /// Moves queued requests into free slots, in arrival order: a request that names its slot
+    /// (`id_slot`) into that one once it is free (the others pass it meanwhile); the others into
+    /// the one whose cache shares the most of the prompt if that share reaches
+    /// `--slot-prompt-similarity`, else the least recently used.
     fn admit(&mut self) {
-        while !self.queue.is_empty() {
+        let mut waiting = VecDeque::new();
+        while let Some(job) = self.queue.pop_front() {
             let free: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].active.is_none()).collect();
             if free.is_empty() {
-                return;
+                waiting.push_back(job);
+                break;
             }
-            let Some(job) = self.queue.pop_front() else { return };
+            if let Some(k) = job.req.slot {
+                match free.contains(&k) {
+                    true => self.start(k, job),
+                    false => waiting.push_back(job),
+                }
+                continue;
+            }
             let best = free.iter().copied().max_by_key(|&i| (common_prefix(&self.slots[i].cache, &job.tokens), i));
             let lru = free.iter().copied().min_by_key(|&i| (self.slots[i].last_used, i));
-            let (Some(best), Some(lru)) = (best, lru) else { return };
+            let (Some(best), Some(lru)) = (best, lru) else {
+                waiting.push_back(job);
+                break;
+            };
             let share = common_prefix(&self.slots[best].cache, &job.tokens) as f32 / job.tokens.len().max(1) as f32;
             let i = if share > 0.0 && share >= self.shared.config.slot_similarity { best } else { lru };
             self.start(i, job);
         }
+        waiting.append(&mut self.queue);
+        self.queue = waiting;
     }
 
     /// Puts `job` in slot `i`, reusing the longest prefix of the slot's cache or the system prompt.

@@ -150,6 +150,7 @@ fn request(
         constraint,
         logit_bias_text: Vec::new(),
         special_text: false,
+        slot: None,
         deadline,
         arrived,
     })

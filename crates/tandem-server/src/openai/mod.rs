@@ -92,6 +92,8 @@ pub struct Sampling {
     /// llama-server's extensions: a JSON schema, a GBNF grammar.
     pub json_schema: Option<Value>,
     pub grammar: Option<String>,
+    /// llama-server's slot for the request (-1 or none: any free one).
+    pub id_slot: Option<i64>,
 }
 
 /// The fields `/v1/chat/completions` and `/v1/completions` share (others are ignored).
@@ -447,6 +449,10 @@ fn sampled(s: Sampling, p: Prompt, arrived: Instant, defaults: &SamplingDefaults
     req.stop = stops(s.stop)?;
     req.ignore_eos = s.ignore_eos;
     req.constraint = constraint(s.response_format, s.json_schema, s.grammar)?;
+    req.slot = match s.id_slot {
+        Some(k) if k >= 0 => Some(usize::try_from(k).map_err(|_| BadParam(format!("id_slot {k}: no such slot")))?),
+        _ => None,
+    };
     Ok(req)
 }
 
