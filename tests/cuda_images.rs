@@ -80,7 +80,7 @@ fn embedded_kernel_images_cover_every_file_architecture_and_entry_point() {
         if std::env::var("TANDEM_REQUIRE_KERNELS").is_ok_and(|v| v == "1") {
             panic!("TANDEM_REQUIRE_KERNELS=1: {why}");
         }
-        eprintln!("skipping: {why}");
+        println!("skipping: {why}");
         return;
     }
     let archs = wanted_archs();
@@ -162,7 +162,7 @@ fn embedded_kernel_images_cover_every_file_architecture_and_entry_point() {
         }
     }
     assert!(problems.is_empty(), "{} problems with the kernel images:\n{}", problems.len(), problems.join("\n"));
-    eprintln!(
+    println!(
         "{} kernel images: {} files x (cubins for {archs:?} + PTX for compute_{ptx_targets:?})",
         images.len(),
         files.len()

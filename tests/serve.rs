@@ -235,7 +235,7 @@ async fn a_shared_prefix_is_reused_and_cuts_time_to_first_token() {
     assert_eq!(u1.cached_tokens, 0);
     assert!(u2.cached_tokens >= 520, "{u2:?}");
     let ttft = |s: &Streamed| s.finish().timings.unwrap().time_to_first_token_ms;
-    eprintln!(
+    println!(
         "prompt cache: TTFT {:.1} ms with 523 tokens computed, {:.1} ms with {} of 522 cached",
         ttft(&first),
         ttft(&second),

@@ -201,12 +201,12 @@ async fn two_thousand_mixed_requests_leave_the_server_serving_without_growing() 
     while at < WARMUP + n {
         let end = (at + 500).min(WARMUP + n);
         run_batch(&client, &addr, at..end).await;
-        eprintln!("soak: {} of {n} requests: RssAnon {} KiB", end - WARMUP, rss_anon_kib(child.id()));
+        println!("soak: {} of {n} requests: RssAnon {} KiB", end - WARMUP, rss_anon_kib(child.id()));
         at = end;
     }
     let after = rss_anon_kib(child.id());
     let growth = (after as f64 - before as f64) / before as f64 * 100.0;
-    eprintln!(
+    println!(
         "soak: {WARMUP} + {n} requests in {:.1} s; RssAnon {before} KiB after the warm-up, {after} KiB at the end ({growth:+.2}%)",
         start.elapsed().as_secs_f64()
     );

@@ -8,6 +8,7 @@ mod serve_util;
 
 use serde_json::{json, Value};
 use serve_util::fixture;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 use tandem_model::{Batch, CacheType, Context, ContextParams, Exec, GgufModel, LoadOptions, Model};
@@ -121,20 +122,34 @@ fn damaged_slot_files_are_refused_in_one_line() {
     assert_eq!(ctx.restore_sequence(2, &path).unwrap().0, prompt);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restored_slot_serves_its_conversation_from_the_cache() {
+/// A server of llama-tiny with `n_parallel` slots and its own `--slot-save-path` directory.
+struct SlotServer {
+    dir: tempfile::TempDir,
+    addr: SocketAddr,
+    _t: serve_util::TestServer,
+}
+
+async fn slot_server(n_parallel: usize) -> SlotServer {
     let dir = tempfile::tempdir().unwrap();
     let options = tandem_server::Options { slot_save_path: Some(dir.path().to_path_buf()), ..Default::default() };
-    let config = tandem_engine::EngineConfig { n_parallel: 1, ..Default::default() };
+    let config = tandem_engine::EngineConfig { n_parallel, ..Default::default() };
     let mut t = serve_util::start_with("llama-tiny.gguf", 512, config, options).await;
     let addr = t.server.serve_http(TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap();
-    let post = |path: &str, body: Value| {
-        let path = path.to_string();
-        async move {
-            let (status, text) = serve_util::http_call(addr, "POST", &path, &body.to_string()).await;
-            (status.as_u16(), serde_json::from_str::<Value>(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}")))
-        }
-    };
+    SlotServer { dir, addr, _t: t }
+}
+
+impl SlotServer {
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let (status, text) = serve_util::http_call(self.addr, "POST", path, &body.to_string()).await;
+        (status.as_u16(), serde_json::from_str::<Value>(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}")))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_slot_serves_its_conversation_from_the_cache() {
+    let s = slot_server(1).await;
+    let (addr, dir) = (s.addr, &s.dir);
+    let post = |path: &'static str, body: Value| s.post(path, body);
     let complete = |prompt: &str| json!({"prompt": prompt, "n_predict": 8, "temperature": 0, "ignore_eos": true, "cache_prompt": true});
     let conversation = "The first conversation, long enough to be worth keeping in a file";
     let (status, first) = post("/completion", complete(conversation)).await;
@@ -202,15 +217,8 @@ async fn a_restored_slot_serves_its_conversation_from_the_cache() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn id_slot_takes_a_request_to_the_slot_restored_for_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let options = tandem_server::Options { slot_save_path: Some(dir.path().to_path_buf()), ..Default::default() };
-    let config = tandem_engine::EngineConfig { n_parallel: 2, ..Default::default() };
-    let mut t = serve_util::start_with("llama-tiny.gguf", 512, config, options).await;
-    let addr = t.server.serve_http(TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap();
-    let post = |path: &'static str, body: Value| async move {
-        let (status, text) = serve_util::http_call(addr, "POST", path, &body.to_string()).await;
-        (status.as_u16(), serde_json::from_str::<Value>(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}")))
-    };
+    let s = slot_server(2).await;
+    let post = |path: &'static str, body: Value| s.post(path, body);
     let complete =
         |prompt: &str, slot: i64| json!({"prompt": prompt, "n_predict": 4, "temperature": 0, "id_slot": slot});
     let conversation = "An agent's conversation, set aside in a file";
