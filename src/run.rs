@@ -64,6 +64,17 @@ pub struct RunArgs {
     /// Feed the prompt as it is, without the chat template.
     #[arg(long, conflicts_with_all = ["chat", "chat_template", "chat_template_file", "system"])]
     pub raw: bool,
+    /// llama-cli's prompt cache: the KV cache of the prompt read from FILE when it exists (a
+    /// prompt that starts with its tokens is not computed again) and written to it after the
+    /// first prompt is evaluated (a slot file, as `serve --slot-save-path` writes).
+    #[arg(long = "prompt-cache", value_name = "FILE")]
+    pub prompt_cache: Option<PathBuf>,
+    /// With --prompt-cache: write the generated tokens and later turns too, at the end.
+    #[arg(long = "prompt-cache-all", requires = "prompt_cache")]
+    pub prompt_cache_all: bool,
+    /// With --prompt-cache: read the file, never write it.
+    #[arg(long = "prompt-cache-ro", requires = "prompt_cache")]
+    pub prompt_cache_ro: bool,
     #[command(flatten)]
     pub engine: EngineArgs,
 }
@@ -283,6 +294,22 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
             .collect::<anyhow::Result<_>>()?,
     };
     let mut s = Session { args, ctx, tok, sampler, cached: Vec::new(), timings: Timings::default(), stops };
+    if let Some(path) = args.prompt_cache.as_deref().filter(|p| p.exists()) {
+        let (tokens, bytes) =
+            s.ctx.restore_sequence(SEQ, path).with_context(|| format!("--prompt-cache {}", path.display()))?;
+        tracing::info!("prompt cache: {} tokens ({bytes} bytes) from {}", tokens.len(), path.display());
+        s.cached = tokens;
+    }
+    // What the prompt cache file is to hold: the first prompt (llama-cli's default), or everything
+    // at the end (--prompt-cache-all); none with --prompt-cache-ro.
+    let save_to = args.prompt_cache.as_deref().filter(|_| !args.prompt_cache_ro);
+    let save = |s: &Session, path: &std::path::Path| -> anyhow::Result<()> {
+        let bytes =
+            s.ctx.save_sequence(SEQ, &s.cached, path).with_context(|| format!("--prompt-cache {}", path.display()))?;
+        tracing::info!("prompt cache: {} tokens ({bytes} bytes) to {}", s.cached.len(), path.display());
+        Ok(())
+    };
+    let mut saved_prompt = false;
     let mut messages: Vec<serde_json::Value> = args.system.iter().map(|p| message("system", p)).collect();
     let mut stdout = std::io::stdout().lock();
     let mut turn = |s: &mut Session, messages: &mut Vec<serde_json::Value>, user: &str| -> anyhow::Result<()> {
@@ -292,7 +319,15 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
             None => user.to_string(),
         };
         let ids = s.tok.encode(&prompt, true, true)?;
+        let reused = s.timings.reused_tokens;
         let logits = s.prefill(&ids)?;
+        // the first prompt, when it was not all in the file already
+        if let Some(path) = save_to.filter(|_| !args.prompt_cache_all && !saved_prompt) {
+            saved_prompt = true;
+            if s.timings.reused_tokens - reused + 1 < ids.len() {
+                save(s, path)?;
+            }
+        }
         let reply = s.generate(logits, &mut stdout)?;
         emit(&mut stdout, "\n")?;
         messages.push(message("assistant", &reply));
@@ -320,6 +355,9 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
             }
         }
         terminal("\n");
+    }
+    if let Some(path) = save_to.filter(|_| args.prompt_cache_all) {
+        save(&s, path)?;
     }
     tracing::info!("{}", s.timings.report());
     Ok(())

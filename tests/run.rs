@@ -261,3 +261,48 @@ fn escapes_and_llama_cli_flags() {
     assert_eq!(stdout(&run(&[&chat[..], &["-no-cnv"]].concat())), raw);
     assert_eq!(stdout(&run(&[&chat[..], &["-st"]].concat())), templated);
 }
+
+/// llama-cli's `--prompt-cache FILE`: the first run writes the prompt's cache, the second reads
+/// it and computes only the last prompt token, with the same text; `-ro` never writes, `-all`
+/// keeps the generated tokens too; a file of another model is a one-line error.
+#[test]
+fn the_prompt_cache_file_skips_the_prompt_the_second_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("fox.cache");
+    let c = file.to_str().unwrap();
+    let p = ["-p", "Tell me a story about a fox who lives at the edge of the forest.", "-n", "12", "--temp", "0"];
+    let plain = stdout(&run(&p));
+    let cached = [&p[..], &["--prompt-cache", c]].concat();
+    let first = run(&cached);
+    assert_eq!(stdout(&first), plain);
+    let err = String::from_utf8_lossy(&first.stderr).into_owned();
+    let written = std::fs::metadata(&file).unwrap().len();
+    assert!(err.contains(&format!("bytes) to {c}")) && err.contains(&format!("({written} bytes)")), "{err}");
+    let second = run(&cached);
+    assert_eq!(stdout(&second), plain);
+    let err = String::from_utf8_lossy(&second.stderr).into_owned();
+    let n: usize = err.split("prompt cache: ").nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
+    assert!(err.contains(&format!("; {} tokens reused from the KV cache", n - 1)), "{err}");
+    assert!(!err.contains("bytes) to"), "the whole prompt was in the file: nothing to write: {err}");
+
+    // read-only: another prompt reuses what it shares and leaves the file as it was
+    let before = std::fs::read(&file).unwrap();
+    let other = ["-p", "Tell me a story about a fox who lives in a city.", "-n", "4", "--temp", "0"];
+    let ro = run(&[&other[..], &["--prompt-cache", c, "--prompt-cache-ro"]].concat());
+    assert!(String::from_utf8_lossy(&ro.stderr).contains("tokens reused"), "{ro:?}");
+    assert_eq!(std::fs::read(&file).unwrap(), before);
+    // -all: the prompt and the 12 generated tokens
+    let all_file = dir.path().join("all.cache");
+    let all = run(&[&p[..], &["--prompt-cache", all_file.to_str().unwrap(), "--prompt-cache-all"]].concat());
+    let err = String::from_utf8_lossy(&all.stderr).into_owned();
+    assert!(err.contains(&format!("prompt cache: {} tokens", n + 12)), "{err}");
+
+    // another model's file
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/llama-tiny.gguf");
+    let foreign = dir.path().join("tiny.cache");
+    let f = foreign.to_str().unwrap();
+    let args = ["run", "-m", tiny.to_str().unwrap(), "-c", "256", "-p", "hello", "-n", "2", "--prompt-cache", f];
+    assert!(tandem(&args).status.success());
+    let e = error_line(&run(&[&p[..], &["--prompt-cache", f]].concat()));
+    assert!(e.contains("--prompt-cache") && e.contains("saved from another model"), "{e}");
+}
