@@ -244,3 +244,31 @@ async fn id_slot_takes_a_request_to_the_slot_restored_for_it() {
     assert_eq!(status, 400, "{body}");
     assert!(body["error"]["message"].as_str().unwrap_or_default().contains("this server has 2 slots"), "{body}");
 }
+
+/// A slot action sent while the slot generates waits for it, and runs as soon as the request ends
+/// by itself (the engine thread does not go to sleep with an action waiting).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_action_waits_for_its_slot_to_be_idle() {
+    use http_body_util::BodyExt;
+    let s = slot_server(1).await;
+    let long =
+        json!({"prompt": "Once upon a time", "n_predict": 48, "ignore_eos": true, "temperature": 0, "stream": true});
+    let resp = serve_util::http_send(s.addr, "POST", "/completion", long.to_string().into_bytes()).await;
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut body = resp.into_body();
+    body.frame().await.unwrap().unwrap();
+    let addr = s.addr;
+    let save = tokio::spawn(async move {
+        serve_util::http_call(addr, "POST", "/slots/0?action=save", r#"{"filename": "busy.bin"}"#).await
+    });
+    body.frame().await.unwrap().unwrap();
+    assert!(!save.is_finished(), "saved while the slot was generating");
+    while let Some(frame) = body.frame().await {
+        frame.unwrap();
+    }
+    let done = tokio::time::timeout(std::time::Duration::from_secs(60), save).await;
+    let (status, text) = done.expect("the save still waits after the request ended").unwrap();
+    assert_eq!(status.as_u16(), 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert!(v["n_saved"].as_u64().is_some_and(|n| n >= 48), "the whole generation is in the file: {v}");
+}

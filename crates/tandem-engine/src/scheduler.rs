@@ -89,8 +89,10 @@ impl Scheduler {
         Scheduler { ctx, shared, slots, queue: VecDeque::new(), slot_tasks: VecDeque::new(), sys_seq, sys, step: 0 }
     }
 
+    /// Nothing to do until a command arrives (a slot action waiting for a slot that has just
+    /// become free is something to do).
     fn idle(&self) -> bool {
-        self.queue.is_empty() && self.slots.iter().all(|s| s.active.is_none())
+        self.queue.is_empty() && self.slot_tasks.is_empty() && self.slots.iter().all(|s| s.active.is_none())
     }
 
     pub fn run(mut self, rx: Receiver<Command>) {
