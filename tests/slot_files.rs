@@ -51,7 +51,7 @@ fn a_restored_sequence_gives_the_logits_of_the_saved_one() {
             a.decode(&Batch::sequence(&prompt, 0, 0, false)).unwrap();
             let written = a.save_sequence(0, &prompt, &path).unwrap();
             assert_eq!(std::fs::metadata(&path).unwrap().len(), written, "{what}");
-            assert!(!dir.path().join(format!("{model}-{cache:?}.tandem-partial")).exists(), "{what}");
+            assert!(!dir.path().join(format!("{model}-{cache:?}.slot.tandem-partial")).exists(), "{what}");
 
             // another context (another sequence number) takes it up where `a` stands
             let mut b = context(model, 128, cache);

@@ -77,7 +77,9 @@ impl Context {
             return Err(Error::Model(format!("sequence {seq} caches {n} positions, not {} tokens", tokens.len())));
         }
         let (h, _) = self.state_header()?;
-        let tmp = path.with_extension("tandem-partial");
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(".tandem-partial");
+        let tmp = std::path::PathBuf::from(tmp);
         let io = |e: std::io::Error| Error::Model(format!("writing {}: {e}", tmp.display()));
         let result = (|| {
             let mut w = BufWriter::new(std::fs::File::create(&tmp).map_err(io)?);
@@ -120,11 +122,15 @@ impl Context {
     /// the bytes read. A file refused by its header, length or tokens leaves `seq` as it was;
     /// one whose rows cannot be read or stored (an I/O error) leaves it empty.
     pub fn restore_sequence(&mut self, seq: usize, path: &Path) -> Result<(Vec<u32>, u64)> {
-        let (want, layer_row) = self.state_header()?;
         let name = path.display().to_string();
         let file = std::fs::File::open(path).map_err(|e| Error::Model(format!("{name}: {e}")))?;
         let len = file.metadata().map_err(|e| Error::Model(format!("{name}: {e}")))?.len();
-        let mut r = BufReader::new(file);
+        self.restore_from(seq, BufReader::new(file), len, &name)
+    }
+
+    /// [`Context::restore_sequence`] from the `len` bytes `r` reads (`name` names them in errors).
+    pub fn restore_from(&mut self, seq: usize, mut r: impl Read, len: u64, name: &str) -> Result<(Vec<u32>, u64)> {
+        let (want, layer_row) = self.state_header()?;
         let bad = |why: String| Error::Model(format!("{name}: {why}"));
         let short = |_| bad("ends inside its header".into());
         let mut magic = [0u8; 8];
