@@ -123,6 +123,15 @@ impl Shared {
         self.broken.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// An error unless `k` is one of the slots (`what` names it).
+    fn check_slot(&self, k: usize, what: &str) -> Result<()> {
+        let n = self.config.n_parallel;
+        match k < n {
+            true => Ok(()),
+            false => Err(Error::InvalidRequest(format!("{what} {k}: this server has {n} slots (0..{n}, -np)"))),
+        }
+    }
+
     fn unavailable(&self) -> Error {
         Error::Unavailable(self.broken_reason().unwrap_or_else(|| "the server is shutting down".into()))
     }
@@ -330,9 +339,8 @@ impl EngineHandle {
         if s.stopped.load(Ordering::Acquire) {
             return Err(s.unavailable());
         }
-        if let Some(k) = req.slot.filter(|&k| k >= s.config.n_parallel) {
-            let n = s.config.n_parallel;
-            return Err(Error::InvalidRequest(format!("id_slot {k}: this server has {n} slots (0..{n}, -np)")));
+        if let Some(k) = req.slot {
+            s.check_slot(k, "id_slot")?;
         }
         let tokens = self.prompt_tokens(&req.prompt)?;
         let sampler = self.check(&req, &tokens)?;
@@ -391,10 +399,7 @@ impl EngineHandle {
         if s.stopped.load(Ordering::Acquire) {
             return Err(s.unavailable());
         }
-        let n = s.config.n_parallel;
-        if slot >= n {
-            return Err(Error::InvalidRequest(format!("slot {slot}: this server has {n} slots (0..{n}, -np)")));
-        }
+        s.check_slot(slot, "slot")?;
         let (reply, answer) = channel();
         let task = SlotTask { slot, action, reply };
         if s.tx.lock().unwrap_or_else(|e| e.into_inner()).send(Command::Slot(task)).is_err() {

@@ -75,6 +75,8 @@ pub struct Model {
     packables: Vec<Weight>,
     /// Tensors whose own bytes stay in use after packing (bound twice, or read by rows).
     raw_readers: std::collections::HashSet<usize>,
+    /// [`crate::fingerprint`] of the file, made at the first slot file saved or restored.
+    fingerprint: std::sync::OnceLock<u64>,
 }
 
 impl std::fmt::Debug for Model {
@@ -109,7 +111,7 @@ impl Model {
         let n_ctx_train = keys.count("context_length", 1, crate::config::MAX_CTX)?;
         let packables = loader.packables();
         let raw_readers = loader.raw_readers();
-        Ok(Model { arch, gguf, head, layers, n_ctx_train, packables, raw_readers })
+        Ok(Model { arch, gguf, head, layers, n_ctx_train, packables, raw_readers, fingerprint: Default::default() })
     }
 
     /// Bytes the packed copies (`--repack`) of the weights `skip` does not name take.
@@ -178,6 +180,12 @@ impl Model {
 
     pub fn arch(&self) -> Arch {
         self.arch
+    }
+
+    /// The hash slot files carry to name this model ([`crate::fingerprint`]), made once: it reads
+    /// every metadata value, the vocabulary included.
+    pub fn fingerprint(&self) -> u64 {
+        *self.fingerprint.get_or_init(|| crate::fingerprint(&self.gguf))
     }
 
     pub fn gguf(&self) -> &GgufModel {

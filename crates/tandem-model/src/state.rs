@@ -59,7 +59,7 @@ impl Context {
         let k_row = bytes(c.k_type(), l.k_row)?;
         let v_row = if l.v_row == 0 { 0 } else { bytes(c.v_type(), l.v_row)? };
         let h = Header {
-            fingerprint: fingerprint(self.model().gguf()),
+            fingerprint: self.model().fingerprint(),
             k_type: c.k_type().id(),
             v_type: c.v_type().id(),
             n_layer: l.n_layer as u32,
