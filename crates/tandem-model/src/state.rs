@@ -77,9 +77,7 @@ impl Context {
             return Err(Error::Model(format!("sequence {seq} caches {n} positions, not {} tokens", tokens.len())));
         }
         let (h, _) = self.state_header()?;
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(".tandem-partial");
-        let tmp = std::path::PathBuf::from(tmp);
+        let tmp = partial_path(path);
         let io = |e: std::io::Error| Error::Model(format!("writing {}: {e}", tmp.display()));
         let result = (|| {
             let mut w = BufWriter::new(std::fs::File::create(&tmp).map_err(io)?);
@@ -206,6 +204,15 @@ impl Context {
             }
         }
     }
+}
+
+/// The temporary file a save of `path` writes before renaming it into place: beside it, hidden,
+/// named after it and this process. The name is cut to 200 bytes so that the whole stays within
+/// the 255 bytes a file name may have (as `path`'s may).
+fn partial_path(path: &Path) -> std::path::PathBuf {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let cut = (0..=name.len().min(200)).rev().find(|&i| name.is_char_boundary(i)).unwrap_or(0);
+    path.with_file_name(format!(".{}.{}.tandem-partial", &name[..cut], std::process::id()))
 }
 
 fn read_u32(r: &mut impl Read) -> std::io::Result<u32> {
