@@ -426,8 +426,11 @@ async fn a_prompt_list_and_n_give_one_choice_each() {
         json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 1.0, "seed": seed,
                "n": n})
     };
+    let renders = || s.t.engine.handle().stats().templates_rendered.get();
+    let before = renders();
     let (status, both) = post_json(s.addr, "/v1/chat/completions", chat(7, 2)).await;
     assert_eq!(status, StatusCode::OK, "{both}");
+    assert_eq!(renders() - before, 1, "two choices, thinking split from the answer: one rendering");
     assert_eq!(both["object"], "chat.completion");
     for (j, seed) in [(0usize, 7), (1, 8)] {
         let (_, alone) = post_json(s.addr, "/v1/chat/completions", chat(seed, 1)).await;

@@ -266,7 +266,9 @@ async fn unary_calls_chat_logprobs_and_reflection() {
         options: Some(pb::GenerationOptions { max_tokens: 50, logprobs: 2, ignore_eos: true, ..Default::default() }),
         ..Default::default()
     };
+    let rendered = t.engine.handle().stats().templates_rendered.get();
     let mut s = t.client.chat(chat).await.unwrap().into_inner();
+    assert_eq!(t.engine.handle().stats().templates_rendered.get() - rendered, 1, "one rendering a chat");
     let mut n = 0;
     while let Some(m) = s.message().await.unwrap() {
         if let Some(f) = m.finish {

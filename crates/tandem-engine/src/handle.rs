@@ -335,22 +335,38 @@ impl EngineHandle {
 
     /// Validates `req` and queues it; events go to `sink`. Returns the request's id.
     pub fn submit(&self, req: Request, sink: Box<dyn Sink>) -> Result<String> {
+        let prepared = self.prepare(&req.prompt)?;
+        self.submit_prepared(req, &prepared, sink)
+    }
+
+    /// A prompt tokenized (its chat template rendered once) for [`EngineHandle::submit_prepared`]:
+    /// the server reads the rendered text (does it leave `<think>` open?) and submits the `n`
+    /// choices of one chat request from it.
+    pub fn prepare(&self, prompt: &Prompt) -> Result<Prepared> {
+        let (tokens, rendered) = self.tokenize(prompt)?;
+        Ok(Prepared { prompt: prompt.clone(), tokens, rendered })
+    }
+
+    /// [`EngineHandle::submit`] of a request whose prompt `prepared` holds (made by
+    /// [`EngineHandle::prepare`] from the same prompt; another prompt is refused).
+    pub fn submit_prepared(&self, req: Request, prepared: &Prepared, sink: Box<dyn Sink>) -> Result<String> {
         let s = &*self.0;
         if s.stopped.load(Ordering::Acquire) {
             return Err(s.unavailable());
         }
+        if !prepared.is_for(&req.prompt) {
+            return Err(Error::InvalidRequest("the prompt was prepared for another request".into()));
+        }
         if let Some(k) = req.slot {
             s.check_slot(k, "id_slot")?;
         }
-        let tokens = self.prompt_tokens(&req.prompt)?;
+        let tokens = prepared.tokens.clone();
         let sampler = self.check(&req, &tokens)?;
         let matcher = match &req.constraint {
             Some(Constraint::ToolCall { tools, name, parallel }) => {
                 // a forced call follows a thinking block the prompt left open
-                let think_open = match &req.prompt {
-                    p @ Prompt::Messages { .. } => self.render_prompt(p)?.trim_end().ends_with("<think>"),
-                    _ => false,
-                };
+                let think_open = matches!(req.prompt, Prompt::Messages { .. })
+                    && prepared.rendered().is_some_and(|r| r.trim_end().ends_with("<think>"));
                 let lark = crate::tool_format::call_grammar(
                     s.tool_format,
                     tools,
@@ -421,6 +437,11 @@ impl EngineHandle {
 
     /// The prompt as the engine will see it: the system prompt's tokens first for Generate.
     pub fn prompt_tokens(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        Ok(self.tokenize(prompt)?.0)
+    }
+
+    /// [`EngineHandle::prompt_tokens`], and the rendered text of a chat prompt.
+    fn tokenize(&self, prompt: &Prompt) -> Result<(Vec<u32>, Option<String>)> {
         let s = &*self.0;
         let tok = &s.tokenizer;
         let text_bytes = match prompt {
@@ -439,7 +460,8 @@ impl EngineHandle {
                 s.info.n_ctx
             )));
         }
-        Ok(match prompt {
+        let mut rendered = None;
+        let tokens = match prompt {
             Prompt::Text(text) => {
                 if text.is_empty() {
                     return Err(Error::InvalidRequest("the prompt is empty".into()));
@@ -466,16 +488,16 @@ impl EngineHandle {
                 if messages.is_empty() {
                     return Err(Error::InvalidRequest("the chat has no messages".into()));
                 }
-                let text = self.render_chat(messages)?;
-                tok.encode(&text, true, true)?
+                tok.encode(rendered.insert(self.render_chat(messages)?), true, true)?
             }
             Prompt::Messages { messages, .. } => {
                 if messages.is_empty() {
                     return Err(Error::InvalidRequest("the chat has no messages".into()));
                 }
-                tok.encode(&self.render_prompt(prompt)?, true, true)?
+                tok.encode(rendered.insert(self.render_prompt(prompt)?), true, true)?
             }
-        })
+        };
+        Ok((tokens, rendered))
     }
 
     /// A chat prompt as the chat template renders it with an assistant prompt; an error for
@@ -499,6 +521,7 @@ impl EngineHandle {
     ) -> Result<String> {
         let s = &*self.0;
         let Some(t) = &s.template else { return Err(Error::NoChatTemplate) };
+        s.stats.templates_rendered.add(1);
         let tools = (!tools.is_empty()).then_some(tools);
         let mut vars = s.config.template_kwargs.clone();
         vars.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
@@ -515,6 +538,7 @@ impl EngineHandle {
     pub fn render_chat(&self, messages: &[(String, String)]) -> Result<String> {
         let s = &*self.0;
         let Some(t) = &s.template else { return Err(Error::NoChatTemplate) };
+        s.stats.templates_rendered.add(1);
         let msgs: Vec<_> = messages.iter().map(|(r, c)| message(r, c)).collect();
         let text = t.render_with(&msgs, None, true, &s.config.template_kwargs)?;
         let bos = s.tokenizer.bos_text();
@@ -575,5 +599,31 @@ impl EngineHandle {
         let processed = Arc::new(crate::DryBreakers::new(&self.0.tokenizer, breakers)?);
         *last = Some((breakers.to_vec(), processed.clone()));
         Ok(processed)
+    }
+}
+
+/// A prompt made ready by [`EngineHandle::prepare`]: its tokens and, for a chat, the text its
+/// template rendered.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    prompt: Prompt,
+    tokens: Vec<u32>,
+    rendered: Option<String>,
+}
+
+impl Prepared {
+    /// The chat template's text (none for text and token prompts).
+    pub fn rendered(&self) -> Option<&str> {
+        self.rendered.as_deref()
+    }
+
+    /// The prompt's tokens.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Whether these are `prompt`'s tokens.
+    pub fn is_for(&self, prompt: &Prompt) -> bool {
+        self.prompt == *prompt
     }
 }

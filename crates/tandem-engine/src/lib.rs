@@ -15,7 +15,7 @@ pub mod tool_format;
 
 pub use dry::DryBreakers;
 pub use grammar::Constraint;
-pub use handle::{Engine, EngineConfig, EngineHandle, EngineInfo};
+pub use handle::{Engine, EngineConfig, EngineHandle, EngineInfo, Prepared};
 pub use request::{
     Event, Failure, Finish, FinishReason, LengthLimit, PositionLogprobs, Prompt, Request, Sink, Timings, TokenLogprob,
     Usage,

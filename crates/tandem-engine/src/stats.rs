@@ -106,6 +106,8 @@ pub struct Stats {
     /// Prompts that shared a prefix with a slot's cache but then differed, and where.
     pub cache_divergences: Counter,
     pub cache_divergence_position: Histogram,
+    /// Chat templates rendered (a request renders its prompt once, whatever its `n`).
+    pub templates_rendered: Counter,
     /// Requests in a slot now / waiting for one.
     pub running: Gauge,
     pub waiting: Gauge,
@@ -155,6 +157,7 @@ impl Default for Stats {
             requests_rejected: Counter::default(),
             cache_divergences: Counter::default(),
             cache_divergence_position: Histogram::new(POSITION_BUCKETS),
+            templates_rendered: Counter::default(),
             running: Gauge::default(),
             waiting: Gauge::default(),
             kv_used_tokens: Gauge::default(),

@@ -297,9 +297,29 @@ fn logprobs_and_chat() {
     let chat = Prompt::Chat(vec![("user".into(), "Hello".into())]);
     let text = e.handle().render_chat(&[("user".into(), "Hello".into())]).unwrap();
     assert!(text.contains("Hello"), "{text}");
-    let mut r = Request::new(chat);
+    let mut r = Request::new(chat.clone());
     r.max_tokens = 2;
-    assert!(run(&e, r).2.usage.prompt_tokens > 1);
+    assert!(run(&e, r.clone()).2.usage.prompt_tokens > 1);
+
+    // prepared once: the rendered text and tokens of the prompt, then any number of submits of
+    // requests with that prompt, and no other
+    let h = e.handle();
+    let rendered = h.stats().templates_rendered.get();
+    let prepared = h.prepare(&chat).unwrap();
+    assert_eq!(prepared.rendered(), Some(text.as_str()));
+    assert_eq!(prepared.tokens(), h.prompt_tokens(&chat).unwrap());
+    assert_eq!(h.stats().templates_rendered.get() - rendered, 2, "prepare and prompt_tokens");
+    for seed in 0..3 {
+        let (tx, rx) = channel();
+        r.sampling.seed = seed;
+        h.submit_prepared(r.clone(), &prepared, Box::new(tx)).unwrap();
+        assert!(collect(&rx).2.is_ok());
+    }
+    assert_eq!(h.stats().templates_rendered.get() - rendered, 2, "submits render nothing");
+    let other = Request::new(Prompt::Chat(vec![("user".into(), "Bye".into())]));
+    let err = h.submit_prepared(other, &prepared, Box::new(channel().0)).unwrap_err().to_string();
+    assert!(err.contains("prepared for another request"), "{err}");
+    assert!(prepared.is_for(&chat) && h.prepare(&Prompt::Text("x".into())).unwrap().rendered().is_none());
 }
 
 #[test]

@@ -311,10 +311,11 @@ async fn answer(
 ) -> Result<Response, ApiError> {
     let chat = to_openai(http::parse(body)?)?;
     let openai::Parsed { req, stream, tools, .. } = openai::chat_request(chat, Instant::now(), state.sampling())?;
-    let opens = http::prompt_opens(&state, &req.prompt).await?;
+    let prepared = http::prepare(&state, &req.prompt).await?;
+    let opens = http::prompt_opens(&state, &prepared);
     let stops = req.stop.clone();
     let split = Splitter::new(state.reasoning_format(), opens);
-    let (id, rx) = http::submit(&state, req, "msg_", key).await?;
+    let (id, rx) = http::submit(&state, req, Some(prepared), "msg_", key).await?;
     let model = http::model_name(&state);
     let ids = state.clone();
     let mut new_id = move || ids.new_id("toolu_");

@@ -21,7 +21,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
-use tandem_engine::{Error as EngineError, Event, Failure, Finish, PositionLogprobs, Request, Sink, Usage};
+use tandem_engine::{Error as EngineError, Event, Failure, Finish, PositionLogprobs, Prepared, Request, Sink, Usage};
 use tokio::sync::mpsc;
 
 /// Largest request body, in bytes (a long prompt fits; a runaway upload does not).
@@ -360,19 +360,36 @@ impl Sink for HttpSink {
     }
 }
 
-/// Submits `req` (tokenizing off the async threads) under a fresh random id, `prefix` and hex.
+/// Tokenizes `prompt` (a chat's template rendered once) off the async threads.
+pub(crate) async fn prepare(state: &Arc<State>, prompt: &tandem_engine::Prompt) -> Result<Arc<Prepared>, ApiError> {
+    let engine = state.engine()?.clone();
+    let prompt = prompt.clone();
+    let prepared = tokio::task::spawn_blocking(move || engine.prepare(&prompt))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("submitting the request: {e}")))?
+        .map_err(|e| ApiError::from(&e))?;
+    Ok(Arc::new(prepared))
+}
+
+/// Submits `req` (tokenized off the async threads, or as `prepared` from its prompt) under a
+/// fresh random id, `prefix` and hex.
 pub(crate) async fn submit(
     state: &Arc<State>,
     mut req: Request,
+    prepared: Option<Arc<Prepared>>,
     prefix: &str,
     key: Option<KeyIndex>,
 ) -> Result<(String, mpsc::UnboundedReceiver<Event>), ApiError> {
+    let prepared = match prepared {
+        Some(p) if p.is_for(&req.prompt) => p,
+        _ => prepare(state, &req.prompt).await?,
+    };
     let engine = state.engine()?.clone();
     req.id = state.new_id(prefix);
     let id = req.id.clone();
     let (tx, rx) = mpsc::unbounded_channel();
     let sink = HttpSink { tx, done: false, _guard: StreamGuard::new(state.clone(), &id, key) };
-    tokio::task::spawn_blocking(move || engine.submit(req, Box::new(sink)))
+    tokio::task::spawn_blocking(move || engine.submit_prepared(req, &prepared, Box::new(sink)))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("submitting the request: {e}")))?
         .map_err(|e| ApiError::from(&e))?;
@@ -434,9 +451,10 @@ async fn chat(
     let top = req.logprobs as usize;
     let want_logprobs = req.logprobs > 0;
     let format = state.reasoning_format();
-    let opens = prompt_opens(&state, &req.prompt).await?;
+    let prepared = prepare(&state, &req.prompt).await?;
+    let opens = prompt_opens(&state, &prepared);
     let reqs = std::iter::once(req).chain(more).collect();
-    let (ids, rxs) = submit_all(&state, reqs, "chatcmpl-", key.map(|k| k.0)).await?;
+    let (ids, rxs) = submit_all(&state, reqs, Some(prepared), "chatcmpl-", key.map(|k| k.0)).await?;
     let (model, created) = (model_name(&state), now_secs());
     let body = json!({"id": ids[0], "object": "chat.completion", "created": created, "model": model});
     if !stream {
@@ -515,20 +533,8 @@ fn chat_chunk(chunk: &Value, index: usize, delta: Value, lp: Value, reason: Valu
 
 /// Whether the chat template leaves a `<think>` block open for the answer (DeepSeek-R1's does),
 /// when thinking is split from the answer.
-pub(crate) async fn prompt_opens(state: &Arc<State>, prompt: &tandem_engine::Prompt) -> Result<bool, ApiError> {
-    use tandem_engine::Prompt;
-    Ok(match (prompt, state.reasoning_format()) {
-        (p @ (Prompt::Chat(_) | Prompt::Messages { .. }), ReasoningFormat::Deepseek) => {
-            let engine = state.engine()?.clone();
-            let p = p.clone();
-            tokio::task::spawn_blocking(move || engine.render_prompt(&p))
-                .await
-                .ok()
-                .and_then(|r| r.ok())
-                .is_some_and(|p| Splitter::prompt_opens(&p))
-        }
-        _ => false,
-    })
+pub(crate) fn prompt_opens(state: &State, prepared: &Prepared) -> bool {
+    state.reasoning_format() == ReasoningFormat::Deepseek && prepared.rendered().is_some_and(Splitter::prompt_opens)
 }
 
 /// Legacy completions' `logprobs` object for a run of positions.
@@ -561,7 +567,7 @@ async fn completions(
     if !stream {
         return completions_batch(&state, reqs, key.map(|k| k.0)).await;
     }
-    let (ids, rxs) = submit_all(&state, reqs, "cmpl-", key.map(|k| k.0)).await?;
+    let (ids, rxs) = submit_all(&state, reqs, None, "cmpl-", key.map(|k| k.0)).await?;
     let chunk = json!({"id": ids[0], "object": "text_completion", "created": now_secs(), "model": model_name(&state)});
     let translators = (0..rxs.len())
         .map(|i| {
@@ -600,13 +606,20 @@ async fn completions(
 async fn submit_all(
     state: &Arc<State>,
     reqs: Vec<tandem_engine::Request>,
+    mut prepared: Option<Arc<Prepared>>,
     prefix: &str,
     key: Option<KeyIndex>,
 ) -> Result<(Vec<String>, Vec<mpsc::UnboundedReceiver<Event>>), ApiError> {
     let mut rxs = Vec::with_capacity(reqs.len());
     let mut ids = Vec::with_capacity(reqs.len());
     for req in reqs {
-        match submit(state, req, prefix, key).await {
+        // the `n` choices of one prompt share its tokens (and a chat its one rendering)
+        let ready = match prepared.take() {
+            Some(p) if p.is_for(&req.prompt) => Ok(p),
+            _ => prepare(state, &req.prompt).await,
+        };
+        prepared = ready.as_ref().ok().cloned();
+        match async { submit(state, req, Some(ready?), prefix, key).await }.await {
             Ok((id, rx)) => {
                 ids.push(id);
                 rxs.push(rx);
@@ -660,7 +673,7 @@ async fn completions_batch(
     key: Option<KeyIndex>,
 ) -> Result<Response, ApiError> {
     let want_logprobs = reqs[0].logprobs > 0;
-    let (ids, rxs) = submit_all(state, reqs, "cmpl-", key).await?;
+    let (ids, rxs) = submit_all(state, reqs, None, "cmpl-", key).await?;
     let (mut choices, mut usage) = (Vec::with_capacity(rxs.len()), Vec::with_capacity(rxs.len()));
     for (index, rx) in rxs.into_iter().enumerate() {
         let c = collect(rx).await?;
@@ -685,7 +698,7 @@ async fn llama_completion(
     let req = openai::llama_completion_request(r, arrived, state.sampling())?;
     let stops = req.stop.clone();
     let n_probs = req.logprobs as usize;
-    let (_, rx) = submit(&state, req, "cmpl-", key.map(|k| k.0)).await?;
+    let (_, rx) = submit(&state, req, None, "cmpl-", key.map(|k| k.0)).await?;
     let model = model_name(&state);
     if !stream {
         let c = collect(rx).await?;

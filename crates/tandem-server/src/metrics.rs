@@ -62,6 +62,11 @@ pub fn render(state: &State) -> String {
         ("tandem_requests_rejected_total", "Requests refused because the queue was full.", &s.requests_rejected),
         ("tandem_decode_steps_total", "Batches decoded.", &s.steps),
         ("tandem_prompt_cache_divergences_total", "Prompts that diverged from a cached prefix.", &s.cache_divergences),
+        (
+            "tandem_chat_templates_rendered_total",
+            "Chat prompts rendered with the chat template.",
+            &s.templates_rendered,
+        ),
     ];
     for (name, help, c) in counters {
         scalar(o, name, "counter", help, c.get() as f64);

@@ -329,9 +329,20 @@ impl Service {
         &self,
         mut req: tandem_engine::Request,
         key: Option<KeyIndex>,
-        reasoning: Option<crate::reasoning::Splitter>,
     ) -> Result<Response<ResponseStream>, Status> {
+        use crate::reasoning::{ReasoningFormat, Splitter};
         let engine = self.state.engine()?.clone();
+        let (e, prompt) = (engine.clone(), req.prompt.clone());
+        let prepared = tokio::task::spawn_blocking(move || e.prepare(&prompt))
+            .await
+            .map_err(|e| Status::internal(format!("submitting the request: {e}")))?
+            .map_err(|e| convert::status(&e))?;
+        // a chat's thinking apart from its answer (whether its template leaves `<think>` open)
+        let format = self.state.reasoning_format();
+        let reasoning = match prepared.rendered() {
+            Some(r) if format != ReasoningFormat::None => Some(Splitter::new(format, Splitter::prompt_opens(r))),
+            _ => None,
+        };
         if req.id.is_empty() {
             req.id = self.state.new_id("req-");
         }
@@ -347,31 +358,13 @@ impl Service {
             done: false,
             _guard: StreamGuard::new(self.state.clone(), &req.id, key),
         };
-        tokio::task::spawn_blocking(move || engine.submit(req, Box::new(sink)))
+        tokio::task::spawn_blocking(move || engine.submit_prepared(req, &prepared, Box::new(sink)))
             .await
             .map_err(|e| Status::internal(format!("submitting the request: {e}")))?
             .map_err(|e| convert::status(&e))?;
         // a stream ends after its finish message or its error
         let stream = UnboundedReceiverStream::new(rx);
         Ok(Response::new(Box::pin(stream.take_while_inclusive())))
-    }
-}
-
-impl Service {
-    /// The thinking splitter of a chat request (whether its template leaves `<think>` open).
-    async fn reasoning_splitter(
-        &self,
-        req: &tandem_engine::Request,
-    ) -> Result<Option<crate::reasoning::Splitter>, Status> {
-        use crate::reasoning::{ReasoningFormat, Splitter};
-        let format = self.state.reasoning_format();
-        if format == ReasoningFormat::None {
-            return Ok(None);
-        }
-        let engine = self.state.engine()?.clone();
-        let prompt = req.prompt.clone();
-        let rendered = tokio::task::spawn_blocking(move || engine.render_prompt(&prompt).ok()).await.ok().flatten();
-        Ok(Some(Splitter::new(format, rendered.is_some_and(|p| Splitter::prompt_opens(&p)))))
     }
 }
 
@@ -404,7 +397,7 @@ impl InferenceService for Service {
         let deadline = convert::deadline(request.metadata(), now)?;
         let key = request.extensions().get::<KeyIndex>().copied();
         let req = convert::generate_request(request.into_inner(), deadline, now, self.state.sampling())?;
-        self.stream(req, key, None).await
+        self.stream(req, key).await
     }
 
     async fn chat(&self, request: Request<pb::ChatRequest>) -> Result<Response<Self::ChatStream>, Status> {
@@ -412,8 +405,7 @@ impl InferenceService for Service {
         let deadline = convert::deadline(request.metadata(), now)?;
         let key = request.extensions().get::<KeyIndex>().copied();
         let req = convert::chat_request(request.into_inner(), deadline, now, self.state.sampling())?;
-        let split = self.reasoning_splitter(&req).await?;
-        self.stream(req, key, split).await
+        self.stream(req, key).await
     }
 
     async fn tokenize(&self, request: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {
