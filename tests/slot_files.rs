@@ -128,6 +128,21 @@ fn damaged_slot_files_are_refused_in_one_line() {
     let e = ctx.restore_sequence(2, &dir.path().join("missing.slot")).unwrap_err().to_string();
     assert!(e.contains("missing.slot"), "{e}");
 
+    // a changed byte in the rows (the first, one in the middle, the last layer's checksum): found
+    // by its layer's checksum; the rows were being replaced, so the sequence is left empty
+    let rows_at = 52 + 4 * prompt.len();
+    for at in [rows_at, (rows_at + good.len()) / 2, good.len() - 1] {
+        let mut v = good.clone();
+        v[at] ^= 0x10;
+        std::fs::write(&bad, &v).unwrap();
+        ctx.truncate(2, 0);
+        ctx.decode(&Batch::sequence(&[1, 2], 0, 2, false)).unwrap();
+        let e = ctx.restore_sequence(2, &bad).expect_err("restored").to_string();
+        assert!(e.contains("damaged (its checksum") && !e.contains('\n'), "byte {at}: {e}");
+        assert_eq!(ctx.seq_len(2), 0, "byte {at}");
+    }
+    assert_eq!(ctx.restore_sequence(2, &path).unwrap().0, prompt, "the good file still restores");
+
     // a bit of every header byte changed, and the file cut at every length below its end: refused
     let mut rng = tandem_quant::testing::Rng(5);
     for at in 0..52 {

@@ -7,9 +7,11 @@
 //! fingerprint (u64, [`fingerprint`]), the K and V cache types (ggml ids, u32 each), the layer
 //! count (u32), the bytes of one position's K and V row in a layer (u64 each), the token count
 //! `n` (u32) and the `n` tokens (u32 each); then layer by layer its `n` K rows and its `n` V rows
-//! (none under MLA) in the cache type's encoding, as llama.cpp lays out a block. Nothing read is
-//! trusted: the header is checked against this model and cache, and the file's length against
-//! the header, before a row is read; a refused file leaves the sequence as it was.
+//! (none under MLA) in the cache type's encoding, as llama.cpp lays out a block, and the CRC-32
+//! of those rows (u32). Nothing read is trusted: the header is checked against this model and
+//! cache, and the file's length against the header, before a row is read; a refused file leaves
+//! the sequence as it was. A layer's rows are checked against their CRC before they are stored:
+//! a file damaged there leaves the sequence empty (its rows were being replaced).
 
 use crate::{Context, Error, Result};
 use std::hash::Hasher;
@@ -18,7 +20,7 @@ use std::path::Path;
 use tandem_gguf::{GgmlType, GgufModel};
 
 const MAGIC: &[u8; 8] = b"TANDEMKV";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// Bytes before the tokens.
 const HEADER: u64 = 8 + 4 + 8 + 4 + 4 + 4 + 8 + 8 + 4;
 
@@ -98,7 +100,8 @@ impl Context {
             for il in 0..h.n_layer as usize {
                 let rows = self.cache().store(il)?.1.read_rows(seq, il, n)?;
                 put(&rows)?;
-                written += rows.len() as u64;
+                put(&crc32fast::hash(&rows).to_le_bytes())?;
+                written += rows.len() as u64 + 4;
             }
             w.into_inner().map_err(|e| io(e.into_error()))?.sync_all().map_err(io)?;
             Ok(written)
@@ -118,7 +121,8 @@ impl Context {
     /// Replaces the cached positions of `seq` with those saved in `path` (by
     /// [`Context::save_sequence`] from this model and cache types); returns their tokens and
     /// the bytes read. A file refused by its header, length or tokens leaves `seq` as it was;
-    /// one whose rows cannot be read or stored (an I/O error) leaves it empty.
+    /// one whose rows are damaged (a layer's CRC differs) or cannot be read or stored leaves it
+    /// empty.
     pub fn restore_sequence(&mut self, seq: usize, path: &Path) -> Result<(Vec<u32>, u64)> {
         let name = path.display().to_string();
         let file = std::fs::File::open(path).map_err(|e| Error::Model(format!("{name}: {e}")))?;
@@ -172,7 +176,7 @@ impl Context {
         if n > n_ctx {
             return Err(bad(format!("holds {n} positions, the context has {n_ctx} (-c)")));
         }
-        let expect = HEADER + 4 * n + u64::from(want.n_layer) * n * layer_row;
+        let expect = HEADER + 4 * n + u64::from(want.n_layer) * (n * layer_row + 4);
         if len != expect {
             return Err(bad(format!("is {len} bytes, its header says {expect}")));
         }
@@ -191,6 +195,10 @@ impl Context {
             let mut rows = vec![0u8; n * layer_row as usize];
             for il in 0..want.n_layer as usize {
                 r.read_exact(&mut rows).map_err(|e| bad(e.to_string()))?;
+                let crc = read_u32(&mut r).map_err(|e| bad(e.to_string()))?;
+                if crc != crc32fast::hash(&rows) {
+                    return Err(bad(format!("the rows of layer {il} are damaged (its checksum differs)")));
+                }
                 self.cache_mut().store_mut(il)?.1.write_rows(seq, il, n, &rows)?;
             }
             self.cache_mut().set_len(seq, n);
