@@ -244,6 +244,43 @@ async fn a_shared_prefix_is_reused_and_cuts_time_to_first_token() {
     assert!(ttft(&second) < ttft(&first) / 2.0, "{} vs {}", ttft(&second), ttft(&first));
 }
 
+/// `GenerationOptions.slot` (llama-server's `id_slot`): a request runs in the slot it names, where
+/// the engine would have taken the idle one; a slot the server lacks is INVALID_ARGUMENT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_runs_in_the_slot_it_names() {
+    let mut t = start("llama-tiny.gguf", 256, EngineConfig { n_parallel: 2, ..EngineConfig::default() }).await;
+    let pinned = |prompt: &str, slot: Option<u32>| {
+        let mut r = greedy(prompt, 3);
+        r.options.get_or_insert_with(Default::default).slot = slot;
+        r
+    };
+    // each slot's cached positions once the engine has published the request's end
+    async fn cached(t: &TestServer) -> Vec<usize> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let views = t.engine.handle().stats().slots.lock().unwrap().clone();
+            if views.iter().all(|v| v.request.is_none()) {
+                return views.iter().map(|v| v.n_cached).collect();
+            }
+            assert!(std::time::Instant::now() < deadline, "a slot stays busy");
+            tokio::task::yield_now().await;
+        }
+    }
+    generate(&mut t.client, pinned(PROMPTS[0], Some(1))).await.unwrap();
+    let after_a = cached(&t).await;
+    assert!(after_a[0] == 0 && after_a[1] > 0, "{after_a:?}");
+    // another conversation for slot 1, though slot 0 is empty
+    generate(&mut t.client, pinned(PROMPTS[1], Some(1))).await.unwrap();
+    let after_b = cached(&t).await;
+    assert!(after_b[0] == 0 && after_b[1] > 0 && after_b[1] != after_a[1], "{after_b:?}");
+    // unpinned, the next one takes the empty slot
+    generate(&mut t.client, pinned(PROMPTS[2], None)).await.unwrap();
+    assert!(cached(&t).await[0] > 0);
+    let err = generate(&mut t.client, pinned(PROMPTS[0], Some(2))).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("this server has 2 slots"), "{err:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unary_calls_chat_logprobs_and_reflection() {
     let mut t = start("deepseek2-mla-tiny.gguf", 256, EngineConfig { max_tokens: 9, ..EngineConfig::default() }).await;

@@ -150,7 +150,7 @@ fn request(
         constraint,
         logit_bias_text: Vec::new(),
         special_text: false,
-        slot: None,
+        slot: o.slot.map(|k| k as usize),
         deadline,
         arrived,
     })
