@@ -380,19 +380,18 @@ pub(crate) async fn submit(
     prefix: &str,
     key: Option<KeyIndex>,
 ) -> Result<(String, mpsc::UnboundedReceiver<Event>), ApiError> {
-    let prepared = match prepared {
-        Some(p) if p.is_for(&req.prompt) => p,
-        _ => prepare(state, &req.prompt).await?,
-    };
     let engine = state.engine()?.clone();
     req.id = state.new_id(prefix);
     let id = req.id.clone();
     let (tx, rx) = mpsc::unbounded_channel();
-    let sink = HttpSink { tx, done: false, _guard: StreamGuard::new(state.clone(), &id, key) };
-    tokio::task::spawn_blocking(move || engine.submit_prepared(req, &prepared, Box::new(sink)))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("submitting the request: {e}")))?
-        .map_err(|e| ApiError::from(&e))?;
+    let sink = Box::new(HttpSink { tx, done: false, _guard: StreamGuard::new(state.clone(), &id, key) });
+    tokio::task::spawn_blocking(move || match prepared {
+        Some(p) if p.is_for(&req.prompt) => engine.submit_prepared(req, &p, sink),
+        _ => engine.submit(req, sink),
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("submitting the request: {e}")))?
+    .map_err(|e| ApiError::from(&e))?;
     Ok((id, rx))
 }
 
