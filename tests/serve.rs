@@ -278,7 +278,7 @@ async fn a_request_runs_in_the_slot_it_names() {
     assert!(cached(&t).await[0] > 0);
     let err = generate(&mut t.client, pinned(PROMPTS[0], Some(2))).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
-    assert!(err.message().contains("this server has 2 slots"), "{err:?}");
+    assert!(err.message().contains("slot (id_slot) 2: this server has 2 slots"), "{err:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -358,7 +358,7 @@ impl EngineHandle {
             return Err(Error::InvalidRequest("the prompt was prepared for another request".into()));
         }
         if let Some(k) = req.slot {
-            s.check_slot(k, "id_slot")?;
+            s.check_slot(k, "slot (id_slot)")?;
         }
         let tokens = prepared.tokens.clone();
         let sampler = self.check(&req, &tokens)?;
