@@ -332,36 +332,34 @@ impl Service {
     ) -> Result<Response<ResponseStream>, Status> {
         use crate::reasoning::{ReasoningFormat, Splitter};
         let engine = self.state.engine()?.clone();
-        let (e, prompt) = (engine.clone(), req.prompt.clone());
-        let prepared = tokio::task::spawn_blocking(move || e.prepare(&prompt))
-            .await
-            .map_err(|e| Status::internal(format!("submitting the request: {e}")))?
-            .map_err(|e| convert::status(&e))?;
-        // a chat's thinking apart from its answer (whether its template leaves `<think>` open)
-        let format = self.state.reasoning_format();
-        let reasoning = match prepared.rendered() {
-            Some(r) if format != ReasoningFormat::None => Some(Splitter::new(format, Splitter::prompt_opens(r))),
-            _ => None,
-        };
         if req.id.is_empty() {
             req.id = self.state.new_id("req-");
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let offered = matches!(&req.prompt, tandem_engine::Prompt::Messages { tools, .. } if !tools.is_empty());
-        let sink = StreamSink {
+        let mut sink = StreamSink {
             id: req.id.clone(),
             tx,
             tools: offered.then(crate::tools::ToolStream::default),
-            reasoning,
+            reasoning: None,
             state: self.state.clone(),
             generated: 0,
             done: false,
             _guard: StreamGuard::new(self.state.clone(), &req.id, key),
         };
-        tokio::task::spawn_blocking(move || engine.submit_prepared(req, &prepared, Box::new(sink)))
-            .await
-            .map_err(|e| Status::internal(format!("submitting the request: {e}")))?
-            .map_err(|e| convert::status(&e))?;
+        let format = self.state.reasoning_format();
+        tokio::task::spawn_blocking(move || {
+            let prepared = engine.prepare(&req.prompt)?;
+            // a chat's thinking apart from its answer (whether its template leaves `<think>` open)
+            sink.reasoning = match prepared.rendered() {
+                Some(r) if format != ReasoningFormat::None => Some(Splitter::new(format, Splitter::prompt_opens(r))),
+                _ => None,
+            };
+            engine.submit_prepared(req, &prepared, Box::new(sink))
+        })
+        .await
+        .map_err(|e| Status::internal(format!("submitting the request: {e}")))?
+        .map_err(|e| convert::status(&e))?;
         // a stream ends after its finish message or its error
         let stream = UnboundedReceiverStream::new(rx);
         Ok(Response::new(Box::pin(stream.take_while_inclusive())))
